@@ -1,0 +1,54 @@
+"""Shared test configuration.
+
+- Without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1), set here before
+  any kernel module is imported. With CUDA they compile for the GPU.
+- Hypothesis profiles: `ci` (bounded, the default without a GPU) and `thorough` (the default
+  with one). Override with SDSIE_HYPOTHESIS_PROFILE.
+- Tests that take the `kernel_device` fixture run on the GPU when one is present and are then
+  marked `gpu` (so `pytest -m gpu` selects them): the same test functions, not a copied suite.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("SDSIE_HYPOTHESIS_PROFILE", "thorough" if HAS_CUDA else "ci"))
+
+NO_CUDA_REASON = "needs a CUDA GPU: torch.cuda.is_available() is False on this machine"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HAS_CUDA and "kernel_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
+        if "gpu" in item.keywords and not HAS_CUDA and "kernel_device" not in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
+
+
+@pytest.fixture
+def kernel_device() -> torch.device:
+    """Where Triton kernels run: the GPU if present, else the CPU under TRITON_INTERPRET=1."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")

@@ -1,0 +1,210 @@
+"""Properties of the packed INT4 format (sdsie.quant.format): packing, validation, dequantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdsie.quant.format import SYMMETRIC_ZERO, Int4Weight, pack_int4, unpack_int4
+
+dims = st.integers(min_value=1, max_value=67)  # includes 1, odd values and primes
+
+
+def _codes(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)  # [N, K]
+
+
+def _weight(n: int, k: int, g: int, symmetric: bool, seed: int = 0) -> Int4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    n_groups = -(-k // g)
+    scales = torch.rand(n_groups, n, generator=gen) + 0.1  # [G, N]
+    zeros = None if symmetric else torch.randint(0, 16, (n_groups, n), generator=gen).float()
+    return Int4Weight(pack_int4(_codes(n, k, seed)), scales, zeros, k, g)
+
+
+def _dequantize_by_loops(w: Int4Weight) -> torch.Tensor:
+    """An independent element-by-element reading of the documented layout (float64 [N, K])."""
+    n, k = w.out_features, w.in_features
+    out = torch.empty(n, k, dtype=torch.float64)
+    for row in range(n):
+        for col in range(k):
+            byte = int(w.qweight[row, col // 2])
+            code = byte & 0xF if col % 2 == 0 else byte >> 4
+            grp = col // w.group_size
+            zero = SYMMETRIC_ZERO if w.zeros is None else float(w.zeros[grp, row])
+            out[row, col] = (code - zero) * float(w.scales[grp, row])
+    return out
+
+
+# --- packing -------------------------------------------------------------------------------------
+
+
+@given(n=dims, k=dims, seed=st.integers(0, 2**16))
+def test_pack_unpack_round_trips_exactly(n: int, k: int, seed: int) -> None:
+    q = _codes(n, k, seed)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (n, (k + 1) // 2)
+    assert torch.equal(unpack_int4(packed, k), q)
+
+
+@given(n=dims, k=dims, seed=st.integers(0, 2**16))
+def test_pack_layout_low_nibble_is_even_column(n: int, k: int, seed: int) -> None:
+    q = _codes(n, k, seed)
+    packed = pack_int4(q)
+    assert torch.equal(packed[:, : k // 2] & 0xF, q[:, 0 : 2 * (k // 2) : 2])
+    assert torch.equal(packed[:, : k // 2] >> 4, q[:, 1::2])
+    if k % 2:  # the padding nibble of an odd K is zero
+        assert torch.equal(packed[:, -1] >> 4, torch.zeros(n, dtype=torch.uint8))
+        assert torch.equal(packed[:, -1] & 0xF, q[:, -1])
+
+
+def test_pack_accepts_any_integer_dtype_in_range() -> None:
+    q = _codes(3, 5, 1)
+    for dtype in (torch.int8, torch.int32, torch.int64):
+        assert torch.equal(pack_int4(q.to(dtype)), pack_int4(q))
+
+
+@pytest.mark.parametrize(
+    ("codes", "match"),
+    [
+        (torch.zeros(4, dtype=torch.uint8), r"\[N, K\]"),
+        (torch.zeros(2, 2, 2, dtype=torch.uint8), r"\[N, K\]"),
+        (torch.zeros(2, 2), "integer codes"),
+        (torch.tensor([[0, 16]]), r"\[0, 15\]"),
+        (torch.tensor([[-1, 3]]), r"\[0, 15\]"),
+    ],
+)
+def test_pack_rejects_bad_codes(codes: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pack_int4(codes)
+
+
+def test_unpack_rejects_bad_packed_tensor() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_int4(torch.zeros(2, 3, dtype=torch.int32), 6)
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_int4(torch.zeros(6, dtype=torch.uint8), 12)
+    with pytest.raises(ValueError, match="does not match K"):
+        unpack_int4(torch.zeros(2, 3, dtype=torch.uint8), 8)
+
+
+# --- Int4Weight validation -----------------------------------------------------------------------
+
+
+def _valid_parts(n: int = 4, k: int = 64, g: int = 32) -> dict:
+    n_groups = -(-k // g)
+    return {
+        "qweight": torch.zeros(n, (k + 1) // 2, dtype=torch.uint8),
+        "scales": torch.ones(n_groups, n),
+        "zeros": torch.full((n_groups, n), 8.0),
+        "in_features": k,
+        "group_size": g,
+    }
+
+
+def test_valid_parts_construct() -> None:
+    w = Int4Weight(**_valid_parts())
+    assert (w.out_features, w.in_features, w.n_groups, w.symmetric) == (4, 64, 2, False)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"qweight": torch.zeros(4, 32, dtype=torch.int8)}, "qweight must be uint8"),
+        ({"qweight": torch.zeros(4, 33, dtype=torch.uint8)}, r"\[N, ceil\(K/2\)\]"),
+        ({"qweight": torch.zeros(4, 31, dtype=torch.uint8)}, r"\[N, ceil\(K/2\)\]"),
+        ({"qweight": torch.zeros(4, 32, 1, dtype=torch.uint8)}, r"\[N, ceil\(K/2\)\]"),
+        ({"scales": torch.ones(2, 4, dtype=torch.int32)}, "scales must be fp16/bf16/fp32"),
+        ({"scales": torch.ones(2, 4, dtype=torch.float64)}, "scales must be fp16/bf16/fp32"),
+        ({"scales": torch.ones(4, 2)}, r"scales must have shape \[G, N\]"),
+        ({"scales": torch.ones(1, 4)}, r"scales must have shape \[G, N\]"),
+        ({"zeros": torch.full((2, 4), 8.0, dtype=torch.float16)}, "zeros must match scales"),
+        ({"zeros": torch.full((1, 4), 8.0)}, "zeros must match scales"),
+        ({"in_features": 0}, "in_features must be a positive int"),
+        ({"in_features": 64.0}, "in_features must be a positive int"),
+        ({"group_size": 24}, "group_size 24 is not supported"),
+        ({"group_size": 8}, "group_size 8 is not supported"),
+        ({"group_size": 0}, "group_size 0 is not supported"),
+        ({"group_size": -32}, "group_size -32 is not supported"),
+        ({"scales": torch.ones(2, 4, device="meta")}, "share one device"),
+    ],
+)
+def test_int4weight_rejects_invalid_parts(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Int4Weight(**(_valid_parts() | change))
+
+
+@pytest.mark.parametrize("k", [1, 7, 24, 100])
+def test_group_size_equal_to_k_is_per_channel(k: int) -> None:
+    w = Int4Weight(**(_valid_parts(k=k, g=k)))
+    assert w.n_groups == 1
+
+
+# --- dequantization ------------------------------------------------------------------------------
+
+
+@given(
+    n=st.integers(1, 5),
+    k=st.integers(1, 70),
+    g=st.sampled_from([16, 32, 64, None]),
+    symmetric=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dequantize_matches_element_by_element_reading(
+    n: int, k: int, g: int | None, symmetric: bool, seed: int
+) -> None:
+    w = _weight(n, k, k if g is None else g, symmetric, seed)
+    assert torch.equal(w.dequantize(), _dequantize_by_loops(w))
+
+
+def test_partial_last_group_uses_its_own_scale() -> None:
+    # K = 40, g = 32: columns 32..39 form a partial second group with their own scale.
+    n, k, g = 3, 40, 32
+    q = torch.full((n, k), 9, dtype=torch.uint8)
+    scales = torch.tensor([[1.0, 2.0, 3.0], [10.0, 20.0, 30.0]])  # [G, N]
+    w = Int4Weight(pack_int4(q), scales, None, k, g)
+    assert w.n_groups == 2
+    deq = w.dequantize()  # [N, K]; code 9 - zero 8 = 1, so each value is its group's scale
+    assert torch.equal(deq[:, :32], scales[0].double()[:, None].expand(n, 32))
+    assert torch.equal(deq[:, 32:], scales[1].double()[:, None].expand(n, 8))
+
+
+def test_symmetric_equals_asymmetric_with_zero_point_eight() -> None:
+    sym = _weight(4, 48, 16, symmetric=True, seed=3)
+    asym = Int4Weight(sym.qweight, sym.scales, torch.full_like(sym.scales, 8.0), 48, 16)
+    assert torch.equal(sym.dequantize(), asym.dequantize())
+    codes = sym.codes().double()
+    assert torch.equal(sym.dequantize(), (codes - 8) * sym.scales.double().repeat_interleave(16, 0).T)
+
+
+def test_asymmetric_zero_point_shifts_codes() -> None:
+    w = _weight(2, 32, 32, symmetric=False, seed=5)
+    expected = (w.codes().double() - w.zeros.double().T) * w.scales.double().T  # G = 1
+    assert torch.equal(w.dequantize(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dequantize_dtype(dtype: torch.dtype) -> None:
+    w = _weight(3, 20, 16, symmetric=False)
+    deq = w.dequantize(dtype)
+    assert deq.dtype == dtype
+    torch.testing.assert_close(deq.double(), w.dequantize(), rtol=1e-2, atol=0.0)
+
+
+def test_nbytes_counts_codes_scales_and_zeros() -> None:
+    sym = _weight(8, 33, 16, symmetric=True)  # qweight 8 x 17, scales 3 x 8 fp32
+    assert sym.nbytes() == 8 * 17 + 3 * 8 * 4
+    asym = _weight(8, 33, 16, symmetric=False)
+    assert asym.nbytes() == 8 * 17 + 2 * 3 * 8 * 4
+
+
+def test_to_device_preserves_contents() -> None:
+    w = _weight(3, 21, 16, symmetric=False)
+    moved = w.to("cpu")
+    assert moved is not w
+    assert torch.equal(moved.dequantize(), w.dequantize())
+    assert (moved.in_features, moved.group_size) == (w.in_features, w.group_size)

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdsie.quant.format import SYMMETRIC_ZERO, Int4Weight, pack_int4, unpack_int4
+from sdsie.quant.io import load_int4_weight, load_int4_weights, save_int4_weight, save_int4_weights
 
 dims = st.integers(min_value=1, max_value=67)  # includes 1, odd values and primes
 
@@ -127,6 +128,7 @@ def test_valid_parts_construct() -> None:
         ({"in_features": 0}, "in_features must be a positive int"),
         ({"in_features": 64.0}, "in_features must be a positive int"),
         ({"group_size": 24}, "group_size 24 is not supported"),
+        ({"group_size": 16}, "group_size 16 is not supported"),
         ({"group_size": 8}, "group_size 8 is not supported"),
         ({"group_size": 0}, "group_size 0 is not supported"),
         ({"group_size": -32}, "group_size -32 is not supported"),
@@ -149,8 +151,8 @@ def test_group_size_equal_to_k_is_per_channel(k: int) -> None:
 
 @given(
     n=st.integers(1, 5),
-    k=st.integers(1, 70),
-    g=st.sampled_from([16, 32, 64, None]),
+    k=st.integers(1, 140),
+    g=st.sampled_from([32, 64, None]),
     symmetric=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -174,11 +176,11 @@ def test_partial_last_group_uses_its_own_scale() -> None:
 
 
 def test_symmetric_equals_asymmetric_with_zero_point_eight() -> None:
-    sym = _weight(4, 48, 16, symmetric=True, seed=3)
-    asym = Int4Weight(sym.qweight, sym.scales, torch.full_like(sym.scales, 8.0), 48, 16)
+    sym = _weight(4, 96, 32, symmetric=True, seed=3)
+    asym = Int4Weight(sym.qweight, sym.scales, torch.full_like(sym.scales, 8.0), 96, 32)
     assert torch.equal(sym.dequantize(), asym.dequantize())
     codes = sym.codes().double()
-    assert torch.equal(sym.dequantize(), (codes - 8) * sym.scales.double().repeat_interleave(16, 0).T)
+    assert torch.equal(sym.dequantize(), (codes - 8) * sym.scales.double().repeat_interleave(32, 0).T)
 
 
 def test_asymmetric_zero_point_shifts_codes() -> None:
@@ -189,22 +191,100 @@ def test_asymmetric_zero_point_shifts_codes() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_dequantize_dtype(dtype: torch.dtype) -> None:
-    w = _weight(3, 20, 16, symmetric=False)
+    w = _weight(3, 40, 32, symmetric=False)
     deq = w.dequantize(dtype)
     assert deq.dtype == dtype
     torch.testing.assert_close(deq.double(), w.dequantize(), rtol=1e-2, atol=0.0)
 
 
 def test_nbytes_counts_codes_scales_and_zeros() -> None:
-    sym = _weight(8, 33, 16, symmetric=True)  # qweight 8 x 17, scales 3 x 8 fp32
-    assert sym.nbytes() == 8 * 17 + 3 * 8 * 4
-    asym = _weight(8, 33, 16, symmetric=False)
-    assert asym.nbytes() == 8 * 17 + 2 * 3 * 8 * 4
+    sym = _weight(8, 65, 32, symmetric=True)  # qweight 8 x 33, scales 3 x 8 fp32
+    assert sym.nbytes() == 8 * 33 + 3 * 8 * 4
+    asym = _weight(8, 65, 32, symmetric=False)
+    assert asym.nbytes() == 8 * 33 + 2 * 3 * 8 * 4
 
 
 def test_to_device_preserves_contents() -> None:
-    w = _weight(3, 21, 16, symmetric=False)
+    w = _weight(3, 41, 32, symmetric=False)
     moved = w.to("cpu")
     assert moved is not w
     assert torch.equal(moved.dequantize(), w.dequantize())
     assert (moved.in_features, moved.group_size) == (w.in_features, w.group_size)
+
+
+# --- safetensors round trip (sdsie.quant.io) -----------------------------------------------------
+
+
+def _assert_identical(a: Int4Weight, b: Int4Weight) -> None:
+    assert (a.in_features, a.group_size, a.symmetric) == (b.in_features, b.group_size, b.symmetric)
+    assert torch.equal(a.qweight, b.qweight)
+    assert a.scales.dtype == b.scales.dtype and torch.equal(a.scales, b.scales)
+    if a.zeros is not None:
+        assert a.zeros.dtype == b.zeros.dtype and torch.equal(a.zeros, b.zeros)
+
+
+@given(
+    n=st.integers(1, 6),
+    k=st.integers(1, 70),
+    g=st.sampled_from([32, 64, None]),
+    symmetric=st.booleans(),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+)
+def test_safetensors_round_trip_is_exact(
+    tmp_path_factory: pytest.TempPathFactory,
+    n: int,
+    k: int,
+    g: int | None,
+    symmetric: bool,
+    dtype: torch.dtype,
+) -> None:
+    w = _weight(n, k, k if g is None else g, symmetric)
+    w = Int4Weight(w.qweight, w.scales.to(dtype), None if symmetric else w.zeros.to(dtype), k, w.group_size)
+    path = tmp_path_factory.mktemp("int4") / "w.safetensors"
+    save_int4_weight(path, w)
+    _assert_identical(w, load_int4_weight(path))
+
+
+def test_safetensors_dict_round_trip(tmp_path) -> None:
+    weights = {
+        "model.layers.0.mlp.down_proj": _weight(5, 40, 32, symmetric=False, seed=1),
+        "model.layers.1.mlp.down_proj": _weight(7, 33, 33, symmetric=True, seed=2),
+    }
+    save_int4_weights(tmp_path / "ws.safetensors", weights)
+    loaded = load_int4_weights(tmp_path / "ws.safetensors")
+    assert sorted(loaded) == sorted(weights)
+    for name, w in weights.items():
+        _assert_identical(w, loaded[name])
+
+
+def test_load_rejects_foreign_and_incomplete_files(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="no 'sdsie.int4' metadata"):
+        load_int4_weights(tmp_path / "plain.safetensors")
+    pair = {"a": _weight(2, 32, 32, True), "b": _weight(2, 32, 32, True)}
+    save_int4_weights(tmp_path / "two.safetensors", pair)
+    with pytest.raises(ValueError, match="holds 2 INT4 weights"):
+        load_int4_weight(tmp_path / "two.safetensors")
+
+
+def test_save_rejects_bad_input(tmp_path) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        save_int4_weights(tmp_path / "e.safetensors", {})
+    with pytest.raises(ValueError, match="not an Int4Weight"):
+        save_int4_weights(tmp_path / "e.safetensors", {"a": torch.zeros(2)})
+    with pytest.raises(ValueError, match="reserved tensor suffix"):
+        save_int4_weights(tmp_path / "e.safetensors", {"a.scales": _weight(2, 32, 32, True)})
+
+
+def test_load_names_a_missing_tensor(tmp_path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    meta = {"version": 1, "weights": {"w": {"in_features": 32, "group_size": 32, "symmetric": False}}}
+    tensors = {"w.qweight": torch.zeros(2, 16, dtype=torch.uint8), "w.scales": torch.ones(1, 2)}
+    save_file(tensors, str(tmp_path / "m.safetensors"), metadata={"sdsie.int4": json.dumps(meta)})
+    with pytest.raises(ValueError, match="missing tensor 'w.zeros'"):
+        load_int4_weights(tmp_path / "m.safetensors")

@@ -12,7 +12,7 @@ Layout (for a linear layer with weight W of shape [N, K], y = x @ W.T):
 
     dequant(W)[n, k] = (q[n, k] - z[k // g, n]) * s[k // g, n]
 
-`group_size` is a power of two >= 16 (32, 64, 128, ...) or equal to K (one scale per output
+`group_size` is a power of two >= 32 (32, 64, 128, ...) or equal to K (one scale per output
 channel). When K is not a multiple of `group_size`, the last group is partial: it covers the
 remaining K - (G - 1) * g columns. This is the defined, tested behaviour (not an error).
 """
@@ -55,7 +55,7 @@ def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _valid_group(group_size: int, k: int) -> bool:
-    return group_size == k or (group_size >= 16 and group_size & (group_size - 1) == 0)
+    return group_size == k or (group_size >= 32 and group_size & (group_size - 1) == 0)
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Int4Weight:
             raise ValueError(f"in_features must be a positive int, got {k!r}")
         if not _valid_group(g, k):
             raise ValueError(
-                f"group_size {g} is not supported for K={k}: use a power of two >= 16 or K itself (per channel)"
+                f"group_size {g} is not supported for K={k}: use a power of two >= 32 or K itself (per channel)"
             )
         if self.qweight.dtype != torch.uint8:
             raise ValueError(f"qweight must be uint8 (two INT4 codes per byte), got {self.qweight.dtype}")

@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def kernel_device() -> torch.device:
     """Where Triton kernels run: the GPU if present, else the CPU under TRITON_INTERPRET=1."""
     return torch.device("cuda" if HAS_CUDA else "cpu")

@@ -20,6 +20,7 @@ resets afterwards) reduces them and writes y: one launch, no zero-initialised bu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -174,8 +175,8 @@ def _int4_gemm_kernel(
         xo = tl.load(x_base + (ke[None, :] + 1) * stride_xk, mask=m_mask & (ke[None, :] + 1 < K), other=0.0)
         # codes 0..15 are exact in fp16/bf16; fp32 activations use an IEEE (not tf32) dot
         if DOT_IEEE:
-            part = tl.dot(xe, tl.trans(lo), input_precision="ieee")
-            part = tl.dot(xo, tl.trans(hi), part, input_precision="ieee")  # [BM, BN]
+            part = tl.dot(xe.to(tl.float32), tl.trans(lo), input_precision="ieee")
+            part = tl.dot(xo.to(tl.float32), tl.trans(hi), part, input_precision="ieee")  # [BM, BN]
         else:
             part = tl.dot(xe, tl.trans(lo.to(dot_dtype)))
             part = tl.dot(xo, tl.trans(hi.to(dot_dtype)), part)  # [BM, BN]
@@ -282,6 +283,10 @@ _SCRATCH = _Scratch()
 _CALLS = {"n": 0}
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def kernel_calls() -> int:
     """How many times the INT4 kernel has been launched in this process (for gate-acts tests)."""
     return _CALLS["n"]
@@ -354,7 +359,11 @@ def int4_matmul(
     if cfg.block_m == 1:
         _int4_gemv_kernel[grid](*args, **common)
     else:
-        _int4_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, DOT_IEEE=x.dtype == torch.float32, **common)
+        # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
+        # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use
+        # the tensor cores. Everything else in the kernel is the same code on both.
+        dot_ieee = x.dtype == torch.float32 or _interpreting()
+        _int4_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, **common)
     _CALLS["n"] += 1
     return y.reshape(*lead, n)
 

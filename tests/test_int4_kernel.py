@@ -1,0 +1,218 @@
+"""Property tests of the Triton INT4 kernel against the float64 reference.
+
+These run on the CPU under TRITON_INTERPRET=1 in CI, and the same functions run on the GPU
+when one is present (the `kernel_device` fixture marks them `gpu` there).
+
+The reference dequantizes the *unpacked integer codes* (sdsie.kernels.reference), so these
+tests measure kernel error only, never quantization error.
+
+Tolerance, elementwise, stated once:
+    |y - ref| <= eps(dtype) * |ref| + 2**-20 * sqrt(K) * mag,   mag = |x| @ (16 * s_full).T
+The first term is the rounding of the output to its dtype (half an ulp, doubled for margin);
+the second bounds fp32 accumulation, which grows with sqrt(K) for random-signed terms; 16 * s
+bounds |(q - z) * s| and the folded form s * (sum q x - z sum x).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
+from sdsie.quant.format import Int4Weight, pack_int4
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+# sizes that are 1, primes, and non-multiples of every block size the kernel uses
+DIM_SIZES = st.sampled_from([1, 2, 3, 7, 13, 31, 33, 64, 97, 127, 129, 200, 257])
+K_SIZES = st.sampled_from([1, 2, 3, 11, 31, 32, 33, 64, 100, 127, 128, 129, 255, 256, 300, 513])
+M_SIZES = st.sampled_from([1, 1, 2, 3, 5, 16, 17])
+GROUPS = st.sampled_from([32, 64, 128, None])  # None = per output channel
+
+
+def make_weight(
+    n: int, k: int, group: int | None, symmetric: bool, scale_mag: float, device: torch.device,
+    gen: torch.Generator, scale_dtype: torch.dtype = torch.float32,
+) -> Int4Weight:
+    g = k if group is None or group >= k else group
+    n_groups = -(-k // g)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n_groups, n, generator=gen) + 0.05) * scale_mag
+    zeros = None if symmetric else torch.randint(0, 16, (n_groups, n), generator=gen).float()
+    return Int4Weight(
+        pack_int4(q).to(device),
+        scales.to(scale_dtype).to(device),
+        None if zeros is None else zeros.to(scale_dtype).to(device),
+        k,
+        g,
+    )
+
+
+def tolerance(x: torch.Tensor, w: Int4Weight, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    k = w.in_features
+    col_group = torch.arange(k, device=w.scales.device) // w.group_size
+    s_full = w.scales.double()[col_group].T.to(x.device)  # [N, K]
+    mag = x.double().abs() @ (16.0 * s_full).T
+    return EPS[dtype] * ref.abs() + 2.0**-20 * math.sqrt(k) * mag
+
+
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, w: Int4Weight) -> None:
+    ref = int4_matmul_reference(x, w)
+    assert y.dtype == x.dtype, f"output dtype {y.dtype} != activation dtype {x.dtype}"
+    assert y.shape == ref.shape
+    assert torch.isfinite(y).all(), "non-finite output for finite inputs"
+    err = (y.double() - ref).abs()
+    tol = tolerance(x, w, ref, x.dtype)
+    worst = (err - tol).max().item() if err.numel() else -1.0
+    assert worst <= 0, f"max err {err.max().item():.3e} exceeds tolerance (worst excess {worst:.3e})"
+
+
+@given(
+    m=M_SIZES, n=DIM_SIZES, k=K_SIZES, group=GROUPS, symmetric=st.booleans(),
+    dtype=st.sampled_from(DTYPES), scale_mag=st.sampled_from([1e-3, 0.05, 1.0, 30.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(m=1, n=1, k=1, group=None, symmetric=False, dtype=torch.float32, scale_mag=1.0, seed=0)
+@example(m=17, n=257, k=13, group=None, symmetric=True, dtype=torch.bfloat16, scale_mag=1.0, seed=1)
+def test_kernel_matches_reference(kernel_device, m, n, k, group, symmetric, dtype, scale_mag, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = make_weight(n, k, group, symmetric, scale_mag / math.sqrt(k), kernel_device, gen, scale_dtype=dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(kernel_device)
+    # poison the output: every element must be written by the kernel
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=kernel_device)
+    y = int4_matmul(x, w, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert_close_to_reference(y, x, w)
+
+
+@pytest.mark.parametrize("config", candidate_configs(), ids=str)
+@pytest.mark.parametrize("group", [32, 128, None])
+def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
+    """Every configuration the selector can pick (split-K paths included) is correct."""
+    gen = torch.Generator().manual_seed(hash((config, group)) % 2**31)
+    m = 1 if config.block_m == 1 else 5
+    for n, k in [(37, 300), (130, 1031)]:
+        w = make_weight(n, k, group, symmetric=False, scale_mag=0.02, device=kernel_device, gen=gen,
+                        scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(kernel_device)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+        assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
+
+
+def test_split_k_semaphore_resets_between_calls(kernel_device):
+    """Back-to-back split-K launches reuse the semaphore buffer: it must come back zeroed."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = next(c for c in candidate_configs() if c.block_m == 1 and c.split_k > 1)
+    w = make_weight(64, 1024, 128, False, 0.02, kernel_device, gen)
+    for _ in range(3):
+        x = torch.randn(1, 1024, generator=gen).to(kernel_device)
+        assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
+
+
+def test_leading_dims_and_non_contiguous_x(kernel_device):
+    gen = torch.Generator().manual_seed(3)
+    w = make_weight(29, 96, 32, False, 0.05, kernel_device, gen)
+    base = torch.randn(2, 3, 192, generator=gen).to(kernel_device)
+    x = base[..., ::2]  # [2, 3, 96], stride 2 along K
+    assert not x.is_contiguous()
+    y = int4_matmul(x, w)
+    assert y.shape == (2, 3, 29)
+    assert_close_to_reference(y, x, w)
+    xt = torch.randn(96, 4, generator=gen).to(kernel_device).T  # [4, 96], column-major
+    assert_close_to_reference(int4_matmul(xt, w), xt, w)
+
+
+def test_batch_rows_match_single_row_calls(kernel_device):
+    """Row i of a batched call equals the single-row call within tolerance (M=1 runs the GEMV
+    kernel, M>1 the dot kernel: different summation orders, so not bitwise); two batches of the
+    same size that share a row give that row bitwise identically (rows never interact)."""
+    gen = torch.Generator().manual_seed(11)
+    w = make_weight(70, 257, 64, False, 0.05, kernel_device, gen)
+    x = torch.randn(6, 257, generator=gen).to(kernel_device)
+    y = int4_matmul(x, w)
+    for i in range(x.shape[0]):
+        yi = int4_matmul(x[i : i + 1], w)
+        ref = int4_matmul_reference(x[i : i + 1], w)
+        tol = tolerance(x[i : i + 1], w, ref, torch.float32)
+        assert ((y[i : i + 1].double() - yi.double()).abs() <= 2 * tol).all()
+    x2 = x.clone()
+    x2[1:] = torch.randn(5, 257, generator=gen).to(kernel_device)
+    assert torch.equal(int4_matmul(x2, w)[0], y[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exactly_representable_weights_reproduce_float_matmul(kernel_device, dtype):
+    """The seed's self-test: weights exactly representable in INT4 give the float matmul, to
+    the dtype's rounding."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, g = 48, 160, 32
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    z = torch.randint(0, 16, (k // g, n), generator=gen).float()
+    s = 2.0 ** torch.randint(-6, -2, (k // g, n), generator=gen).float()  # powers of two: exact
+    w_float = (q.double() - z.double()[torch.arange(k) // g].T) * s.double()[torch.arange(k) // g].T  # [N, K]
+    w = Int4Weight(pack_int4(q).to(kernel_device), s.to(kernel_device), z.to(kernel_device), k, g)
+    x = torch.randn(3, k, generator=gen).to(dtype).to(kernel_device)
+    y = int4_matmul(x, w)
+    exact = x.double() @ w_float.to(kernel_device).T
+    assert torch.allclose(w.dequantize().cpu(), w_float), "weights were not exactly representable"
+    bound = EPS[dtype] * exact.abs() + 2.0**-20 * math.sqrt(k) * (x.double().abs() @ w_float.abs().to(kernel_device).T)
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+def test_partial_last_group(kernel_device):
+    """K not a multiple of the group size: the last group is partial (the documented format)."""
+    gen = torch.Generator().manual_seed(9)
+    w = make_weight(40, 100, 32, False, 0.05, kernel_device, gen)  # groups of 32, 32, 32, 4
+    assert w.n_groups == 4
+    for m in (1, 3):
+        x = torch.randn(m, 100, generator=gen).to(kernel_device)
+        assert_close_to_reference(int4_matmul(x, w), x, w)
+
+
+def test_empty_input(kernel_device):
+    gen = torch.Generator().manual_seed(0)
+    w = make_weight(8, 64, 32, False, 0.1, kernel_device, gen)
+    before = kernel_calls()
+    y = int4_matmul(torch.empty(0, 64, device=kernel_device), w)
+    assert y.shape == (0, 8)
+    y3 = int4_matmul(torch.empty(2, 0, 64, device=kernel_device), w)
+    assert y3.shape == (2, 0, 8)
+    assert kernel_calls() == before, "an empty input must not launch the kernel"
+
+
+def test_kernel_calls_counts_launches(kernel_device):
+    gen = torch.Generator().manual_seed(0)
+    w = make_weight(8, 64, 32, False, 0.1, kernel_device, gen)
+    before = kernel_calls()
+    int4_matmul(torch.randn(1, 64).to(kernel_device), w)
+    int4_matmul(torch.randn(4, 64).to(kernel_device), w)
+    assert kernel_calls() == before + 2
+
+
+def test_invalid_inputs_raise_clear_errors(kernel_device):
+    gen = torch.Generator().manual_seed(0)
+    w = make_weight(8, 64, 32, False, 0.1, kernel_device, gen)
+    with pytest.raises(ValueError, match="K=63"):
+        int4_matmul(torch.randn(1, 63, device=kernel_device), w)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        int4_matmul(torch.randn(1, 64, dtype=torch.float64, device=kernel_device), w)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        int4_matmul(torch.ones(1, 64, dtype=torch.int32, device=kernel_device), w)
+    with pytest.raises(ValueError, match="Int4Weight"):
+        int4_matmul(torch.randn(1, 64, device=kernel_device), torch.zeros(8, 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        Int4Weight(w.qweight.to(torch.int8), w.scales, w.zeros, 64, 32)
+    with pytest.raises(ValueError, match=r"ceil\(K/2\)"):
+        Int4Weight(w.qweight[:, :31], w.scales, w.zeros, 64, 32)
+    with pytest.raises(ValueError, match="group_size 48"):
+        Int4Weight(w.qweight, w.scales, w.zeros, 64, 48)
+    with pytest.raises(ValueError, match="does not fit M=4"):
+        int4_matmul(torch.randn(4, 64, device=kernel_device), w, config=Int4KernelConfig(1, 32, 256))
+    with pytest.raises(ValueError, match="out must be"):
+        int4_matmul(torch.randn(2, 64, device=kernel_device), w, out=torch.empty(2, 9, device=kernel_device))
+    with pytest.raises(ValueError, match="power of two"):
+        Int4KernelConfig(1, 24, 256)

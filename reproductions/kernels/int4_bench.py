@@ -1,0 +1,323 @@
+"""INT4 kernel reproduction suite (GPU): latency, bandwidth, bytes moved, power and energy.
+
+Everything is measured side by side in one process: cuBLAS bf16 (`F.linear`), torch's tinygemm
+INT4 (`torch.ops.aten._weight_int4pack_mm`, the same quantized weights) and our Triton kernel.
+Latency is `triton.testing.do_bench` with L2 flushed between calls (raw samples kept, medians
+reported). Power and energy come from NVML windows of back-to-back calls long enough for the
+energy counter, rotating over enough weight copies that nothing is served from L2.
+
+Run: `python -m reproductions.kernels.int4_bench [--out DIR] [--sweep]` or through
+`pytest reproductions/test_kernel_int4.py -m gpu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
+from sdsie.quant.format import Int4Weight, pack_int4
+
+# Llama-3.1-8B linear shapes, N x K (out x in)
+LLAMA_SHAPES: dict[str, tuple[int, int]] = {
+    "qkv_o_4096x4096": (4096, 4096),
+    "kv_1024x4096": (1024, 4096),
+    "gate_up_14336x4096": (14336, 4096),
+    "down_4096x14336": (4096, 14336),
+    "lm_head_128256x4096": (128256, 4096),
+}
+M_VALUES = (1, 2, 4, 8, 16)
+GROUPS = (128, None)  # None = per output channel
+CLAIM_IDS = ["kernel-bandwidth-reduction", "kernel-latency", "kernel-power"]
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str
+    n: int
+    k: int
+    m: int
+    group: int | None
+
+
+def random_int4(n: int, k: int, group: int | None, device: str, gen: torch.Generator) -> Int4Weight:
+    """Asymmetric INT4 weights with bf16 scales/zero-points (the layout real checkpoints get)."""
+    g = k if group is None else group
+    groups = -(-k // g)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = ((torch.rand(groups, n, generator=gen) + 0.5) * 0.01).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(torch.bfloat16)
+    return Int4Weight(pack_int4(q).to(device), scales.to(device), zeros.to(device), k, g)
+
+
+def bytes_moved_int4(w: Int4Weight, m: int, act_bytes: int = 2) -> int:
+    """Bytes a GEMV/GEMM must move at least: packed weights, scales, zero-points, x and y."""
+    return w.nbytes() + m * w.in_features * act_bytes + m * w.out_features * act_bytes
+
+
+def bytes_moved_bf16(n: int, k: int, m: int) -> int:
+    return 2 * n * k + 2 * m * k + 2 * m * n
+
+
+def tinygemm_pack(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The same weights in tinygemm's format; None if this torch has no tinygemm for them.
+
+    tinygemm dequantizes as (q - 8) * s + b; ours is (q - z) * s, so b = (8 - z) * s.
+    """
+    if w.group_size not in (32, 64, 128, 256) or w.zeros is None:
+        return None
+    q = w.codes().to(torch.int32)  # [N, K]
+    packed_u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)  # tinygemm: high nibble = even k
+    packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8.contiguous(), 8)
+    s = w.scales.to(torch.bfloat16)
+    b = ((8.0 - w.zeros.float()) * w.scales.float()).to(torch.bfloat16)
+    scales_and_zeros = torch.stack([s, b], dim=-1).contiguous()  # [G, N, 2]
+    return packed, scales_and_zeros
+
+
+def bench(fn: Callable[[], object], rep_ms: int = 200) -> list[float]:
+    """Raw do_bench samples in microseconds (L2 flushed before every call)."""
+    from triton.testing import do_bench
+
+    times_ms = do_bench(fn, warmup=max(10, rep_ms // 8), rep=rep_ms, return_mode="all")
+    return [t * 1e3 for t in times_ms]
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    us = statistics.median(bench(lambda: dst.copy_(src)))
+    return 2 * nbytes / (us * 1e-6) / 1e9  # read + write
+
+
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
+                 configs: list[Int4KernelConfig] | None = None, rep_ms: int = 200) -> dict:
+    """Median latencies of bf16, tinygemm and our kernel (auto config, or each of `configs`)."""
+    w = random_int4(case.n, case.k, case.group, device, gen)
+    w_bf16 = w.dequantize(torch.float32).to(torch.bfloat16)  # [N, K], the same weights in bf16
+    x = torch.randn(case.m, case.k, generator=gen).to(torch.bfloat16).to(device)
+    ref = int4_matmul_reference(x, w)
+    out: dict = {"case": asdict(case), "samples_us": {}, "median_us": {}, "errors": {}}
+
+    def record(name: str, fn: Callable[[], torch.Tensor]) -> None:
+        y = fn()  # outputs are checked during performance runs, not only in tests
+        out["errors"][name] = rel_error(y, ref)
+        samples = bench(fn, rep_ms)
+        out["samples_us"][name] = samples
+        out["median_us"][name] = statistics.median(samples)
+
+    record("bf16", lambda: F.linear(x, w_bf16))
+    try:
+        tg = tinygemm_pack(w)
+        if tg is not None:
+            packed, sz = tg
+            record("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, packed, w.group_size, sz))
+    except RuntimeError as err:  # a torch without tinygemm for this GPU/shape: say so in the record
+        out["tinygemm_error"] = str(err)[:300]
+    auto = select_config(case.m, case.n, case.k, x.device)
+    out["auto_config"] = asdict(auto)
+    record("int4", lambda: int4_matmul(x, w))
+    for cfg in configs or []:
+        if (cfg.block_m == 1) != (case.m == 1):
+            continue
+        record(f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}]",
+               lambda cfg=cfg: int4_matmul(x, w, config=cfg))
+    moved = bytes_moved_int4(w, case.m)
+    out["bytes_int4"] = moved
+    out["bytes_bf16"] = bytes_moved_bf16(case.n, case.k, case.m)
+    out["bytes_reduction_pct"] = 100.0 * (1 - moved / out["bytes_bf16"])
+    med = out["median_us"]
+    out["speedup_vs_bf16"] = med["bf16"] / med["int4"]
+    out["int4_bandwidth_gbs"] = moved / (med["int4"] * 1e-6) / 1e9
+    out["int4_pct_of_copy"] = 100.0 * out["int4_bandwidth_gbs"] / copy_gbs
+    out["bf16_bandwidth_gbs"] = out["bytes_bf16"] / (med["bf16"] * 1e-6) / 1e9
+    if "tinygemm" in med:
+        out["speedup_vs_tinygemm"] = med["tinygemm"] / med["int4"]
+    return out
+
+
+def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window_s: float = 1.5) -> dict:
+    """Power and energy per call for bf16 vs INT4 at M=1, interleaved, L2-busting weight rotation."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    n_int4 = max(1, math.ceil(4 * l2_bytes / (n * k // 2)))
+    n_bf16 = max(1, math.ceil(4 * l2_bytes / (2 * n * k)))
+    ws = [random_int4(n, k, 128, device, gen) for _ in range(min(n_int4, 64))]
+    wb = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(min(n_bf16, 16))]
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(device)
+    variants = {"bf16": lambda i: F.linear(x, wb[i % len(wb)]), "int4": lambda i: int4_matmul(x, ws[i % len(ws)])}
+    result: dict = {"n": n, "k": k, "trials": {}}
+    for _trial in range(3):  # interleave variants; back-to-back trials drift with heat
+        for name, fn in variants.items():
+            # calibrate the number of calls to fill the window
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(200):
+                fn(i)
+            torch.cuda.synchronize()
+            per_call = (time.perf_counter() - t0) / 200
+            calls = max(200, int(window_s / per_call))
+            win = meter.start()
+            for i in range(calls):
+                fn(i)
+            res = meter.stop(win)
+            result["trials"].setdefault(name, []).append(
+                {"calls": calls, "energy_j": res.energy_j, "duration_s": res.duration_s,
+                 "mean_power_w": res.mean_power_w, "uj_per_call": 1e6 * res.energy_j / calls,
+                 "us_per_call": 1e6 * res.duration_s / calls, "backend": res.backend,
+                 "start_state": res.start_state, "end_state": res.end_state}
+            )
+    for name, trials in result["trials"].items():
+        result[f"{name}_power_w"] = statistics.median(t["mean_power_w"] for t in trials)
+        result[f"{name}_uj_per_call"] = statistics.median(t["uj_per_call"] for t in trials)
+    result["power_change_pct"] = 100.0 * (result["int4_power_w"] / result["bf16_power_w"] - 1)
+    result["energy_per_call_change_pct"] = 100.0 * (result["int4_uj_per_call"] / result["bf16_uj_per_call"] - 1)
+    return result
+
+
+def sweep_configs() -> list[Int4KernelConfig]:
+    """A wider grid than the shipped candidates, for tuning runs (--sweep)."""
+    cfgs = []
+    for bn in (16, 32, 64, 128):
+        for bk in (256, 512, 1024):
+            for sk in (1, 2, 4, 8):
+                if bn * bk // 2 > 32768:
+                    continue
+                cfgs.append(Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4))
+                if bn * bk >= 32768:
+                    cfgs.append(Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=8))
+    for bn in (32, 64, 128):
+        for bk in (64, 128):
+            for sk in (1, 2, 4):
+                cfgs.append(Int4KernelConfig(16, bn, bk, split_k=sk, num_warps=4))
+    return cfgs
+
+
+def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_record: bool = True) -> dict:
+    from sdsie.telemetry.energy import EnergyMeter
+    from sdsie.telemetry.records import RunRecord, capture_environment
+    from sdsie.telemetry.records import write_record as write
+
+    device = "cuda"
+    gen = torch.Generator().manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs(device)
+    configs = sweep_configs() if sweep else list(candidate_configs())
+    cases = [Case(s, n, k, m, g) for s, (n, k) in LLAMA_SHAPES.items() for g in GROUPS for m in M_VALUES
+             if m == 1 or g == 128]
+    results = []
+    for c in cases:
+        if sweep:
+            tune = c.group == 128 and c.m in (1, 16)
+            r = latency_case(c, gen, device, copy_gbs, configs if tune else [], rep_ms=40)
+        else:
+            r = latency_case(c, gen, device, copy_gbs, list(candidate_configs()))
+        results.append(r)
+        print(f"{c.shape:22s} m={c.m:2d} g={c.group} bf16={r['median_us']['bf16']:8.1f}us "
+              f"int4={r['median_us']['int4']:8.1f}us x{r['speedup_vs_bf16']:.2f} "
+              f"{r['int4_pct_of_copy']:.0f}%copy tg={r['median_us'].get('tinygemm', float('nan')):.1f}",
+              flush=True)
+    energy_results = []
+    ok, why = EnergyMeter.available()
+    if energy and ok:
+        meter = EnergyMeter()
+        meter.measure_idle(2.0)
+        for shape in ("down_4096x14336", "lm_head_128256x4096"):
+            n, k = LLAMA_SHAPES[shape]
+            e = energy_case(n, k, device, gen, meter)
+            e["shape"] = shape
+            e["idle_power_w"] = meter.idle.power_w if meter.idle else None
+            energy_results.append(e)
+            print(f"energy {shape}: bf16 {e['bf16_power_w']:.0f} W {e['bf16_uj_per_call']:.1f} uJ/call, "
+                  f"int4 {e['int4_power_w']:.0f} W {e['int4_uj_per_call']:.1f} uJ/call", flush=True)
+    summary = summarize(results, energy_results, copy_gbs)
+    summary["energy_skipped"] = None if (energy and ok) else why
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}, indent=1))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "kernel_sweep.json" if sweep else out_dir / "kernel_suite.json").write_text(
+        json.dumps({"results": results, "energy": energy_results, "summary": summary}))
+    if write_record and not sweep:
+        rec = RunRecord(
+            claim_ids=CLAIM_IDS, suite="kernel_int4",
+            config={"shapes": LLAMA_SHAPES, "m_values": list(M_VALUES), "groups": [str(g) for g in GROUPS],
+                    "dtype": "bfloat16", "timer": "triton.testing.do_bench, L2 flushed, median",
+                    "candidate_configs": [asdict(c) for c in candidate_configs()]},
+            samples={f"{r['case']['shape']}|m{r['case']['m']}|g{r['case']['group']}|{name}": s
+                     for r in results for name, s in r["samples_us"].items()},
+            metrics=flat_metrics(summary),
+            environment=capture_environment(),
+            conditions={"model": "Llama-3.1-8B linear shapes (random weights)",
+                        "hardware": torch.cuda.get_device_name(), "trials": 1},
+        )
+        path = write(rec, "telemetry")
+        summary["record"] = str(path)
+        print("record:", path)
+    return summary
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def summarize(results: list[dict], energy: list[dict], copy_gbs: float) -> dict:
+    def pick(m: int, g: int | None) -> list[dict]:
+        return [r for r in results if r["case"]["m"] == m and r["case"]["group"] == g]
+
+    s: dict = {"copy_bandwidth_gbs": copy_gbs, "table": []}
+    for r in results:
+        c = r["case"]
+        s["table"].append({
+            "shape": c["shape"], "m": c["m"], "group": c["group"], "bf16_us": r["median_us"]["bf16"],
+            "int4_us": r["median_us"]["int4"], "speedup": r["speedup_vs_bf16"],
+            "pct_copy": r["int4_pct_of_copy"], "tinygemm_us": r["median_us"].get("tinygemm"),
+            "bytes_reduction_pct": r["bytes_reduction_pct"], "max_rel_err": max(r["errors"].values()),
+        })
+    for g in GROUPS:
+        m1 = pick(1, g)
+        s[f"m1_g{g}_geomean_speedup"] = geomean([r["speedup_vs_bf16"] for r in m1])
+        big = [r for r in m1 if r["case"]["shape"] in ("gate_up_14336x4096", "down_4096x14336", "lm_head_128256x4096")]
+        s[f"m1_g{g}_min_pct_copy_large"] = min(r["int4_pct_of_copy"] for r in big)
+        tg = [r["speedup_vs_tinygemm"] for r in m1 if "speedup_vs_tinygemm" in r]
+        if tg:
+            s[f"m1_g{g}_min_speedup_vs_tinygemm"] = min(tg)
+        s[f"m1_g{g}_bytes_reduction_pct_min"] = min(r["bytes_reduction_pct"] for r in m1)
+        s[f"m1_g{g}_bytes_reduction_pct_max"] = max(r["bytes_reduction_pct"] for r in m1)
+    for m in M_VALUES[1:]:
+        s[f"m{m}_g128_min_speedup"] = min(r["speedup_vs_bf16"] for r in pick(m, 128))
+    for e in energy:
+        s[f"power_change_pct_{e['shape']}"] = e["power_change_pct"]
+        s[f"energy_per_call_change_pct_{e['shape']}"] = e["energy_per_call_change_pct"]
+    return s
+
+
+def flat_metrics(summary: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("telemetry/raw"))
+    p.add_argument("--sweep", action="store_true", help="time a wide config grid (tuning), write no record")
+    p.add_argument("--no-energy", action="store_true")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("int4_bench needs a CUDA GPU; torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    run_suite(a.out, sweep=a.sweep, energy=not a.no_energy)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -345,7 +345,7 @@ def int4_matmul(
         ws, locks = y, y  # unused by the kernel
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
     common = dict(
-        GROUP=k if per_channel else w.group_size,
+        GROUP=1 if per_channel else w.group_size,  # unused when PER_CHANNEL: no recompile per K
         PER_CHANNEL=per_channel,
         HAS_ZEROS=w.zeros is not None,
         BLOCK_N=cfg.block_n,

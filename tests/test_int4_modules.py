@@ -1,4 +1,4 @@
-"""Int4Linear and quantize_model on tiny Llama models (fp32).
+"""Int4Linear, quantize_model, GatedLinear and gate_model on tiny Llama models (fp32).
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (slow), so shapes are tiny. Tests that take
 `kernel_device` run on the GPU when one is present (marked `gpu` by conftest).
@@ -13,9 +13,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import sdsie.kernels
 from sdsie.kernels import int4_matmul_reference, kernel_calls
 from sdsie.quant.calibrate import QuantConfig, calibrate
 from sdsie.quant.format import Int4Weight, pack_int4
+from sdsie.quant.gated import GatedLinear, GearState, gate_model
 from sdsie.quant.linear import Int4Linear, quantize_model, select_linears
 
 VOCAB = 64
@@ -207,3 +209,83 @@ def test_target_selection_rejects_what_matches_nothing(targets, layers, match: s
 def test_quantize_model_awq_needs_calibration_inputs() -> None:
     with pytest.raises(ValueError, match="needs calibration_inputs"):
         quantize_model(tiny_llama(), "mlp.down_proj", QuantConfig("awq"))
+
+
+# --- GatedLinear and gate_model -----------------------------------------------------------------
+
+
+def test_gate_model_shares_one_gear_state_and_starts_full_precision() -> None:
+    model = tiny_llama()
+    ids = _ids()
+    original = _logits(model, ids)
+    state = gate_model(model, "mlp.down_proj", QuantConfig("minmax", 32))
+    gated = [mod for mod in model.modules() if isinstance(mod, GatedLinear)]
+    assert len(gated) == 2 and all(mod.state is state for mod in gated)
+    assert state.report.names == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert not state.int4
+    assert torch.equal(_logits(model, ids), original)  # the full gear is the untouched original layer
+
+
+def test_gears_differ_and_flipping_changes_the_next_forward() -> None:
+    model = tiny_llama()
+    ids = _ids()
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, "mlp.down_proj", QuantConfig("minmax", 32))
+    state = gate_model(model, "mlp.down_proj", QuantConfig("minmax", 32))
+
+    full = _logits(model, ids)
+    state.int4 = True
+    int4 = _logits(model, ids)
+    state.int4 = False
+    full_again = _logits(model, ids)
+
+    assert not torch.equal(full, int4)  # weights are not INT4-representable: the gears differ
+    assert (full - int4).abs().max() > 1e-4
+    assert torch.equal(int4, _logits(quantized, ids))  # the INT4 gear is the quantized model
+    assert torch.equal(full_again, full)
+
+
+def test_int4_gear_calls_the_kernel_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama()
+    state = gate_model(model, "mlp.down_proj")
+    launches: list[tuple[int, ...]] = []
+    real = sdsie.kernels.int4_matmul
+
+    def counting(x, w, *args, **kwargs):
+        launches.append(tuple(x.shape))
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(sdsie.kernels, "int4_matmul", counting)
+    ids = _ids()
+    _logits(model, ids)
+    assert (launches, state.full_calls, state.int4_calls) == ([], 2, 0)
+
+    state.int4 = True
+    before = kernel_calls()
+    _logits(model, ids)
+    _logits(model, ids)
+    assert len(launches) == 4 and kernel_calls() == before + 4  # 2 gated layers x 2 forwards
+    assert all(shape[-1] == 64 for shape in launches)  # down_proj inputs: intermediate size
+    assert (state.full_calls, state.int4_calls) == (2, 4)
+    state.reset_counters()
+    assert (state.full_calls, state.int4_calls) == (0, 0)
+
+
+def test_gear_switch_on_representable_weights_changes_nothing_but_the_path() -> None:
+    lin = _representable_linear(24, 64, seed=8)
+    state = GearState()
+    gated = GatedLinear(lin, Int4Linear.from_linear(lin), state)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    full = gated(x)
+    state.int4 = True
+    _assert_fp32_rounding_close(gated(x), full, x, lin.weight)
+    assert (state.full_calls, state.int4_calls) == (1, 1)
+
+
+def test_gated_linear_and_gate_model_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="full layer is 8x32 but the INT4 layer is 8x64"):
+        GatedLinear(_linear(8, 32, seed=0), Int4Linear.from_linear(_linear(8, 64, seed=0)), GearState())
+    model = tiny_llama()
+    gate_model(model, "mlp.down_proj", layers=[0])
+    with pytest.raises(ValueError, match="one GearState per model"):
+        gate_model(model, "self_attn.o_proj")

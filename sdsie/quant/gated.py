@@ -1,0 +1,77 @@
+"""Precision gating: `GatedLinear` layers that switch between the original weights and INT4.
+
+One `GearState` per model is shared by all its `GatedLinear` layers; its `int4` flag is read at
+every forward, so flipping it between two forwards changes which path the second one runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sdsie.quant.calibrate import QuantConfig
+from sdsie.quant.linear import Int4Linear, QuantReport, calibrate_targets, replace_module
+
+__all__ = ["GearState", "GatedLinear", "gate_model"]
+
+
+@dataclass
+class GearState:
+    """The model-wide precision gear and how often each path ran (counted per layer call)."""
+
+    int4: bool = False  # True: gated layers run the INT4 kernel; False: the original layer
+    int4_calls: int = 0
+    full_calls: int = 0
+    report: QuantReport | None = field(default=None, repr=False)  # what gate_model gated
+
+    def reset_counters(self) -> None:
+        self.int4_calls = 0
+        self.full_calls = 0
+
+
+class GatedLinear(nn.Module):
+    """Holds the original `nn.Linear` and its `Int4Linear` copy; `state.int4` picks one per call."""
+
+    def __init__(self, full: nn.Linear, quantized: Int4Linear, state: GearState) -> None:
+        super().__init__()
+        if (full.in_features, full.out_features) != (quantized.in_features, quantized.out_features):
+            raise ValueError(
+                f"GatedLinear: full layer is {full.out_features}x{full.in_features} "
+                f"but the INT4 layer is {quantized.out_features}x{quantized.in_features}"
+            )
+        self.full = full
+        self.quantized = quantized
+        self.state = state
+        self.in_features, self.out_features = full.in_features, full.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        if self.state.int4:
+            self.state.int4_calls += 1
+            return self.quantized(x)
+        self.state.full_calls += 1
+        return self.full(x)
+
+
+def gate_model(
+    model: nn.Module,
+    targets: str | Sequence[str],
+    config: QuantConfig | None = None,
+    layers: Sequence[int] | None = None,
+    calibration_inputs: torch.Tensor | None = None,
+) -> GearState:
+    """Replace the chosen linears by `GatedLinear` sharing one new `GearState` (gear starts full).
+
+    Target selection and calibration as in `sdsie.quant.linear.quantize_model`; the returned
+    state's `report` lists the gated layers and their quantization error.
+    """
+    if any(isinstance(mod, GatedLinear) for mod in model.modules()):
+        raise ValueError("model already has GatedLinear layers: one GearState per model, gate it once")
+    chosen, report = calibrate_targets(model, targets, config, layers, calibration_inputs)
+    state = GearState(report=report)
+    for name, (linear, cal) in chosen.items():
+        replace_module(model, name, GatedLinear(linear, Int4Linear.from_calibrated(cal, linear.bias), state))
+    return state

@@ -1,0 +1,28 @@
+"""Decoding: one engine for the plain loop, fixed-K speculation, and entropy-gated speculation and precision."""
+
+from sdsie.decoding.engine import CycleRecord, DecodeConfig, DecodeStats, Gear, GenerationResult, generate
+from sdsie.decoding.near_tie import Mismatch, NearTieReport, compare_logits, decode_logits, near_tie_report
+from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, sample, select_token
+from sdsie.decoding.verify import greedy_verify, rejection_verify
+
+__all__ = [
+    "GREEDY",
+    "Mismatch",
+    "NearTieReport",
+    "compare_logits",
+    "decode_logits",
+    "near_tie_report",
+    "CycleRecord",
+    "DecodeConfig",
+    "DecodeStats",
+    "Gear",
+    "GenerationResult",
+    "SamplingConfig",
+    "generate",
+    "greedy_verify",
+    "logits_to_probs",
+    "make_generator",
+    "rejection_verify",
+    "sample",
+    "select_token",
+]

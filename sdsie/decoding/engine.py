@@ -1,0 +1,445 @@
+"""The one generation engine: plain decoding, fixed-K speculation, and entropy-gated speculation
+and precision, all through one cycle function.
+
+    generate(target, prompt)                          plain loop (prefill, then one token per cycle)
+    generate(target, prompt, scout=scout)             fixed-K speculative decoding
+    generate(target, prompt, scout=s, clutch=c)       the clutch picks, per cycle, K drafts or a plain step
+    generate(target, prompt, clutch=c, gear=g)        the clutch sets g.int4 before each target forward
+    generate(target, prompt, scout=s, clutch=c, gear=g)   both, from the same clutch
+
+A cycle with K drafts: the scout drafts d1..dK, the target verifies [last, d1..dK] in one forward,
+and the next token comes from those logits at row n_accepted. K = 0 is a plain decoding step, so
+the plain loop is this same code with the scout switched off, not a separate implementation.
+
+KV caches are HF `DynamicCache`s, cropped after each verification. The target's cache always holds
+every token before `last`. The scout's cache may lag behind (it does not run during fallback steps,
+and its K-th draft is never fed back): the first draft forward of a speculate cycle feeds all the
+tokens it is missing together with `last`, in one forward pass, so catching up costs no extra pass.
+
+Each cycle reads the device once (`_to_host`): accepted count, emitted tokens and the entropy of
+every verification row come back together. The clutch reads those entropies (target logits that
+were computed anyway): no extra forward and no extra synchronization.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from sdsie.clutch import EntropyClutch
+from sdsie.decoding.model_io import check_prompt, crop_cache, forward, model_device, new_cache, sync_device, to_host
+from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, select_token
+from sdsie.decoding.verify import greedy_verify, rejection_verify
+from sdsie.entropy import entropy
+from sdsie.models import check_vocab, vocab_size
+
+__all__ = ["CycleRecord", "DecodeConfig", "DecodeStats", "Gear", "GenerationResult", "generate"]
+
+DEFAULT_K = 5
+
+
+class Gear(Protocol):
+    """Anything with a boolean `int4` attribute (sdsie.quant.gated.GearState, or a test double)."""
+
+    int4: bool
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """max_new_tokens counts generated tokens (the prefill's token included).
+
+    k_draft: draft length for fixed-K speculation (default 5). With a clutch, K comes from the clutch
+    (`clutch.k`); k_draft may then be left None or must equal `clutch.config.k_draft`.
+    int4_when_engaged: gear mapping; True = engaged -> INT4, disengaged -> full precision.
+    timing: synchronize the device at every cycle boundary so per-cycle times are exact.
+    """
+
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = GREEDY
+    k_draft: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    int4_when_engaged: bool = True
+    timing: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.k_draft is not None and (
+            not isinstance(self.k_draft, int) or isinstance(self.k_draft, bool) or self.k_draft < 1
+        ):
+            raise ValueError(f"k_draft (K) must be an integer >= 1, got {self.k_draft!r}")
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        if self.eos_token_id is None:
+            return frozenset()
+        if isinstance(self.eos_token_id, int):
+            return frozenset({self.eos_token_id})
+        return frozenset(self.eos_token_id)
+
+
+@dataclass(frozen=True)
+class CycleRecord:
+    """One cycle. engaged: the clutch state that decided it (None without a clutch); k: drafts asked for
+    (0 = plain step); accepted: drafts kept; emitted: tokens appended; entropy: bits of the target
+    distribution behind the last emitted token; ema: clutch EMA after this cycle; gear_int4: the gear
+    during this cycle's target forward (None without a gear); seconds: wall time of the cycle."""
+
+    engaged: bool | None
+    k: int
+    accepted: int
+    emitted: int
+    entropy: float
+    ema: float | None
+    gear_int4: bool | None
+    seconds: float
+
+    @property
+    def speculated(self) -> bool:
+        return self.k > 0
+
+
+@dataclass
+class DecodeStats:
+    """Counters for one run. scout_forwards are draft forwards only (the catch-up tokens ride along in
+    the first draft forward of a cycle and are counted in scout_catchup_tokens)."""
+
+    new_tokens: int = 0
+    cycles: int = 0
+    speculate_cycles: int = 0
+    engaged_cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    scout_forwards: int = 0
+    scout_catchup_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Drafts accepted per speculate cycle (the bonus/corrected token not included)."""
+        return self.accepted / self.speculate_cycles if self.speculate_cycles else None
+
+    @property
+    def fallback_fraction(self) -> float:
+        """Fraction of decode cycles that did not speculate."""
+        return 1.0 - self.speculate_cycles / self.cycles if self.cycles else 0.0
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        """End to end: all new tokens over prefill + decode time."""
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Steady state: tokens produced by decode cycles over decode time (the prefill token excluded)."""
+        return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        derived = (
+            "acceptance_rate",
+            "mean_accepted_length",
+            "fallback_fraction",
+            "tokens_per_s",
+            "decode_tokens_per_s",
+        )
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only
+    stop_reason: str  # "eos" or "max_new_tokens"
+    stats: DecodeStats
+    cycles: list[CycleRecord] = field(default_factory=list)
+    prefill_entropy: float = float("nan")
+    prefill_gear_int4: bool | None = None
+
+    @property
+    def step_seconds(self) -> list[float]:
+        """Wall time per decode cycle (exact with DecodeConfig(timing=True))."""
+        return [c.seconds for c in self.cycles]
+
+    @property
+    def decisions(self) -> str:
+        """One letter per cycle: S = speculated, F = plain/fallback step."""
+        return "".join("S" if c.speculated else "F" for c in self.cycles)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "stop_reason": self.stop_reason,
+            "stats": self.stats.to_dict(),
+            "decisions": self.decisions,
+            "cycles": [asdict(c) for c in self.cycles],
+            "prefill_entropy": self.prefill_entropy,
+            "prefill_gear_int4": self.prefill_gear_int4,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Run state and one cycle
+
+
+@dataclass
+class _Run:
+    target: nn.Module
+    scout: nn.Module | None
+    config: DecodeConfig
+    generator: torch.Generator | None
+    ids: torch.Tensor  # [P + max_new_tokens] on device: prompt then generated tokens
+    length: int  # valid entries of ids; ids[length - 1] is `last`, not yet in the target cache
+    target_cache: Any
+    scout_cache: Any | None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def last(self) -> torch.Tensor:  # [1]
+        return self.ids[self.length - 1 : self.length]
+
+
+def _draft(run: _Run, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scout drafts k tokens after `last` -> (drafts [k], q [k, V] or None when greedy)."""
+    assert run.scout is not None and run.scout_cache is not None
+    feed = run.ids[run.scout_cache.get_seq_length() : run.length]  # [F]: tokens the scout missed, then last
+    run.stats.scout_catchup_tokens += feed.numel() - 1
+    tokens, probs = [], []
+    for _ in range(k):
+        logits = forward(run.scout, feed, run.scout_cache, last_only=True)[-1]  # [V]
+        token, prob = select_token(logits, run.config.sampling, run.generator)
+        tokens.append(token)
+        probs.append(prob)
+        feed = token[None]
+    run.stats.scout_forwards += k
+    q = None if run.config.sampling.greedy else torch.stack(probs)
+    return torch.stack(tokens), q
+
+
+def _verify(run: _Run, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None):
+    """logits: [K+1, V] at [last, d1..dK] -> (n_accepted, next_token), both 0-d on device."""
+    if run.config.sampling.greedy:
+        return greedy_verify(logits, drafts)
+    assert run.generator is not None
+    p = logits_to_probs(logits, run.config.sampling)  # [K+1, V]
+    q = q if q is not None else p[:0]
+    return rejection_verify(p, q, drafts, run.generator)
+
+
+def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int]:
+    """One decode cycle with k drafts (k = 0: a plain step). Returns (emitted tokens, entropy per
+    emitted token, n_accepted); caches are left holding exactly the kept tokens before the new last."""
+    device = run.ids.device
+    if k > 0:
+        drafts, q = _draft(run, k)  # [k], [k, V] | None
+    else:
+        drafts, q = torch.empty(0, dtype=torch.long, device=device), None
+    logits = forward(run.target, torch.cat([run.last, drafts]), run.target_cache, last_only=False)  # [k+1, V]
+    run.stats.target_forwards += 1
+    n_acc, next_token = _verify(run, logits, drafts, q)
+    bits = entropy(logits)  # [k+1]
+    ints, floats = to_host(torch.cat([n_acc[None], drafts, next_token[None]]), bits)
+    n = ints[0]
+    emitted = ints[1 : 1 + n] + [ints[-1]]
+    crop_cache(run.target_cache, run.length + n)
+    if k > 0:
+        assert run.scout_cache is not None
+        crop_cache(run.scout_cache, run.length + min(n, k - 1))
+    return emitted, floats[: n + 1], n
+
+
+# ----------------------------------------------------------------------------------------------------
+# The engine
+
+
+def generate(
+    target: nn.Module,
+    prompt_ids: torch.Tensor | Sequence[int],
+    config: DecodeConfig | None = None,
+    scout: nn.Module | None = None,
+    clutch: EntropyClutch | None = None,
+    gear: Gear | None = None,
+    on_cycle: Callable[[CycleRecord], None] | None = None,
+) -> GenerationResult:
+    """Generate up to config.max_new_tokens after prompt_ids (batch 1).
+
+    Speculation is on when a scout is given (fixed K without a clutch, gated with one); precision
+    gating is on when a gear is given (it needs a clutch). Neither: the plain loop.
+    """
+    config = config if config is not None else DecodeConfig()
+    device = model_device(target)
+    prompt = check_prompt(prompt_ids, vocab_size(target), device)  # [P]
+    k_engaged = _check_setup(target, scout, clutch, gear, config, device)
+    run = _start(target, scout, prompt, config)
+    if clutch is not None:
+        clutch.reset()
+
+    with torch.inference_mode():
+        return _loop(run, prompt.numel(), k_engaged, clutch, gear, on_cycle)
+
+
+def _loop(
+    run: _Run,
+    prompt_len: int,
+    k_engaged: int,
+    clutch: EntropyClutch | None,
+    gear: Gear | None,
+    on_cycle: Callable[[CycleRecord], None] | None,
+) -> GenerationResult:
+    config, stats, eos = run.config, run.stats, run.config.eos_ids
+    device = run.ids.device
+    tokens: list[int] = []
+
+    prefill_gear = _set_gear(gear, clutch, config)
+    sync_device(device)
+    t0 = time.perf_counter()
+    first, h0 = _prefill(run, prompt_len)
+    tokens.append(first)
+    stats.prefill_seconds = time.perf_counter() - t0
+    if clutch is not None:
+        clutch.update(h0)
+    result = GenerationResult(
+        tokens, "eos" if first in eos else "max_new_tokens", stats, prefill_entropy=h0, prefill_gear_int4=prefill_gear
+    )
+
+    while result.stop_reason != "eos" and len(tokens) < config.max_new_tokens:
+        t_start = time.perf_counter()
+        engaged = clutch.engaged if clutch is not None else None
+        k_wanted = k_engaged if (run.scout is not None and engaged is not False) else 0
+        k = min(k_wanted, config.max_new_tokens - len(tokens) - 1)  # never draft past the budget
+        gear_int4 = _set_gear(gear, clutch, config)
+        emitted, bits, n = _cycle(run, k)
+        emitted, bits = _truncate_at_eos(emitted, bits, eos)
+        _append(run, tokens, emitted)
+        if clutch is not None:
+            for h in bits:  # one EMA update per emitted token, from logits already computed
+                clutch.update(h)
+        if emitted[-1] in eos:
+            result.stop_reason = "eos"
+        if config.timing:
+            sync_device(device)
+        record = CycleRecord(
+            engaged,
+            k,
+            n,
+            len(emitted),
+            bits[-1],
+            clutch.ema if clutch else None,
+            gear_int4,
+            time.perf_counter() - t_start,
+        )
+        _count(stats, record)
+        result.cycles.append(record)
+        if on_cycle is not None:
+            on_cycle(record)
+
+    sync_device(device)
+    stats.decode_seconds = sum(c.seconds for c in result.cycles)
+    stats.new_tokens = len(tokens)
+    return result
+
+
+def _prefill(run: _Run, prompt_len: int) -> tuple[int, float]:
+    """Target reads the prompt; the first new token is a plain step from its last logits."""
+    prompt = run.ids[:prompt_len]
+    logits = forward(run.target, prompt, run.target_cache, last_only=True)  # [1, V]
+    run.stats.target_forwards += 1
+    _, token = _verify(run, logits, prompt[:0], None)
+    ints, floats = to_host(token[None], entropy(logits))
+    run.ids[prompt_len] = token
+    run.length = prompt_len + 1
+    return ints[0], floats[0]
+
+
+def _append(run: _Run, tokens: list[int], emitted: list[int]) -> None:
+    run.ids[run.length : run.length + len(emitted)] = torch.tensor(emitted, dtype=torch.long).to(run.ids.device)
+    run.length += len(emitted)
+    tokens.extend(emitted)
+
+
+def _truncate_at_eos(emitted: list[int], bits: list[float], eos: frozenset[int]) -> tuple[list[int], list[float]]:
+    for i, token in enumerate(emitted):
+        if token in eos:
+            return emitted[: i + 1], bits[: i + 1]
+    return emitted, bits
+
+
+def _count(stats: DecodeStats, record: CycleRecord) -> None:
+    stats.cycles += 1
+    stats.engaged_cycles += int(bool(record.engaged))
+    if record.speculated:
+        stats.speculate_cycles += 1
+        stats.drafted += record.k
+        stats.accepted += record.accepted
+
+
+def _set_gear(gear: Gear | None, clutch: EntropyClutch | None, config: DecodeConfig) -> bool | None:
+    """Set the gear from the clutch state before a target forward; returns the gear used."""
+    if gear is None or clutch is None:
+        return None
+    gear.int4 = clutch.engaged == config.int4_when_engaged
+    return gear.int4
+
+
+# ----------------------------------------------------------------------------------------------------
+# Setup and input checks
+
+
+def _start(target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, config: DecodeConfig) -> _Run:
+    device = prompt.device
+    ids = torch.empty(prompt.numel() + config.max_new_tokens, dtype=torch.long, device=device)  # [P + N]
+    ids[: prompt.numel()] = prompt
+    generator = None if config.sampling.greedy else make_generator(config.sampling, device)
+    return _Run(
+        target,
+        scout,
+        config,
+        generator,
+        ids,
+        prompt.numel(),
+        new_cache(target),
+        new_cache(scout) if scout is not None else None,
+    )
+
+
+def _check_setup(
+    target: nn.Module,
+    scout: nn.Module | None,
+    clutch: EntropyClutch | None,
+    gear: Gear | None,
+    config: DecodeConfig,
+    device: torch.device,
+) -> int:
+    """Validate the combination of switches; returns K for an engaged (or ungated) speculate cycle."""
+    if gear is not None and clutch is None:
+        raise ValueError("a gear needs a clutch to drive it: pass clutch=EntropyClutch(...)")
+    if gear is not None and not isinstance(getattr(gear, "int4", None), bool):
+        raise ValueError(f"gear must have a bool attribute 'int4', got {type(gear).__name__}")
+    if clutch is not None and scout is None and gear is None:
+        raise ValueError("a clutch with neither a scout nor a gear would gate nothing; pass scout= and/or gear=")
+    if scout is None:
+        return 0
+    check_vocab(target, scout)
+    if model_device(scout) != device:
+        raise ValueError(f"scout is on {model_device(scout)} but target is on {device}; put both on one device")
+    if clutch is None:
+        return config.k_draft if config.k_draft is not None else DEFAULT_K
+    if config.k_draft is not None and config.k_draft != clutch.config.k_draft:
+        raise ValueError(
+            f"K is ambiguous: DecodeConfig.k_draft={config.k_draft} but clutch.config.k_draft="
+            f"{clutch.config.k_draft}; with a clutch, K comes from the clutch"
+        )
+    return clutch.config.k_draft

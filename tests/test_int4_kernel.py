@@ -7,8 +7,9 @@ The reference dequantizes the *unpacked integer codes* (sdsie.kernels.reference)
 tests measure kernel error only, never quantization error.
 
 Tolerance, elementwise, stated once:
-    |y - ref| <= eps(dtype) * |ref| + 2**-20 * sqrt(K) * mag,   mag = |x| @ (16 * s_full).T
-The first term is the rounding of the output to its dtype (half an ulp, doubled for margin);
+    |y - ref| <= eps(dtype) * |ref| + tiny(dtype) + 2**-20 * sqrt(K) * mag,   mag = |x| @ (16 * s_full).T
+The first term is the rounding of the output to its dtype (half an ulp, doubled for margin), the
+second the same below the normal range (fp16 subnormals are spaced 2**-24);
 the second bounds fp32 accumulation, which grows with sqrt(K) for random-signed terms; 16 * s
 bounds |(q - z) * s| and the folded form s * (sum q x - z sum x).
 """
@@ -27,6 +28,8 @@ from sdsie.quant.format import Int4Weight, pack_int4
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+# absolute rounding floor: fp16's subnormal spacing is 2**-24 (bf16/fp32 share fp32's exponent range)
+TINY = {torch.float32: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}
 # sizes that are 1, primes, and non-multiples of every block size the kernel uses
 DIM_SIZES = st.sampled_from([1, 2, 3, 7, 13, 31, 33, 64, 97, 127, 129, 200, 257])
 K_SIZES = st.sampled_from([1, 2, 3, 11, 31, 32, 33, 64, 100, 127, 128, 129, 255, 256, 300, 513])
@@ -57,7 +60,7 @@ def tolerance(x: torch.Tensor, w: Int4Weight, ref: torch.Tensor, dtype: torch.dt
     col_group = torch.arange(k, device=w.scales.device) // w.group_size
     s_full = w.scales.double()[col_group].T.to(x.device)  # [N, K]
     mag = x.double().abs() @ (16.0 * s_full).T
-    return EPS[dtype] * ref.abs() + 2.0**-20 * math.sqrt(k) * mag
+    return EPS[dtype] * ref.abs() + TINY[dtype] + 2.0**-20 * math.sqrt(k) * mag
 
 
 def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, w: Int4Weight) -> None:

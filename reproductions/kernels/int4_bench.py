@@ -131,11 +131,13 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     auto = select_config(case.m, case.n, case.k, x.device)
     out["auto_config"] = asdict(auto)
     record("int4", lambda: int4_matmul(x, w))
+    out["configs"] = {}
     for cfg in configs or []:
         if (cfg.block_m == 1) != (case.m == 1):
             continue
-        record(f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}]",
-               lambda cfg=cfg: int4_matmul(x, w, config=cfg))
+        name = f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}]"
+        out["configs"][name] = asdict(cfg)
+        record(name, lambda cfg=cfg: int4_matmul(x, w, config=cfg))
     moved = bytes_moved_int4(w, case.m)
     out["bytes_int4"] = moved
     out["bytes_bf16"] = bytes_moved_bf16(case.n, case.k, case.m)
@@ -191,7 +193,7 @@ def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window
 def sweep_configs() -> list[Int4KernelConfig]:
     """A wider grid than the shipped candidates, for tuning runs (--sweep)."""
     cfgs = []
-    for bn in (16, 32, 64, 128):
+    for bn in (16, 32, 64):
         for bk in (256, 512, 1024):
             for sk in (1, 2, 4, 8):
                 if bn * bk // 2 > 32768:
@@ -220,7 +222,7 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
     results = []
     for c in cases:
         if sweep:
-            tune = c.group == 128 and c.m in (1, 16)
+            tune = c.m == 1 or (c.m == 16 and c.group == 128)
             r = latency_case(c, gen, device, copy_gbs, configs if tune else [], rep_ms=40)
         else:
             r = latency_case(c, gen, device, copy_gbs, list(candidate_configs()))
@@ -243,6 +245,10 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
             print(f"energy {shape}: bf16 {e['bf16_power_w']:.0f} W {e['bf16_uj_per_call']:.1f} uJ/call, "
                   f"int4 {e['int4_power_w']:.0f} W {e['int4_uj_per_call']:.1f} uJ/call", flush=True)
     summary = summarize(results, energy_results, copy_gbs)
+    if sweep:
+        table = best_configs(results)
+        summary["tuned"] = table
+        (out_dir / "tuned_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True))
     summary["energy_skipped"] = None if (energy and ok) else why
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}, indent=1))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -265,6 +271,22 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
         summary["record"] = str(path)
         print("record:", path)
     return summary
+
+
+def best_configs(results: list[dict]) -> dict:
+    """{device: {tuned_key: config}} from a sweep: the fastest correct configuration per case."""
+    from sdsie.kernels.int4_gemm import tuned_key
+
+    table = {}
+    for r in results:
+        c = r["case"]
+        timed = [(r["median_us"][name], name) for name in r.get("configs", {}) if r["errors"][name] < 2e-2]
+        if not timed:
+            continue
+        best = min(timed)[1]
+        g = c["group"] if c["group"] is not None else c["k"]
+        table[tuned_key(c["m"], c["n"], c["k"], g)] = r["configs"][best]
+    return {torch.cuda.get_device_name(): table}
 
 
 def geomean(xs: list[float]) -> float:

@@ -20,8 +20,12 @@ resets afterwards) reduces them and writes y: one launch, no zero-initialised bu
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -40,15 +44,61 @@ _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _load_codes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB: tl.constexpr):
-    """Load a [BLOCK_N, BLOCK_KB] byte tile and split it into low/high nibbles (fp32)."""
+def _codes_f32(q):
+    """INT4 codes (int32 in [0, 15]) to exact fp32 without an I2F conversion: OR the code into the
+    mantissa of 2**23 and subtract 2**23. Conversions run at a quarter of the FMA rate on Hopper and
+    were the v1 GEMV's bottleneck (reproductions/kernels/NOTES.md)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _codes_16(b, DOT_DTYPE: tl.constexpr):
+    """Low/high nibbles of uint8 bytes as 16 + q in fp16/bf16 (exact), built with integer ops only.
+
+    16 + q lies in [16, 32) where fp16 steps by 2**-6 and bf16 by 2**-3, so q is shifted into the
+    mantissa of 16.0 (fp16 0x4C00, bf16 0x4180). The +16 is folded out with sum(x) by the caller."""
+    b16 = b.to(tl.int16)
+    if DOT_DTYPE == tl.float16:
+        lo = ((b16 & 0xF) << 6) | 0x4C00
+        hi = ((b16 & 0xF0) << 2) | 0x4C00
+    else:
+        lo = ((b16 & 0xF) << 3) | 0x4180
+        hi = ((b16 & 0xF0) >> 1) | 0x4180
+    return lo.to(DOT_DTYPE, bitcast=True), hi.to(DOT_DTYPE, bitcast=True)
+
+
+@triton.jit
+def _load_bytes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB: tl.constexpr):
+    """A [BLOCK_N, BLOCK_KB] tile of packed bytes (two codes each) starting at column k0."""
     offs_b = k0 // 2 + tl.arange(0, BLOCK_KB)  # [BKB] byte columns
+    offs_b = tl.max_contiguous(tl.multiple_of(offs_b, BLOCK_KB), BLOCK_KB)
     mask = (offs_n[:, None] < N) & (offs_b[None, :] < KB)
     ptrs = qw_ptr + offs_n[:, None] * stride_qn + offs_b[None, :]
-    b = tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")  # [BN, BKB] uint8
-    lo = (b & 0xF).to(tl.float32)  # codes of even k
-    hi = (b >> 4).to(tl.float32)  # codes of odd k
-    return lo, hi
+    return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")  # [BN, BKB] uint8
+
+
+@triton.jit
+def _gemv_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
+               PER_COL: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Products of one weight tile with x, summed over the codes each column holds.
+
+    Columns are int32 words (PER_COL = 8 codes) when K % 8 == 0, else bytes (PER_COL = 2).
+    Returns prod [BN, BLOCK_COLS] and xcol [BLOCK_COLS] (the sum of x over each column's codes).
+    """
+    offs_c = k0 // PER_COL + tl.arange(0, BLOCK_COLS)  # [BC]
+    offs_c = tl.max_contiguous(tl.multiple_of(offs_c, BLOCK_COLS), BLOCK_COLS)
+    mask = n_mask[:, None] & (offs_c[None, :] < NCOLS)
+    raw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_c[None, :], mask=mask, other=0,
+                  eviction_policy="evict_first").to(tl.int32)  # [BN, BC]
+    kc = offs_c * PER_COL  # [BC] first k of each column
+    prod = tl.zeros([offs_n.shape[0], BLOCK_COLS], tl.float32)
+    xcol = tl.zeros([BLOCK_COLS], tl.float32)
+    for i in tl.static_range(PER_COL):
+        xi = tl.load(x_row + (kc + i) * stride_xk, mask=kc + i < K, other=0.0,
+                     eviction_policy="evict_last").to(tl.float32)  # [BC]
+        prod += _codes_f32((raw >> (4 * i)) & 0xF) * xi[None, :]
+        xcol += xi
+    return prod, xcol
 
 
 @triton.jit
@@ -89,55 +139,51 @@ def _store_or_reduce(acc, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
-    M, N, K, KB, G, k_per_split,
+    M, N, K, NCOLS, G, k_per_split,
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PER_COL: tl.constexpr,
 ):
-    # grid: (cdiv(N, BLOCK_N), SPLIT_K, M); one program = BLOCK_N outputs of one row over one K split
+    # grid: (cdiv(N, BLOCK_N), SPLIT_K, M); one program = BLOCK_N outputs of one row over one K split.
+    # qw is viewed as int32 words (PER_COL = 8 codes per column) or bytes (PER_COL = 2).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    BLOCK_KB: tl.constexpr = BLOCK_K // 2
+    BLOCK_COLS: tl.constexpr = BLOCK_K // PER_COL
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
-    offs_j = tl.arange(0, BLOCK_KB)  # [BKB]
     x_row = x_ptr + pid_m * stride_xm
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split  # may overshoot K in the last split: loads are masked
 
-    acc = tl.zeros([BLOCK_N], tl.float32)  # scaled partial dot products
-    qx = tl.zeros([BLOCK_N], tl.float32)  # per-channel only: sum q*x before scaling
-    xs = tl.zeros([1], tl.float32)  # per-channel only: sum x
+    # Accumulate elementwise and reduce across threads once at the end, not every iteration.
+    acc = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)  # scaled (or, per channel, raw) products
+    xs = tl.zeros([BLOCK_COLS], tl.float32)  # per channel only: sum of x
     for k0 in range(k_begin, k_end, BLOCK_K):
-        lo, hi = _load_codes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB)
-        ke = k0 + 2 * offs_j  # [BKB] even columns
-        xe = tl.load(x_row + ke * stride_xk, mask=ke < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        xo = tl.load(x_row + (ke + 1) * stride_xk, mask=ke + 1 < K, other=0.0,
-                     eviction_policy="evict_last").to(tl.float32)
-        prod = lo * xe[None, :] + hi * xo[None, :]  # [BN, BKB]
+        prod, xcol = _gemv_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
+                                PER_COL, BLOCK_COLS)
         if PER_CHANNEL:
-            qx += tl.sum(prod, axis=1)
-            xs += tl.sum(xe + xo, axis=0)
-        elif BLOCK_K <= GROUP:
-            # the whole tile lies in one group
+            acc += prod
+            xs += xcol
+        elif BLOCK_K <= GROUP:  # the whole tile lies in one group: per-row scale and zero
             s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)
-            acc += s * (tl.sum(prod, axis=1) - z * tl.sum(xe + xo, axis=0))
-        else:
-            # the tile spans TG groups: reduce each group separately
+            acc += s[:, None] * prod - (s * z)[:, None] * xcol[None, :]
+        else:  # the tile spans TG groups of GROUP // PER_COL columns each
             TG: tl.constexpr = BLOCK_K // GROUP
-            part = tl.sum(tl.reshape(prod, [BLOCK_N, TG, GROUP // 2]), axis=2)  # [BN, TG]
-            xg = tl.sum(tl.reshape(xe + xo, [TG, GROUP // 2]), axis=1)  # [TG]
+            GC: tl.constexpr = GROUP // PER_COL
             g = k0 // GROUP + tl.arange(0, TG)  # [TG]
             gmask = n_mask[:, None] & (g[None, :] < G)
-            s, z = _load_group_params(s_ptr, z_ptr, g[None, :], offs_n[:, None], gmask, N, HAS_ZEROS)
-            acc += tl.sum(s * (part - z * xg[None, :]), axis=1)
+            s, z = _load_group_params(s_ptr, z_ptr, g[None, :], offs_n[:, None], gmask, N, HAS_ZEROS)  # [BN, TG]
+            s_c = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
+            sz_c = tl.reshape(tl.broadcast_to((s * z)[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
+            acc += s_c * prod - sz_c * xcol[None, :]
+    out = tl.sum(acc, axis=1)  # [BN]
     if PER_CHANNEL:
         s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)
-        acc = s * (qx - z * xs)
+        out = s * (out - z * tl.sum(xs, axis=0))
 
     offs_m = pid_m + tl.arange(0, 1)
-    _store_or_reduce(acc[None, :], y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
+    _store_or_reduce(out[None, :], y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
                      pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
 
 
@@ -148,7 +194,7 @@ def _int4_gemm_kernel(
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
+    DOT_IEEE: tl.constexpr, IS_FP32: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL
     pid_n = tl.program_id(0)
@@ -158,7 +204,6 @@ def _int4_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
-    offs_j = tl.arange(0, BLOCK_KB)  # [BKB]
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split  # may overshoot K in the last split: loads are masked
     dot_dtype = x_ptr.dtype.element_ty
@@ -167,20 +212,28 @@ def _int4_gemm_kernel(
     qx = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # per-channel only
     xs = tl.zeros([BLOCK_M], tl.float32)  # per-channel only
     for k0 in range(k_begin, k_end, BLOCK_K):
-        lo, hi = _load_codes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB)
-        ke = k0 + 2 * offs_j  # [BKB]
+        b = _load_bytes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB)  # [BN, BKB]
+        ke = k0 + 2 * tl.arange(0, BLOCK_KB)  # [BKB] even columns
         x_base = x_ptr + offs_m[:, None] * stride_xm
         m_mask = offs_m[:, None] < M
         xe = tl.load(x_base + ke[None, :] * stride_xk, mask=m_mask & (ke[None, :] < K), other=0.0)
         xo = tl.load(x_base + (ke[None, :] + 1) * stride_xk, mask=m_mask & (ke[None, :] + 1 < K), other=0.0)
-        # codes 0..15 are exact in fp16/bf16; fp32 activations use an IEEE (not tf32) dot
-        if DOT_IEEE:
-            part = tl.dot(xe.to(tl.float32), tl.trans(lo), input_precision="ieee")
-            part = tl.dot(xo.to(tl.float32), tl.trans(hi), part, input_precision="ieee")  # [BM, BN]
-        else:
-            part = tl.dot(xe, tl.trans(lo.to(dot_dtype)))
-            part = tl.dot(xo, tl.trans(hi.to(dot_dtype)), part)  # [BM, BN]
         xsum = tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1)  # [BM]
+        if IS_FP32:  # exact codes q (offset 0), fp32 IEEE dot
+            bi = b.to(tl.int32)
+            lo = _codes_f32(bi & 0xF)
+            hi = _codes_f32(bi >> 4)
+            part = tl.dot(xe, tl.trans(lo), input_precision="ieee")
+            part = tl.dot(xo, tl.trans(hi), part, input_precision="ieee")  # [BM, BN]
+        else:  # 16 + q in the activation dtype
+            lo, hi = _codes_16(b, dot_dtype)
+            if DOT_IEEE:  # the interpreter's bf16 dot is broken: same codes, fp32 dot
+                part = tl.dot(xe.to(tl.float32), tl.trans(lo.to(tl.float32)), input_precision="ieee")
+                part = tl.dot(xo.to(tl.float32), tl.trans(hi.to(tl.float32)), part, input_precision="ieee")
+            else:
+                part = tl.dot(xe, tl.trans(lo))
+                part = tl.dot(xo, tl.trans(hi), part)  # [BM, BN]
+            part = part - 16.0 * xsum[:, None]  # fold out the +16 of the codes
         if PER_CHANNEL:
             qx += part
             xs += xsum
@@ -238,9 +291,31 @@ _GEMM_CONFIGS = (
 )
 
 
+TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
+
+
+@functools.cache
+def _tuned_table() -> dict[str, dict[str, Int4KernelConfig]]:
+    """Per-GPU, per-shape configurations measured by `reproductions/kernels/int4_bench.py --sweep`.
+
+    {device name: {"m1|N|K|group": config, "m16|N|K|group": config}}; group is "pc" per channel.
+    """
+    if not TUNED_PATH.exists():
+        return {}
+    raw = json.loads(TUNED_PATH.read_text())
+    return {dev: {key: Int4KernelConfig(**cfg) for key, cfg in table.items()} for dev, table in raw.items()}
+
+
+def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
+    bucket = "m1" if m == 1 else "m16"
+    return f"{bucket}|{n}|{k}|{'pc' if group_size >= k else group_size}"
+
+
 def candidate_configs() -> tuple[Int4KernelConfig, ...]:
-    """Every configuration `select_config` can pick."""
-    return _GEMV_CONFIGS + _GEMM_CONFIGS
+    """Every configuration `select_config` can pick (heuristic candidates and tuned entries)."""
+    tuned = {cfg for table in _tuned_table().values() for cfg in table.values()}
+    base = _GEMV_CONFIGS + _GEMM_CONFIGS
+    return base + tuple(sorted(tuned - set(base), key=lambda c: dataclasses.astuple(c)))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -249,8 +324,14 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter has no SMs; pick as for an H200 so CPU tests cover the same paths
 
 
-def select_config(m: int, n: int, k: int, device: torch.device) -> Int4KernelConfig:
-    """Pick a launch configuration: enough programs to fill the GPU, fewest splits that do."""
+def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None) -> Int4KernelConfig:
+    """The tuned configuration for this GPU and shape if one was measured (M <= 16), else the
+    heuristic: enough programs to fill the GPU, the fewest splits that do."""
+    if device.type == "cuda" and m <= 16:
+        table = _tuned_table().get(torch.cuda.get_device_name(device), {})
+        cfg = table.get(tuned_key(m, n, k, group_size if group_size is not None else k))
+        if cfg is not None:
+            return cfg
     sms = _num_sms(device)
     if m == 1:
         cands = _GEMV_CONFIGS
@@ -328,7 +409,7 @@ def int4_matmul(
         y = out
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
-    cfg = config or select_config(m, n, k, x.device)
+    cfg = config or select_config(m, n, k, x.device, w.group_size)
     if (cfg.block_m == 1) != (m == 1):
         raise ValueError(f"config {cfg} does not fit M={m}: block_m == 1 is the GEMV kernel for M == 1 only")
     per_channel = w.group_size >= k
@@ -354,16 +435,23 @@ def int4_matmul(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    args = (x2, w.qweight, w.scales, zeros, y, ws, locks, m, n, k, w.qweight.shape[1], w.n_groups, k_per_split,
-            x2.stride(0), x2.stride(1), w.qweight.stride(0), y.stride(0))
     if cfg.block_m == 1:
-        _int4_gemv_kernel[grid](*args, **common)
+        # GEMV: read whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
+        qw = w.qweight
+        words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
+        qw = qw.view(torch.int32) if words else qw
+        _int4_gemv_kernel[grid](
+            x2, qw, w.scales, zeros, y, ws, locks, m, n, k, qw.shape[1], w.n_groups, k_per_split,
+            x2.stride(0), x2.stride(1), qw.stride(0), y.stride(0), PER_COL=8 if words else 2, **common)
     else:
+        args = (x2, w.qweight, w.scales, zeros, y, ws, locks, m, n, k, w.qweight.shape[1], w.n_groups,
+                k_per_split, x2.stride(0), x2.stride(1), w.qweight.stride(0), y.stride(0))
         # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
         # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use
         # the tensor cores. Everything else in the kernel is the same code on both.
         dot_ieee = x.dtype == torch.float32 or _interpreting()
-        _int4_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, **common)
+        _int4_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, IS_FP32=x.dtype == torch.float32,
+                                **common)
     _CALLS["n"] += 1
     return y.reshape(*lead, n)
 

@@ -15,7 +15,7 @@ from torch import nn
 from sdsie.quant.calibrate import QuantConfig
 from sdsie.quant.linear import Int4Linear, QuantReport, calibrate_targets, replace_module
 
-__all__ = ["GearState", "GatedLinear", "gate_model"]
+__all__ = ["GearState", "GatedLinear", "build_gated_layers", "gate_model"]
 
 
 @dataclass
@@ -56,6 +56,26 @@ class GatedLinear(nn.Module):
         return self.full(x)
 
 
+def build_gated_layers(
+    model: nn.Module,
+    targets: str | Sequence[str],
+    config: QuantConfig | None = None,
+    layers: Sequence[int] | None = None,
+    calibration_inputs: torch.Tensor | None = None,
+) -> tuple[GearState, dict[str, GatedLinear]]:
+    """Calibrate the chosen linears and wrap each in a `GatedLinear` sharing one new `GearState`.
+
+    The model is not changed: install a layer with `replace_module(model, name, gated[name])`.
+    """
+    chosen, report = calibrate_targets(model, targets, config, layers, calibration_inputs)
+    state = GearState(report=report)
+    gated = {
+        name: GatedLinear(linear, Int4Linear.from_calibrated(cal, linear.bias), state)
+        for name, (linear, cal) in chosen.items()
+    }
+    return state, gated
+
+
 def gate_model(
     model: nn.Module,
     targets: str | Sequence[str],
@@ -70,8 +90,7 @@ def gate_model(
     """
     if any(isinstance(mod, GatedLinear) for mod in model.modules()):
         raise ValueError("model already has GatedLinear layers: one GearState per model, gate it once")
-    chosen, report = calibrate_targets(model, targets, config, layers, calibration_inputs)
-    state = GearState(report=report)
-    for name, (linear, cal) in chosen.items():
-        replace_module(model, name, GatedLinear(linear, Int4Linear.from_calibrated(cal, linear.bias), state))
+    state, gated = build_gated_layers(model, targets, config, layers, calibration_inputs)
+    for name, module in gated.items():
+        replace_module(model, name, module)
     return state

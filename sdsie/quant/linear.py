@@ -24,6 +24,7 @@ __all__ = [
     "QuantReport",
     "calibrate_targets",
     "capture_linear_inputs",
+    "layer_index",
     "quantize_model",
     "replace_module",
     "select_linears",
@@ -100,7 +101,8 @@ class Int4Linear(nn.Module):
 # --- target selection ---------------------------------------------------------------------------
 
 
-def _layer_index(name: str) -> int | None:
+def layer_index(name: str) -> int | None:
+    """The decoder-layer index i of a module named like '...layers.{i}....', else None."""
     match = _LAYER_INDEX.search(name)
     return None if match is None else int(match.group(1))
 
@@ -127,11 +129,11 @@ def select_linears(model: nn.Module, targets: str | Sequence[str], layers: Seque
     wanted = list(layers)
     if not wanted or not all(isinstance(i, int) and i >= 0 for i in wanted):
         raise ValueError(f"layers must be a non-empty list of non-negative ints, got {layers!r}")
-    found = {_layer_index(name) for name in chosen}
+    found = {layer_index(name) for name in chosen}
     missing = sorted(set(wanted) - found)
     if missing:
         raise ValueError(f"layer indices {missing} match none of the targeted modules {patterns}")
-    return [name for name in chosen if _layer_index(name) in set(wanted)]
+    return [name for name in chosen if layer_index(name) in set(wanted)]
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:

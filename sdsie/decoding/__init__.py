@@ -3,15 +3,21 @@
 from sdsie.decoding.engine import CycleRecord, DecodeConfig, DecodeStats, Gear, GenerationResult, generate
 from sdsie.decoding.near_tie import Mismatch, NearTieReport, compare_logits, decode_logits, near_tie_report
 from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, sample, select_token
+from sdsie.decoding.sweeps import RunSummary, SweepEntry, SweepResult, clutch_grid, sweep
 from sdsie.decoding.verify import greedy_verify, rejection_verify
 
 __all__ = [
     "GREEDY",
     "Mismatch",
     "NearTieReport",
+    "RunSummary",
+    "SweepEntry",
+    "SweepResult",
+    "clutch_grid",
     "compare_logits",
     "decode_logits",
     "near_tie_report",
+    "sweep",
     "CycleRecord",
     "DecodeConfig",
     "DecodeStats",

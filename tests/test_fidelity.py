@@ -38,7 +38,8 @@ def _make_down_proj_representable(model: nn.Module, group: int, seed: int = 0) -
         codes[:, 0::group], codes[:, 1::group] = 0, 15
         scales = torch.full((1, n), 2.0**-4)  # [G=1, N]
         zeros = torch.randint(0, 16, (1, n), generator=gen).float()
-        lin.weight.data = Int4Weight(pack_int4(codes), scales, zeros, k, k).dequantize(torch.float32)
+        exact = Int4Weight(pack_int4(codes), scales, zeros, k, k).dequantize(torch.float32)
+        lin.weight.data = exact.to(lin.weight.device)
 
 
 # --- the sweep ----------------------------------------------------------------------------------
@@ -56,10 +57,14 @@ def test_zero_gated_layers_match_the_baseline_exactly_and_restore_the_model() ->
         assert p.gated_tokens == p.baseline_tokens and len(p.baseline_tokens) == 5
     assert not any(isinstance(m, GatedLinear) for m in model.modules())
     assert torch.equal(_logits(model), before)
+    metrics = result.metrics()
+    assert metrics["fidelity.layers_0.p1.match_pct"] == metrics["fidelity.per-channel.layers_0.p1.match_pct"] == 100.0
+    assert metrics["fidelity.layers_0.p1.first_divergence"] == 5.0  # no divergence: reported as the length
+    assert "| per-channel | 0 | - | 100.0%, no divergence | 100.0%, no divergence |" in result.table()
 
 
-def test_exactly_representable_weights_match_the_baseline_for_every_scheme() -> None:
-    model = tiny_llama()
+def test_exactly_representable_weights_match_the_baseline_for_every_scheme(kernel_device: torch.device) -> None:
+    model = tiny_llama().to(kernel_device)
     _make_down_proj_representable(model, group=32)
     cfg = FidelityConfig(layer_counts=(ALL,), group_size=32, max_new_tokens=4)
     result = fidelity_sweep(model, {"p0": PROMPTS["p0"]}, cfg)
@@ -72,8 +77,8 @@ def test_exactly_representable_weights_match_the_baseline_for_every_scheme() -> 
         assert (p.match_pct, p.first_divergence) == (100.0, None), (cell.scheme, p)
 
 
-def test_groupwise_sqnr_at_least_per_channel_and_the_gear_acts() -> None:
-    model = tiny_llama(seed=3)
+def test_groupwise_sqnr_at_least_per_channel_and_the_gear_acts(kernel_device: torch.device) -> None:
+    model = tiny_llama(seed=3).to(kernel_device)
     cfg = FidelityConfig(schemes=("per-channel", "group"), layer_counts=(ALL,), group_size=32, max_new_tokens=2)
     per_channel, group = fidelity_sweep(model, {"p0": PROMPTS["p0"]}, cfg).cells
     assert per_channel.modules == group.modules == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]

@@ -23,7 +23,7 @@ from sdsie.quant.linear import Int4Linear, quantize_model, select_linears
 VOCAB = 64
 
 
-def tiny_llama(seed: int = 0, bias: bool = False) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, bias: bool = False, device: torch.device | str = "cpu") -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=VOCAB,
@@ -37,11 +37,12 @@ def tiny_llama(seed: int = 0, bias: bool = False) -> LlamaForCausalLM:
         attention_bias=bias,
         initializer_range=0.2,
     )
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(cfg).to(device).eval()
 
 
-def _ids(seed: int = 1, length: int = 6) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))  # [B, S]
+def _ids(device: torch.device | str = "cpu", seed: int = 1, length: int = 6) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (1, length), generator=gen).to(device)  # [B, S]
 
 
 @torch.no_grad()
@@ -107,28 +108,28 @@ def test_int4_linear_applies_awq_input_scale(kernel_device: torch.device) -> Non
     _assert_fp32_rounding_close(q(x), x.double() @ q.effective_weight().T + lin.bias.double(), x, q.effective_weight())
 
 
-def test_int4_linear_forward_launches_the_kernel_once() -> None:
-    q = Int4Linear.from_linear(_linear(8, 32, seed=0))
+def test_int4_linear_forward_launches_the_kernel_once(kernel_device: torch.device) -> None:
+    q = Int4Linear.from_linear(_linear(8, 32, seed=0).to(kernel_device))
     before = kernel_calls()
-    q(torch.randn(2, 32))
+    q(torch.randn(2, 32, device=kernel_device))
     assert kernel_calls() == before + 1
 
 
-def test_int4_linear_on_representable_weights_is_the_float_layer() -> None:
-    lin = _representable_linear(16, 40, seed=4)
+def test_int4_linear_on_representable_weights_is_the_float_layer(kernel_device: torch.device) -> None:
+    lin = _representable_linear(16, 40, seed=4).to(kernel_device)
     q = Int4Linear.from_linear(lin)
     assert torch.equal(q.effective_weight(torch.float32), lin.weight)
-    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(5)).to(kernel_device)
     _assert_fp32_rounding_close(q(x), lin(x), x, lin.weight)
 
 
-def test_int4_linear_state_dict_round_trip_and_dtype_move() -> None:
-    lin = _linear(8, 64, seed=6)
+def test_int4_linear_state_dict_round_trip_and_dtype_move(kernel_device: torch.device) -> None:
+    lin = _linear(8, 64, seed=6).to(kernel_device)
     q = Int4Linear.from_linear(lin, QuantConfig("minmax", 32))
     assert set(q.state_dict()) == {"qweight", "scales", "zeros", "bias"}
-    other = Int4Linear.from_linear(_linear(8, 64, seed=7), QuantConfig("minmax", 32))
+    other = Int4Linear.from_linear(_linear(8, 64, seed=7).to(kernel_device), QuantConfig("minmax", 32))
     other.load_state_dict(q.state_dict())
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, device=kernel_device)
     assert torch.equal(other(x), q(x))
     q.to(torch.bfloat16)
     assert q.int4_weight.scales is q.scales and q.scales.dtype == torch.bfloat16
@@ -159,8 +160,8 @@ def _dequantized_copy(model: nn.Module, quantized: nn.Module) -> nn.Module:
     return ref
 
 
-def test_quantize_model_replaces_targets_and_computes_the_dequantized_model() -> None:
-    model = tiny_llama(bias=True)
+def test_quantize_model_replaces_targets_and_computes_the_dequantized_model(kernel_device: torch.device) -> None:
+    model = tiny_llama(bias=True, device=kernel_device)
     quantized = copy.deepcopy(model)
     report = quantize_model(quantized, "mlp.down_proj", QuantConfig("minmax", 32))
     assert report.names == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
@@ -168,7 +169,7 @@ def test_quantize_model_replaces_targets_and_computes_the_dequantized_model() ->
         assert isinstance(mod, Int4Linear) == (name in report.names)
     assert all(rep.weight_sqnr_db > 10 for rep in report.layers)
     assert "model.layers.1.mlp.down_proj" in report.table()
-    ids = _ids()
+    ids = _ids(kernel_device)
     y_q, y_ref = _logits(quantized, ids), _logits(_dequantized_copy(model, quantized), ids)
     torch.testing.assert_close(y_q, y_ref, rtol=1e-4, atol=1e-4)
     assert not torch.equal(y_q, _logits(model, ids))  # the weights really changed
@@ -182,11 +183,12 @@ def test_quantize_model_by_layer_index_and_several_patterns() -> None:
     assert isinstance(model.model.layers[1].self_attn.o_proj, Int4Linear)
 
 
-def test_quantize_model_awq_uses_captured_activations() -> None:
-    model = tiny_llama()
-    report = quantize_model(model, "mlp.down_proj", QuantConfig("awq", 32), calibration_inputs=_ids(length=12))
+def test_quantize_model_awq_uses_captured_activations(kernel_device: torch.device) -> None:
+    model = tiny_llama(device=kernel_device)
+    calib = _ids(kernel_device, length=12)
+    report = quantize_model(model, "mlp.down_proj", QuantConfig("awq", 32), calibration_inputs=calib)
     assert all(rep.alpha is not None and rep.output_sqnr_db is not None for rep in report.layers)
-    assert torch.isfinite(_logits(model, _ids())).all()
+    assert torch.isfinite(_logits(model, _ids(kernel_device))).all()
 
 
 @pytest.mark.parametrize(
@@ -226,9 +228,9 @@ def test_gate_model_shares_one_gear_state_and_starts_full_precision() -> None:
     assert torch.equal(_logits(model, ids), original)  # the full gear is the untouched original layer
 
 
-def test_gears_differ_and_flipping_changes_the_next_forward() -> None:
-    model = tiny_llama()
-    ids = _ids()
+def test_gears_differ_and_flipping_changes_the_next_forward(kernel_device: torch.device) -> None:
+    model = tiny_llama(device=kernel_device)
+    ids = _ids(kernel_device)
     quantized = copy.deepcopy(model)
     quantize_model(quantized, "mlp.down_proj", QuantConfig("minmax", 32))
     state = gate_model(model, "mlp.down_proj", QuantConfig("minmax", 32))
@@ -245,8 +247,8 @@ def test_gears_differ_and_flipping_changes_the_next_forward() -> None:
     assert torch.equal(full_again, full)
 
 
-def test_int4_gear_calls_the_kernel_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_llama()
+def test_int4_gear_calls_the_kernel_and_counts(kernel_device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama(device=kernel_device)
     state = gate_model(model, "mlp.down_proj")
     launches: list[tuple[int, ...]] = []
     real = sdsie.kernels.int4_matmul
@@ -256,7 +258,7 @@ def test_int4_gear_calls_the_kernel_and_counts(monkeypatch: pytest.MonkeyPatch) 
         return real(x, w, *args, **kwargs)
 
     monkeypatch.setattr(sdsie.kernels, "int4_matmul", counting)
-    ids = _ids()
+    ids = _ids(kernel_device)
     _logits(model, ids)
     assert (launches, state.full_calls, state.int4_calls) == ([], 2, 0)
 
@@ -271,11 +273,11 @@ def test_int4_gear_calls_the_kernel_and_counts(monkeypatch: pytest.MonkeyPatch) 
     assert (state.full_calls, state.int4_calls) == (0, 0)
 
 
-def test_gear_switch_on_representable_weights_changes_nothing_but_the_path() -> None:
-    lin = _representable_linear(24, 64, seed=8)
+def test_gear_switch_on_representable_weights_changes_nothing_but_the_path(kernel_device: torch.device) -> None:
+    lin = _representable_linear(24, 64, seed=8).to(kernel_device)
     state = GearState()
     gated = GatedLinear(lin, Int4Linear.from_linear(lin), state)
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(kernel_device)
     full = gated(x)
     state.int4 = True
     _assert_fp32_rounding_close(gated(x), full, x, lin.weight)

@@ -258,6 +258,7 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int]:
     if k > 0:
         assert run.scout_cache is not None
         crop_cache(run.scout_cache, run.length + min(n, k - 1))
+    run.ids[run.length : run.length + n + 1] = torch.cat([drafts[:n], next_token[None]])  # device to device
     return emitted, floats[: n + 1], n
 
 
@@ -278,6 +279,11 @@ def generate(
 
     Speculation is on when a scout is given (fixed K without a clutch, gated with one); precision
     gating is on when a gear is given (it needs a clutch). Neither: the plain loop.
+
+    The clutch is reset at the start (its state is per run) and updated once per generated token with
+    the entropy of the target distribution that token came from. Each cycle's decision is the clutch
+    state at the cycle's start; the gear is set from it before the target's forward (the prefill's
+    gear comes from `initial_engaged`). on_cycle, if given, is called with each CycleRecord.
     """
     config = config if config is not None else DecodeConfig()
     device = model_device(target)
@@ -365,7 +371,7 @@ def _prefill(run: _Run, prompt_len: int) -> tuple[int, float]:
 
 
 def _append(run: _Run, tokens: list[int], emitted: list[int]) -> None:
-    run.ids[run.length : run.length + len(emitted)] = torch.tensor(emitted, dtype=torch.long).to(run.ids.device)
+    """The cycle already wrote its tokens into run.ids on the device; advance past the kept ones."""
     run.length += len(emitted)
     tokens.extend(emitted)
 

@@ -1,0 +1,231 @@
+"""The `sdsie` command.
+
+    sdsie claims check [--records telemetry] [--registry reproductions/claims.toml] [--strict]
+    sdsie claims list  [--registry ...]
+    sdsie claims pin RECORD [--claim ID ...]     print [[reference]] entries pinned from a reviewed record
+    sdsie report [--records telemetry] [--registry ...] [--out reports]
+
+Adding a subcommand: write `configure(parser)` and `run(args) -> exit code`, then
+`register(Subcommand("name", "help", configure, run))` (at import of this module, or from a
+module imported by it). Exit codes: 0 ok, 1 the gate failed or input was bad, 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Subcommand", "SUBCOMMANDS", "build_parser", "main", "register"]
+
+DEFAULT_RECORDS = "telemetry"
+DEFAULT_REGISTRY = "reproductions/claims.toml"
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(sub: Subcommand) -> None:
+    """Add a top-level subcommand; names are unique."""
+    if sub.name in SUBCOMMANDS:
+        raise ValueError(f"subcommand {sub.name!r} is already registered")
+    SUBCOMMANDS[sub.name] = sub
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdsie", description="SDSIE: claims gate, reports and reproductions.")
+    subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for sub in SUBCOMMANDS.values():
+        p = subs.add_parser(sub.name, help=sub.help, description=sub.help)
+        sub.configure(p)
+        p.set_defaults(_run=sub.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args))
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# -- claims ---------------------------------------------------------------------------------------------
+
+
+def _add_inputs(p: argparse.ArgumentParser, records: bool = True) -> None:
+    p.add_argument("--registry", default=DEFAULT_REGISTRY, help=f"claims registry (default {DEFAULT_REGISTRY})")
+    if records:
+        p.add_argument("--records", default=DEFAULT_RECORDS, help=f"records directory (default {DEFAULT_RECORDS})")
+
+
+def _configure_claims(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    check = actions.add_parser("check", help="judge the newest records against the registry (the CI gate)")
+    _add_inputs(check)
+    check.add_argument("--strict", action="store_true",
+                       help="also fail on unmeasured claims, claims without a reference, and missing tests")
+    check.add_argument("--root", default=".", help="repository root for test node ids (default .)")
+    check.set_defaults(_claims=_claims_check)
+    listing = actions.add_parser("list", help="list the registry's claims")
+    _add_inputs(listing, records=False)
+    listing.set_defaults(_claims=_claims_list)
+    pin = actions.add_parser("pin", help="print [[reference]] entries for a reviewed record's conditions")
+    _add_inputs(pin, records=False)
+    pin.add_argument("record", help="path of the record to pin")
+    pin.add_argument("--claim", action="append", default=None, help="only these claim ids (repeatable)")
+    pin.set_defaults(_claims=_claims_pin)
+
+
+def _run_claims(args: argparse.Namespace) -> int:
+    return int(args._claims(args))
+
+
+def _load_inputs(args: argparse.Namespace, records: bool = True):  # -> (Registry, list[RunRecord]) | None
+    from sdsie.claims import RegistryError, load_registry
+    from sdsie.telemetry.records import RecordError, load_records
+
+    try:
+        registry = load_registry(args.registry)
+        loaded = load_records(args.records) if records else []
+    except (RegistryError, RecordError) as err:
+        _err(f"FAIL: {err}")
+        return None
+    return registry, loaded
+
+
+def _claims_check(args: argparse.Namespace) -> int:
+    from sdsie.claims import evaluate, missing_tests
+
+    inputs = _load_inputs(args)
+    if inputs is None:
+        return 1
+    registry, records = inputs
+    evaluation = evaluate(registry, records)
+    order = ("drifted", "invalid", "improved", "reproduced", "no_reference", "unmeasured", "not_measurable")
+    groups = evaluation.by_verdict()
+    for verdict in order:
+        for res in groups[verdict]:
+            where = "" if res.record is None else f"\n{'':15}record: {res.record.source}"
+            print(res.summary() + where)
+    for error in evaluation.errors:
+        print(f"ERROR          {error}")
+    missing = missing_tests(registry, args.root)
+    for entry in missing:
+        print(f"MISSING TEST   {entry}")
+    counts = ", ".join(f"{v} {len(groups[v])}" for v in order if groups[v])
+    failed = evaluation.failed(strict=args.strict) or (args.strict and bool(missing))
+    print(f"\nclaims gate {'FAILED' if failed else 'passed'}: {len(records)} record(s); {counts}")
+    return 1 if failed else 0
+
+
+def _claims_list(args: argparse.Namespace) -> int:
+    from sdsie.claims import format_value
+
+    inputs = _load_inputs(args, records=False)
+    if inputs is None:
+        return 1
+    for claim in inputs[0].claims.values():
+        print(f"{claim.id:<36} {claim.status:<10} {format_value(claim.published)} {claim.unit}")
+    return 0
+
+
+def _toml_value(v: object) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, tuple):
+        return f"[{', '.join(_toml_value(x) for x in v)}]"
+    return repr(float(v)) if isinstance(v, (int, float)) else json.dumps(v)
+
+
+def _claims_pin(args: argparse.Namespace) -> int:
+    from sdsie.claims import judge_record
+    from sdsie.telemetry.records import RecordError, load_record
+
+    inputs = _load_inputs(args, records=False)
+    if inputs is None:
+        return 1
+    registry = inputs[0]
+    try:
+        record = load_record(args.record)
+    except RecordError as err:
+        _err(f"FAIL: {err}")
+        return 1
+    wanted = args.claim or record.claim_ids
+    status = 0
+    for cid in wanted:
+        claim = registry.claims.get(cid)
+        if claim is None or cid not in record.claim_ids:
+            _err(f"skip {cid}: {'not in the registry' if claim is None else 'not declared by this record'}")
+            status = 1
+            continue
+        if claim.portable or not claim.measurable:
+            _err(f"skip {cid}: {'portable (no per-conditions reference)' if claim.portable else 'not measurable'}")
+            continue
+        res = judge_record(claim, record)
+        if res.verdict == "invalid":
+            _err(f"skip {cid}: {res.detail}")
+            status = 1
+            continue
+        print(_reference_block(claim, record, res.measured))
+    return status
+
+
+def _reference_block(claim, record, measured) -> str:  # noqa: ANN001 - Claim, RunRecord, measured value
+    lines = ["[[reference]]", f"claim = {_toml_value(claim.id)}", f"model = {_toml_value(record.conditions['model'])}",
+             f"hardware = {_toml_value(record.conditions['hardware'])}", f"value = {_toml_value(measured)}"]
+    if claim.tolerance:
+        lines.append(f"tolerance = {_toml_value(claim.tolerance)}")
+    if claim.rel_tolerance:
+        lines.append(f"rel_tolerance = {_toml_value(claim.rel_tolerance)}")
+    if claim.kind == "timing":
+        lines.append(f"record = {_toml_value(record.record_id)}")
+    lines.append(f"note = {_toml_value(f'pinned from {record.source} ({record.created})')}")
+    return "\n".join(lines) + "\n"
+
+
+# -- report ------------------------------------------------------------------------------------------------
+
+
+def _configure_report(p: argparse.ArgumentParser) -> None:
+    _add_inputs(p)
+    p.add_argument("--out", default="reports", help="output directory (default reports)")
+    p.add_argument("--root", default=".", help="repository root (CITATION.cff, relative paths)")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from sdsie.claims import evaluate
+    from sdsie.report import build_report
+
+    inputs = _load_inputs(args)
+    if inputs is None:
+        return 1
+    registry, records = inputs
+    evaluation = evaluate(registry, records)
+    report = build_report(registry, records, evaluation, Path(args.out), Path(args.root))
+    print(f"wrote {report.markdown} and {report.json}")
+    for fig in report.figures:
+        print(f"  figure {fig.name}: {fig.path if fig.path else 'skipped, ' + str(fig.skipped)}")
+    return 0
+
+
+register(Subcommand("claims", "the claims registry: check (CI gate), list, pin", _configure_claims, _run_claims))
+register(Subcommand("report", "Markdown + JSON reproduction report with figures, from records",
+                    _configure_report, _run_report))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -324,8 +324,7 @@ def _loop(
     while result.stop_reason != "eos" and len(tokens) < config.max_new_tokens:
         t_start = time.perf_counter()
         engaged = clutch.engaged if clutch is not None else None
-        k_wanted = k_engaged if (run.scout is not None and engaged is not False) else 0
-        k = min(k_wanted, config.max_new_tokens - len(tokens) - 1)  # never draft past the budget
+        k = _draft_length(run, engaged, k_engaged, produced=len(tokens))
         gear_int4 = _set_gear(gear, clutch, config)
         emitted, bits, n = _cycle(run, k)
         emitted, bits = _truncate_at_eos(emitted, bits, eos)
@@ -338,14 +337,14 @@ def _loop(
         if config.timing:
             sync_device(device)
         record = CycleRecord(
-            engaged,
-            k,
-            n,
-            len(emitted),
-            bits[-1],
-            clutch.ema if clutch else None,
-            gear_int4,
-            time.perf_counter() - t_start,
+            engaged=engaged,
+            k=k,
+            accepted=n,
+            emitted=len(emitted),
+            entropy=bits[-1],
+            ema=clutch.ema if clutch is not None else None,
+            gear_int4=gear_int4,
+            seconds=time.perf_counter() - t_start,
         )
         _count(stats, record)
         result.cycles.append(record)
@@ -356,6 +355,13 @@ def _loop(
     stats.decode_seconds = sum(c.seconds for c in result.cycles)
     stats.new_tokens = len(tokens)
     return result
+
+
+def _draft_length(run: _Run, engaged: bool | None, k_engaged: int, produced: int) -> int:
+    """K for a speculate cycle (every cycle without a clutch, engaged ones with it), 0 for a plain step;
+    capped so that the drafts plus the bonus token never pass max_new_tokens."""
+    speculate = run.scout is not None and engaged is not False
+    return min(k_engaged if speculate else 0, run.config.max_new_tokens - produced - 1)
 
 
 def _prefill(run: _Run, prompt_len: int) -> tuple[int, float]:

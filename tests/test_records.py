@@ -76,6 +76,15 @@ def test_missing_directory_means_no_records(tmp_path: Path) -> None:
     assert load_records(tmp_path / "absent") == []
 
 
+def test_subdirectories_hold_other_artifacts_not_records(tmp_path: Path) -> None:
+    record = make_record()
+    write_record(record, tmp_path)
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "kernel_suite.json").write_text('{"results": []}')
+    (tmp_path / "notes.txt").write_text("not a record")
+    assert load_records(tmp_path) == [record]
+
+
 def _written(tmp_path: Path) -> Path:
     return write_record(make_record(), tmp_path)
 

@@ -297,17 +297,18 @@ def _reject_constant(name: str) -> float:
 
 
 def load_records(directory: str | os.PathLike[str] = "telemetry") -> list[RunRecord]:
-    """All records under `directory` (recursively), oldest first.
+    """All records directly in `directory`, oldest first.
 
-    Every `*.json` file must be a valid record, and no interrupted-write temp file may be left:
-    the first bad file raises RecordError naming it. A missing directory means no records.
+    Every `*.json` file there must be a valid record, and no interrupted-write temp file may be left:
+    the first bad file raises RecordError naming it. Subdirectories hold other artifacts (raw dumps,
+    logs) and are not read. A missing directory means no records.
     """
     root = Path(directory)
     if not root.exists():
         return []
     if not root.is_dir():
         raise RecordError(root, "not a directory")
-    paths = sorted(p for p in root.rglob("*") if p.is_file() and _is_record_file(p))
+    paths = sorted(p for p in root.iterdir() if p.is_file() and _is_record_file(p))
     records = [load_record(p) for p in paths]
     return sorted(records, key=lambda r: (r.created, r.record_id))
 

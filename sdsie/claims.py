@@ -74,6 +74,8 @@ VERDICTS = ("reproduced", "improved", "drifted", "invalid", "no_reference", "unm
 FAILING = frozenset({"drifted", "invalid"})
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _TEST_RE = re.compile(r"^reproductions/[\w/]+\.py::\w+(\[[^\]]+\])?$")
+# `metric` / `metric_high`: a record metric key, or arithmetic over identifier keys written with spaces,
+# e.g. "100 * (1 / m1_g128_geomean_speedup - 1)" (see is_expression).
 _CLAIM_KEYS = {
     "id", "statement", "published", "unit", "status", "conditions", "kind", "metric", "metric_high",
     "samples", "better", "tolerance", "rel_tolerance", "test", "portable", "original", "source", "note",
@@ -367,6 +369,12 @@ def _check_claim(c: Claim, where: str) -> None:
         return
     if c.not_measurable:
         raise ValueError(f"{where}: has both a metric and not_measurable")
+    for metric in (c.metric, c.metric_high):
+        if metric is not None and is_expression(metric):
+            try:
+                parse_expression(metric)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
     if c.test is None or not _TEST_RE.match(c.test):
         raise ValueError(f"{where}: test must be a node id 'reproductions/<file>.py::<test>', got {c.test!r}")
     if c.kind == "exact" and isinstance(c.published, tuple):
@@ -449,12 +457,71 @@ def drift_test(reference: Sequence[float], measured: Sequence[float], better: st
     return DriftTest(p_value, ratio, len(reference), len(measured), direction)
 
 
+def is_expression(metric: str) -> bool:
+    """A metric written with spaces or parentheses is arithmetic over metric keys, else a plain key."""
+    return any(c in metric for c in " ()")
+
+
+_EXPR_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load,
+               ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub, ast.UAdd)
+
+
+def parse_expression(text: str) -> ast.Expression:
+    """Parse a derived metric (+ - * /, numbers, identifier metric keys); ValueError on anything else."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"metric expression {text!r} does not parse: {err.msg}") from None
+    for node in ast.walk(tree):
+        if not isinstance(node, _EXPR_NODES) or (isinstance(node, ast.Constant) and not _is_num(node.value)):
+            raise ValueError(f"metric expression {text!r} may use only numbers, metric names and + - * /")
+    return tree
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _eval(node: ast.AST, metrics: Mapping[str, Any]) -> float:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body, metrics)
+    if isinstance(node, ast.Constant):
+        return float(node.value)
+    if isinstance(node, ast.Name):
+        if node.id not in metrics:
+            raise ValueError(f"record lacks metric {node.id!r}")
+        if not _is_num(metrics[node.id]):
+            raise ValueError(f"metric {node.id!r} is not a number")
+        return float(metrics[node.id])
+    if isinstance(node, ast.UnaryOp):
+        value = _eval(node.operand, metrics)
+        return -value if isinstance(node.op, ast.USub) else value
+    assert isinstance(node, ast.BinOp)
+    a, b = _eval(node.left, metrics), _eval(node.right, metrics)
+    if isinstance(node.op, ast.Add):
+        return a + b
+    if isinstance(node.op, ast.Sub):
+        return a - b
+    if isinstance(node.op, ast.Mult):
+        return a * b
+    if b == 0:
+        raise ValueError("metric expression divides by zero")
+    return a / b
+
+
+def _metric(record: RunRecord, metric: str) -> Any:
+    if is_expression(metric):
+        return _eval(parse_expression(metric), record.metrics)
+    if metric not in record.metrics:
+        raise ValueError(f"record lacks metric {metric!r}")
+    return record.metrics[metric]
+
+
 def _measured(claim: Claim, record: RunRecord) -> Any:
-    keys = [claim.metric] + ([claim.metric_high] if claim.kind == "span" else [])
-    missing = [k for k in keys if k not in record.metrics]
-    if missing:
-        raise ValueError(f"record lacks metric {', '.join(map(repr, missing))}")
-    values = [record.metrics[k] for k in keys]
+    assert claim.metric is not None
+    values = [_metric(record, claim.metric)]
+    if claim.kind == "span":
+        values.append(_metric(record, claim.metric_high or ""))
     if claim.kind == "exact":
         return values[0]
     if any(isinstance(v, bool) for v in values):

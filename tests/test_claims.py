@@ -153,6 +153,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         ('unit = "%"', 'unit = "%"\nkind = "span"', "span claim needs"),
         ("schema_version = 1", "schema_version = 2", "schema_version must be 1"),
         ('id = "x"', 'id = "Bad Id"', "id must match"),
+        ('metric = "x_pct"', 'metric = "__import__(x)"', "does not parse|may use only"),
+        ('metric = "x_pct"', 'metric = "x_pct ** 2"', "may use only numbers"),
     ],
 )
 def test_schema_violations_name_the_file_and_entry(tmp_path: Path, old: str, new: str, message: str) -> None:
@@ -256,6 +258,17 @@ def test_span_checks_each_end(tmp_path: Path) -> None:
     assert ok.verdict == "reproduced" and ok.measured == (1.05, 1.95)
     narrow = evaluate(reg, [record(["x"], {"x_pct": 1.5, "x_max": 1.6})]).results[0]
     assert narrow.verdict == "drifted"  # a single value inside the range is not the published spread
+
+
+def test_metric_expressions_derive_a_value_from_record_metrics(tmp_path: Path) -> None:
+    reg = load_registry(_write(tmp_path, GOOD.replace('metric = "x_pct"', 'metric = "100 * (1 / speedup - 1)"')))
+    faster = evaluate(reg, [record(["x"], {"speedup": 100 / 101.5})]).results[0]
+    assert faster.measured == pytest.approx(1.5) and faster.verdict == "reproduced"
+    assert evaluate(reg, [record(["x"], {"speedup": 0.5})]).results[0].verdict == "drifted"  # +100%
+    missing = evaluate(reg, [record(["x"], {"other": 1.0})]).results[0]
+    assert missing.verdict == "invalid" and "lacks metric 'speedup'" in missing.detail
+    zero = evaluate(reg, [record(["x"], {"speedup": 0.0})]).results[0]
+    assert zero.verdict == "invalid" and "divides by zero" in zero.detail
 
 
 def test_exact_bool_claims(tmp_path: Path) -> None:

@@ -5,8 +5,9 @@ decision from an instance of `EntropyClutch`; nothing else thresholds entropy.
 
 Convention (documented once, here):
 
-    ema_0 = H_0                                  (or `initial_ema` when given)
+    ema_0 = H_0                                  (no `initial_ema`: the first entropy seeds the EMA)
     ema_t = alpha * H_t + (1 - alpha) * ema_{t-1}
+    with `initial_ema` given it is the EMA before the first step: ema_0 = alpha * H_0 + (1 - alpha) * initial_ema
 
     engaged  once ema_t <  theta_low             (predictable text: speculate, cheap gear allowed)
     released once ema_t >  theta_high            (uncertain text: fall back)
@@ -51,10 +52,12 @@ class ClutchConfig:
             raise ValueError(
                 f"theta_low ({self.theta_low}) must not exceed theta_high ({self.theta_high})"
             )
-        if not isinstance(self.alpha, (int, float)) or not (0.0 < self.alpha <= 1.0):
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not (0.0 < self.alpha <= 1.0):
             raise ValueError(f"alpha must lie in (0, 1], got {self.alpha!r}")
         if not isinstance(self.k_draft, int) or isinstance(self.k_draft, bool) or self.k_draft < 1:
             raise ValueError(f"k_draft must be an integer >= 1, got {self.k_draft!r}")
+        if not isinstance(self.initial_engaged, bool):
+            raise ValueError(f"initial_engaged must be a bool, got {self.initial_engaged!r}")
         if self.initial_ema is not None:
             _check_threshold("initial_ema", self.initial_ema)
 
@@ -108,6 +111,8 @@ def _as_float(h: float | torch.Tensor) -> float:
     if isinstance(h, torch.Tensor):
         if h.numel() != 1 or h.dim() != 0:
             raise ValueError(f"clutch entropy must be a 0-d tensor or float, got shape {tuple(h.shape)}")
+        if h.dtype == torch.bool or h.is_complex():
+            raise ValueError(f"clutch entropy tensor must have a real dtype, got dtype {h.dtype}")
         value = float(h.item())
     elif isinstance(h, (int, float)) and not isinstance(h, bool):
         value = float(h)

@@ -212,7 +212,8 @@ class ClaimResult:
         published = format_value(c.published)
         measured = "-" if self.measured is None else format_value(self.measured)
         where = "" if self.conditions is None else f" [{self.conditions['model']} / {self.conditions['hardware']}]"
-        return f"{self.verdict.upper():<14} {c.id}: published {published} {c.unit}, measured {measured}{where}. " \
+        unit = f" {c.unit}" if c.unit else ""
+        return f"{self.verdict.upper():<14} {c.id}: published {published}{unit}, measured {measured}{where}. " \
                f"{self.detail}"
 
 
@@ -534,15 +535,17 @@ def _judge_band(claim: Claim, measured: Any, expected: Published, ref: Reference
     rel = claim.rel_tolerance if ref is None or ref.rel_tolerance is None else ref.rel_tolerance
     if claim.kind == "exact":
         ok = measured == expected and isinstance(measured, bool) == isinstance(expected, bool)
-        return ok, expected, "equal" if ok else f"expected exactly {format_value(expected)}"
+        return ok, expected, "equal to the expected value" if ok else f"NOT equal to {format_value(expected)}"
     if claim.kind == "span":
         if not isinstance(expected, tuple):
             raise ValueError("a span needs a [low, high] expected value")
         lo, hi = _band(expected[0], tol, rel), _band(expected[1], tol, rel)
         ok = lo.contains(measured[0]) and hi.contains(measured[1])
-        return ok, Band(lo.low, hi.high), f"low end within {lo}, high end within {hi}"
+        word = "within" if ok else "OUTSIDE"
+        return ok, Band(lo.low, hi.high), f"{word} the span bands: low end {lo}, high end {hi}"
     band = _band(expected, tol, rel)
-    return band.contains(measured), band, f"band {band}"
+    ok = band.contains(measured)
+    return ok, band, f"{'within' if ok else 'OUTSIDE'} band {band}"
 
 
 def judge_record(claim: Claim, record: RunRecord, registry: Registry | None = None,
@@ -595,7 +598,7 @@ def _verdict(claim: Claim, record: RunRecord, measured: Any, basis: str, expecte
             in_band, expected, how = _judge_band(claim, measured, expected_value, ref)
         except ValueError as err:
             return ClaimResult(claim, "invalid", str(err), measured=measured, basis=basis, **base)
-        notes.insert(0, ("within " if in_band else "OUTSIDE ") + how)
+        notes.insert(0, how)
     drift = None
     if claim.kind == "timing" and ref_record is not None and ref_record.record_id != record.record_id:
         policy = registry.drift if registry is not None else DriftPolicy()

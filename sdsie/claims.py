@@ -9,7 +9,7 @@ and the record metric to read. `kind` says how a measurement is judged:
     span     a spread across tasks: metric (the low end) and metric_high (the high end) must
              each lie within tol of published low / high
     timing   a value, and, when a reference record exists, a rank test for drift (below)
-    exact    a bool (or exact number) that must equal the published value
+    exact    a bool (a bool metric, or 1 / 0) or an exact number that must equal the published value
 
 Which band applies:
 
@@ -518,13 +518,22 @@ def _metric(record: RunRecord, metric: str) -> Any:
     return record.metrics[metric]
 
 
+def _as_bool(value: Any, claim: Claim) -> bool:
+    """A bool claim reads a bool metric, or 1 / 0 (benchmarks that store every metric as a float)."""
+    if isinstance(value, bool):
+        return value
+    if value in (0, 1):
+        return bool(value)
+    raise ValueError(f"metric {claim.metric!r} = {value!r} is neither a bool nor 0 / 1")
+
+
 def _measured(claim: Claim, record: RunRecord) -> Any:
     assert claim.metric is not None
     values = [_metric(record, claim.metric)]
     if claim.kind == "span":
         values.append(_metric(record, claim.metric_high or ""))
     if claim.kind == "exact":
-        return values[0]
+        return _as_bool(values[0], claim) if isinstance(claim.published, bool) else values[0]
     if any(isinstance(v, bool) for v in values):
         raise ValueError(f"metric {claim.metric!r} is a bool but the claim is numeric")
     return (values[0], values[1]) if claim.kind == "span" else values[0]
@@ -534,7 +543,7 @@ def _judge_band(claim: Claim, measured: Any, expected: Published, ref: Reference
     tol = claim.tolerance if ref is None or ref.tolerance is None else ref.tolerance
     rel = claim.rel_tolerance if ref is None or ref.rel_tolerance is None else ref.rel_tolerance
     if claim.kind == "exact":
-        ok = measured == expected and isinstance(measured, bool) == isinstance(expected, bool)
+        ok = measured == expected and isinstance(measured, bool) == isinstance(expected, bool)  # 1.0 != true
         return ok, expected, "equal to the expected value" if ok else f"NOT equal to {format_value(expected)}"
     if claim.kind == "span":
         if not isinstance(expected, tuple):

@@ -63,7 +63,7 @@ REQUIRED = {
     "grid-best-code": 34.8,
     "gated-decisions-bit-identical": True,
     "gear-fidelity-1l-physics": 35.6,
-    "gear-fidelity-32l-code": 9.2,
+    "gear-fidelity-all-code": 9.2,
     "gear-code-int4-usage": 95.6,
     "gear-code-power": 2.7,
     "e2e-throughput": 50.13,
@@ -276,7 +276,9 @@ def test_exact_bool_claims(tmp_path: Path) -> None:
     reg = load_registry(_write(tmp_path, text))
     assert evaluate(reg, [record(["x"], {"x_pct": True})]).results[0].verdict == "reproduced"
     assert evaluate(reg, [record(["x"], {"x_pct": False})]).results[0].verdict == "drifted"
-    assert evaluate(reg, [record(["x"], {"x_pct": 1.0})]).results[0].verdict == "drifted"  # 1.0 is not true
+    assert evaluate(reg, [record(["x"], {"x_pct": 1.0})]).results[0].verdict == "reproduced"  # 1 / 0 as bools
+    assert evaluate(reg, [record(["x"], {"x_pct": 0.0})]).results[0].verdict == "drifted"
+    assert evaluate(reg, [record(["x"], {"x_pct": 0.5})]).results[0].verdict == "invalid"
 
 
 # -- timing drift -----------------------------------------------------------------------------------------

@@ -3,11 +3,12 @@
 Tolerance. entropy() computes in fp32 from logits that are exactly representable in fp32 (bf16 and fp16 are
 subsets of fp32), so it is judged against the float64 entropy OF THE SAME, already rounded, logits: rounding
 the logits to bf16 changes the distribution itself (a relative 2^-9 per logit), which is not entropy()'s
-error. What remains is fp32 arithmetic. With z = x - max(x), e = exp(z) and s = sum(e),
-H = log(s) + t, t = -sum(e * z) / s, where log(s) = -log(p_max) <= H and 0 <= t <= H (nats). Both are sums of
-V same-signed terms; a blocked fp32 reduction (torch: vector lanes on CPU, per-thread loops on CUDA, then a
+error. What remains is fp32 arithmetic. With e = exp(x - max(x)) and s = sum(e), H = log(s) + t,
+t = -sum(e log e) / s, where log(s) = -log(p_max) <= H and 0 <= t <= H (nats). Both are sums of V
+same-signed terms; a blocked fp32 reduction (torch: vector lanes on CPU, per-thread loops on CUDA, then a
 tree) has relative error <= d * u, u = 2^-24, with depth d <= log2(V) tree levels + 32 sequential adds per
-accumulator + 4 roundings (exp, product, division, log). Hence |error| <= d * u * (1 + H_nats) nats, i.e.
+accumulator + 4 roundings (exp, log e and its product, division, log s). An error of s is an absolute error
+of log(s); one of t is relative. Hence |error| <= d * u * (1 + H_nats) nats, i.e.
 (log2(V) + 36) * u * (H_bits + 1/ln 2) bits: 5.4e-5 bits at V = 128256, H = 17; 4e-6 bits near H = 0.
 The sequential depth is real: a peak of 1.0 swallows tail terms below u added after it (measured: ~30 u of
 error on a 32000-token, 0.045-bit distribution). One bound for every test; it is not loosened per test.

@@ -12,6 +12,7 @@ fidelity table. Each suite writes one run record under telemetry/.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -46,8 +47,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], tuple[list[int], dict, str]], meter: EnergyMeter | None) -> tuple[list[int], float, float | None,
-                                                                                            dict, str]:
+Outcome = tuple[list[int], dict, str]  # tokens, stats, decisions
+
+
+def timed(fn: Callable[[], Outcome], meter: EnergyMeter | None) -> tuple[list[int], float, float | None, dict, str]:
     """Run once inside an energy window; wall time between synchronized edges."""
     win = meter.start() if meter else None
     _sync()
@@ -98,7 +101,7 @@ def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]]
     cfg = DecodeConfig(max_new_tokens=max_new)
     fns = variants(target, scout, cfg)
     runs: list[Run] = []
-    for name, fn in fns.items():  # warm-up, excluded
+    for fn in fns.values():  # warm-up, excluded
         fn(next(iter(prompts.values()))[1])
     for trial in range(trials):
         for pid, (family, ids) in prompts.items():
@@ -149,7 +152,8 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
                 m[f"{variant}.{label}.fallback_pct"] = 100.0 * statistics.mean(s["fallback_fraction"] for s in stats)
             if variant.startswith(("fixed", "gated", "hf_assisted")):
                 for r in rs:  # outputs checked during the performance runs
-                    ref = next(p for p in plain if p.trial == r.trial and p.stats.get("prompt") == r.stats.get("prompt"))
+                    ref = next(p for p in plain
+                               if p.trial == r.trial and p.stats.get("prompt") == r.stats.get("prompt"))
                     total += 1
                     identical += int(r.tokens == ref.tokens)
         speedups[label] = m[f"fixed_k5.{label}.speedup"]
@@ -176,7 +180,7 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         if r.variant.startswith("gated"):
             dec.setdefault((r.variant, r.stats.get("prompt")), set()).add(r.decisions)
     m["decisions_identical_across_trials"] = float(all(len(v) == 1 for v in dec.values()))
-    return {k: float(v) for k, v in m.items()}
+    return {k: float(v) for k, v in m.items() if math.isfinite(v)}  # records refuse NaN: absent, not NaN
 
 
 def run_grid(target, scout, prompts, max_new: int, trials: int = 2) -> dict[str, float]:
@@ -242,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["grid", "fidelity", "near_ties"])
     p.add_argument("--preset", default="gpu", help="stand-in preset; 'cpu' with --device cpu is a dry run")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--one-per-family", action="store_true", help="first prompt of each family only")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("decode_repro needs a CUDA GPU (torch.cuda.is_available() is False); the CPU-reproducible "
@@ -253,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     target, scout, tok = load_standin(a.preset, a.device, dtype)
     print(f"stand-in ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    prompts = {pr.id: (pr.family, torch.tensor(tok(pr.text)["input_ids"], device=a.device)) for pr in load_prompts()}
+    chosen = load_prompts()
+    if a.one_per_family:
+        chosen = [next(pr for pr in chosen if pr.family == f) for f in dict.fromkeys(pr.family for pr in chosen)]
+    prompts = {pr.id: (pr.family, torch.tensor(tok(pr.text)["input_ids"], device=a.device)) for pr in chosen}
     env = capture_environment(models={"target": "sdsie stand-in gpu target", "scout": "sdsie stand-in gpu scout"},
                               prompts={pid: tok.decode(ids) for pid, (_f, ids) in prompts.items()}, seeds={"torch": 0})
     env["prompts_hash"] = prompts_hash()
@@ -273,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         samples[f"{r.variant}|{r.stats.get('prompt')}|tokens_per_s"].append(len(r.tokens) / r.seconds)
         if r.energy_j is not None:
-            samples.setdefault(f"{r.variant}|{r.stats.get('prompt')}|j_per_token", []).append(r.energy_j / len(r.tokens))
+            key = f"{r.variant}|{r.stats.get('prompt')}|j_per_token"
+            samples.setdefault(key, []).append(r.energy_j / len(r.tokens))
     extra = {}
     if "near_ties" not in a.skip:
         try:
@@ -286,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         + [f"gated-tuned-{f}-{k}" for f in ("code", "poem", "physics") for k in ("throughput", "energy", "fallback")]
         + ["gated-tuned-code-acceptance"],
         suite="decode_standin",
-        config={"k": K, "max_new_tokens": a.max_new_tokens, "trials": a.trials, "idle_power_w": meter.idle.power_w if meter else None,
+        config={"k": K, "max_new_tokens": a.max_new_tokens, "trials": a.trials,
+                "idle_power_w": meter.idle.power_w if meter else None,
                 "variants": ["plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate"],
                 "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
                 "decisions": {f"{r.variant}|{r.stats.get('prompt')}|{r.trial}": r.decisions for r in runs

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -195,14 +194,6 @@ def test_clutch_hysteresis(registry: Registry) -> None:
 PROMPTS = ([1, 5, 9, 3], [1, 40, 41, 42, 43, 44], [1, 7])
 NEW_TOKENS = 40
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they lose 10x to them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

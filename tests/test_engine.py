@@ -36,13 +36,6 @@ ALWAYS = ClutchConfig(theta_low=100.0, theta_high=100.0, alpha=1.0)  # entropy o
 MIXED = ClutchConfig(theta_low=1.8, theta_high=2.4, alpha=0.5)  # this target's entropies span ~0.3-3.8 bits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @contextmanager
 def count_forwards(model: torch.nn.Module) -> Iterator[list[int]]:

@@ -35,13 +35,6 @@ SCOUTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @contextmanager
 def count_forwards(*models: torch.nn.Module) -> Iterator[list[int]]:

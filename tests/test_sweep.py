@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 import sdsie.decoding.sweeps as sweep_module
 from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig
@@ -22,13 +20,6 @@ MIXED = ClutchConfig(theta_low=1.8, theta_high=2.4, alpha=0.5)
 ALWAYS = ClutchConfig(theta_low=100.0, theta_high=100.0, alpha=1.0)
 CONFIG = DecodeConfig(max_new_tokens=20)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

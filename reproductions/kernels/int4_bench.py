@@ -152,6 +152,52 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     return out
 
 
+def graph_us(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int, device: str,
+             reps: int = 20) -> float:
+    """Per-call time with launch overhead removed: one CUDA graph replays calls that cycle over enough
+    weight copies (> 4x L2) that none is served from L2; time per call = replay time / calls."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    copies = max(2, min(64, math.ceil(4 * l2 / bytes_per_call)))
+    calls = [make_call(i) for i in range(copies)]
+    for c in calls:  # warm-up outside the capture: compilation, workspaces, semaphores
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
+    """bf16, tinygemm and INT4 per-call times under CUDA graphs (no host overhead), L2-cold weights."""
+    n, k, m = case.n, case.k, case.m
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
+    copies = max(2, min(64, math.ceil(4 * torch.cuda.get_device_properties(device).L2_cache_size / (n * k // 2))))
+    ws = [random_int4(n, k, case.group, device, gen) for _ in range(copies)]
+    out = {"int4": graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, device)}
+    wb = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(min(copies, 16))]
+    out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, device)
+    try:
+        packs = [tinygemm_pack(w) for w in ws[: min(copies, 32)]]
+        if packs[0] is not None:
+            out["tinygemm"] = graph_us(lambda i: (lambda: torch.ops.aten._weight_int4pack_mm(
+                x, packs[i % len(packs)][0], case.group, packs[i % len(packs)][1])), n * k // 2, device)
+    except RuntimeError as err:
+        out["tinygemm_error"] = str(err)[:200]
+    return out
+
+
 def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window_s: float = 1.5) -> dict:
     """Power and energy per call for bf16 vs INT4 at M=1, interleaved, L2-busting weight rotation."""
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
@@ -231,6 +277,13 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
               f"int4={r['median_us']['int4']:8.1f}us x{r['speedup_vs_bf16']:.2f} "
               f"{r['int4_pct_of_copy']:.0f}%copy tg={r['median_us'].get('tinygemm', float('nan')):.1f}",
               flush=True)
+    if not sweep:
+        for r in results:
+            c = Case(**r["case"])
+            if c.m in (1, 16):
+                r["graph_us"] = graph_case(c, gen, device)
+                times = " ".join(f"{k}={v:.1f}us" for k, v in r["graph_us"].items() if isinstance(v, float))
+                print(f"graph {c.shape:22s} m={c.m:2d} g={c.group} {times}", flush=True)
     energy_results = []
     ok, why = EnergyMeter.available()
     if energy and ok:
@@ -318,6 +371,10 @@ def summarize(results: list[dict], energy: list[dict], copy_gbs: float) -> dict:
         s[f"m1_g{g}_bytes_reduction_pct_max"] = max(r["bytes_reduction_pct"] for r in m1)
     for m in M_VALUES[1:]:
         s[f"m{m}_g128_min_speedup"] = min(r["speedup_vs_bf16"] for r in pick(m, 128))
+    for g in GROUPS:
+        graphed = [r["graph_us"] for r in pick(1, g) if "graph_us" in r]
+        if graphed:
+            s[f"m1_g{g}_geomean_speedup_graph"] = geomean([gu["bf16"] / gu["int4"] for gu in graphed])
     for e in energy:
         s[f"power_change_pct_{e['shape']}"] = e["power_change_pct"]
         s[f"energy_per_call_change_pct_{e['shape']}"] = e["energy_per_call_change_pct"]

@@ -326,13 +326,20 @@ def _num_sms(device: torch.device) -> int:
 
 def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None) -> Int4KernelConfig:
     """The tuned configuration for this GPU and shape if one was measured (M <= 16), else the
-    heuristic: enough programs to fill the GPU, the fewest splits that do."""
-    if device.type == "cuda" and m <= 16:
-        table = _tuned_table().get(torch.cuda.get_device_name(device), {})
-        cfg = table.get(tuned_key(m, n, k, group_size if group_size is not None else k))
+    heuristic: enough programs to fill the GPU, the fewest splits that do. Memoized: it runs on
+    every call, and host time before the launch is latency at batch 1."""
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_size: int) -> Int4KernelConfig:
+    if device_type == "cuda" and m <= 16:
+        table = _tuned_table().get(torch.cuda.get_device_name(index), {})
+        cfg = table.get(tuned_key(m, n, k, group_size))
         if cfg is not None:
             return cfg
-    sms = _num_sms(device)
+    sms = _num_sms(torch.device(device_type, index))
     if m == 1:
         cands = _GEMV_CONFIGS
     elif m <= 16:
@@ -374,9 +381,10 @@ def kernel_calls() -> int:
 
 
 def _check_inputs(x: torch.Tensor, w: Int4Weight) -> None:
+    # The weight was validated when it was built (Int4Weight.__post_init__); re-validating it here on
+    # every call would add host time in front of every launch.
     if not isinstance(w, Int4Weight):
         raise ValueError(f"int4_matmul expects an Int4Weight, got {type(w).__name__}")
-    w.validate()
     if x.dtype not in _ACT_DTYPES:
         raise ValueError(f"int4_matmul: activations must be fp16, bf16 or fp32, got {x.dtype}")
     if x.dim() < 1:

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fidelity"]:  # its own parser: every option passes through unchanged
+        from sdsie.fidelity import fidelity_main
+
+        return int(fidelity_main(argv[1:]))
     args = build_parser().parse_args(argv)
     return int(args._run(args))
 
@@ -225,6 +230,21 @@ def _run_report(args: argparse.Namespace) -> int:
 register(Subcommand("claims", "the claims registry: check (CI gate), list, pin", _configure_claims, _run_claims))
 register(Subcommand("report", "Markdown + JSON reproduction report with figures, from records",
                     _configure_report, _run_report))
+
+
+
+def _configure_fidelity(p: argparse.ArgumentParser) -> None:
+    p.description = "Listed for --help; main() hands `sdsie fidelity ...` to sdsie.fidelity.fidelity_main."
+
+
+def _run_fidelity(ns: argparse.Namespace) -> int:  # pragma: no cover - main() dispatches before argparse
+    from sdsie.fidelity import fidelity_main
+
+    return fidelity_main([])
+
+
+register(Subcommand("fidelity", "token match of INT4-gated layers vs full precision, per scheme and layer count",
+                    _configure_fidelity, _run_fidelity))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -129,3 +129,15 @@ def test_subcommands_register_simply(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["no-such-command"])
     assert info.value.code == 2
+
+
+def test_fidelity_subcommand_passes_its_options_through(capsys):
+    """`sdsie fidelity` reaches sdsie.fidelity's own parser with every option intact."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["fidelity", "--help"])
+    assert exc.value.code == 0
+    assert "--model" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["fidelity", "--layers", "1"])  # --model is required by the fidelity parser
+    assert exc.value.code == 2
+    assert "--model" in capsys.readouterr().err

@@ -23,6 +23,14 @@ test (p < alpha) over the claim's `samples` key AND a median ratio beyond `facto
 worse direction (`better = "lower" | "higher"`). Fewer than `min_samples` samples on either side
 is an invalid measurement, not a pass.
 
+A claim's `metric` is a record metric key, arithmetic over metric keys ("100 * (1 / speedup - 1)"),
+or `median:<samples key>`, the median of one raw-sample list (a timing read straight from its samples).
+
+Errata (`[[erratum]]`): records are immutable, so when a committed record declared the wrong claim ids
+(a hand-kept list in the producing code), the registry corrects that record's declaration, by record
+id: `measures` adds claims it measures but did not declare, `unmeasured` ({claim: why}) removes claims
+it declared but holds no value for. Judged results say when an erratum applied.
+
 For each claim, the newest record per (model, hardware) is judged. Verdicts: reproduced,
 improved (significantly better than its reference: passes, update the reference), drifted and
 invalid (fail), unmeasured and no_reference (listed; fail only with `strict`), not_measurable
@@ -54,6 +62,7 @@ __all__ = [
     "ClaimResult",
     "DriftPolicy",
     "DriftTest",
+    "Erratum",
     "Evaluation",
     "Reference",
     "Registry",
@@ -65,6 +74,7 @@ __all__ = [
     "format_value",
     "judge_record",
     "load_registry",
+    "missing_inputs",
     "missing_tests",
 ]
 
@@ -82,6 +92,8 @@ _CLAIM_KEYS = {
     "not_measurable",
 }
 _REFERENCE_KEYS = {"claim", "model", "hardware", "value", "tolerance", "rel_tolerance", "record", "note"}
+_ERRATUM_KEYS = {"record", "measures", "unmeasured", "note"}
+_SAMPLE_MEDIAN = "median:"  # metric = "median:<samples key>"
 
 
 class RegistryError(ValueError):
@@ -157,6 +169,16 @@ class Reference:
 
 
 @dataclass(frozen=True)
+class Erratum:
+    """A correction to one committed record's declared claim ids (records themselves are immutable)."""
+
+    record: str  # record id
+    measures: tuple[str, ...] = ()  # claims the record measures but did not declare
+    unmeasured: dict[str, str] = field(default_factory=dict)  # declared claim id -> why the record lacks it
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class DriftPolicy:
     alpha: float = 0.002  # asv's p threshold for Mann-Whitney U
     factor: float = 1.10  # minimum median ratio that counts as a change (asv's default factor)
@@ -169,6 +191,15 @@ class Registry:
     references: list[Reference]
     drift: DriftPolicy
     path: Path | None = None
+    errata: dict[str, Erratum] = field(default_factory=dict)  # by record id
+
+    def claim_ids_of(self, record: RunRecord) -> list[str]:
+        """The claims a record measures: its declared ids, corrected by its erratum if it has one."""
+        erratum = self.errata.get(record.record_id)
+        if erratum is None:
+            return list(record.claim_ids)
+        kept = [c for c in record.claim_ids if c not in erratum.unmeasured]
+        return kept + [c for c in erratum.measures if c not in kept]
 
     def reference_for(self, claim_id: str, model: str, hardware: str) -> Reference | None:
         for ref in self.references:
@@ -280,7 +311,7 @@ def load_registry(path: str | Path = "reproductions/claims.toml") -> Registry:
 def _parse_registry(data: Mapping[str, Any], path: Path | None) -> Registry:
     if data.get("schema_version") != 1:
         raise ValueError(f"schema_version must be 1, got {data.get('schema_version')!r}")
-    unknown = set(data) - {"schema_version", "drift", "claim", "reference"}
+    unknown = set(data) - {"schema_version", "drift", "claim", "reference", "erratum"}
     if unknown:
         raise ValueError(f"unknown top-level keys {sorted(unknown)}")
     claims: dict[str, Claim] = {}
@@ -294,7 +325,13 @@ def _parse_registry(data: Mapping[str, Any], path: Path | None) -> Registry:
     dupes = {k for k in keys if keys.count(k) > 1}
     if dupes:
         raise ValueError(f"more than one reference for {sorted(dupes)}")
-    return Registry(claims, references, _parse_drift(data.get("drift", {})), path)
+    errata: dict[str, Erratum] = {}
+    for i, entry in enumerate(data.get("erratum", [])):
+        erratum = _parse_erratum(entry, i, claims)
+        if erratum.record in errata:
+            raise ValueError(f"more than one erratum for record {erratum.record!r}")
+        errata[erratum.record] = erratum
+    return Registry(claims, references, _parse_drift(data.get("drift", {})), path, errata)
 
 
 def _parse_drift(data: Mapping[str, Any]) -> DriftPolicy:
@@ -371,7 +408,9 @@ def _check_claim(c: Claim, where: str) -> None:
     if c.not_measurable:
         raise ValueError(f"{where}: has both a metric and not_measurable")
     for metric in (c.metric, c.metric_high):
-        if metric is not None and is_expression(metric):
+        if metric is not None and metric.startswith(_SAMPLE_MEDIAN) and not metric[len(_SAMPLE_MEDIAN):]:
+            raise ValueError(f"{where}: {metric!r} names no samples key")
+        if metric is not None and is_expression(metric) and not metric.startswith(_SAMPLE_MEDIAN):
             try:
                 parse_expression(metric)
             except ValueError as err:
@@ -412,6 +451,54 @@ def _parse_reference(entry: Mapping[str, Any], index: int, claims: Mapping[str, 
     if claim.portable:
         raise ValueError(f"{where}: claim {claim.id} is portable (judged on its published band everywhere)")
     return Reference(**fields)
+
+
+def _parse_erratum(entry: Mapping[str, Any], index: int, claims: Mapping[str, Claim]) -> Erratum:
+    where = f"erratum #{index} ({entry.get('record')!r})"
+    unknown = set(entry) - _ERRATUM_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    if not isinstance(entry.get("record"), str) or not entry["record"]:
+        raise ValueError(f"{where}: record must be a record id")
+    if not isinstance(entry.get("note", ""), str) or not entry.get("note"):
+        raise ValueError(f"{where}: note must say why the record's declaration is corrected")
+    measures = entry.get("measures", [])
+    unmeasured = entry.get("unmeasured", {})
+    if not isinstance(measures, list) or not all(isinstance(c, str) for c in measures):
+        raise ValueError(f"{where}: measures must be a list of claim ids")
+    if not isinstance(unmeasured, Mapping) or not all(isinstance(v, str) and v for v in unmeasured.values()):
+        raise ValueError(f"{where}: unmeasured must map claim ids to the reason the record lacks them")
+    if not measures and not unmeasured:
+        raise ValueError(f"{where}: corrects nothing (give measures and/or unmeasured)")
+    for cid in [*measures, *unmeasured]:
+        if cid not in claims:
+            raise ValueError(f"{where}: no claim with id {cid!r}")
+        if not claims[cid].measurable:
+            raise ValueError(f"{where}: claim {cid} is not measurable")
+    both = sorted(set(measures) & set(unmeasured))
+    if both:
+        raise ValueError(f"{where}: {both} both measured and unmeasured")
+    return Erratum(entry["record"], tuple(measures), dict(unmeasured), entry["note"])
+
+
+def missing_inputs(claim: Claim, metrics: Mapping[str, Any], samples: Mapping[str, Any]) -> list[str]:
+    """The metric and sample keys a claim reads that `metrics` / `samples` lack (empty: it can be judged).
+
+    For producers that declare claim ids from the registry: declare a claim only where this is empty.
+    """
+    missing = []
+    for metric in (claim.metric, claim.metric_high):
+        if metric is None:
+            continue
+        if metric.startswith(_SAMPLE_MEDIAN):
+            key = metric[len(_SAMPLE_MEDIAN):]
+            missing += [] if key in samples else [f"samples {key!r}"]
+        elif is_expression(metric):
+            names = {n.id for n in ast.walk(parse_expression(metric)) if isinstance(n, ast.Name)}
+            missing += [f"metric {n!r}" for n in sorted(names) if n not in metrics]
+        elif metric not in metrics:
+            missing.append(f"metric {metric!r}")
+    return missing
 
 
 def missing_tests(registry: Registry, root: str | Path = ".") -> list[str]:
@@ -511,6 +598,11 @@ def _eval(node: ast.AST, metrics: Mapping[str, Any]) -> float:
 
 
 def _metric(record: RunRecord, metric: str) -> Any:
+    if metric.startswith(_SAMPLE_MEDIAN):
+        key = metric[len(_SAMPLE_MEDIAN):]
+        if not record.samples.get(key):
+            raise ValueError(f"record lacks samples {key!r}")
+        return statistics.median(record.samples[key])
     if is_expression(metric):
         return _eval(parse_expression(metric), record.metrics)
     if metric not in record.metrics:
@@ -607,6 +699,8 @@ def _verdict(claim: Claim, record: RunRecord, measured: Any, basis: str, expecte
             in_band, expected, how = _judge_band(claim, measured, expected_value, ref)
         except ValueError as err:
             return ClaimResult(claim, "invalid", str(err), measured=measured, basis=basis, **base)
+        if basis == "reference":
+            how += " of the reference pinned for these conditions (the published value is not judged here)"
         notes.insert(0, how)
     drift = None
     if claim.kind == "timing" and ref_record is not None and ref_record.record_id != record.record_id:
@@ -631,10 +725,10 @@ def _samples(record: RunRecord, claim: Claim) -> list[float]:
     return list(record.samples[claim.samples])
 
 
-def _newest_per_conditions(records: Iterable[RunRecord], claim_id: str) -> list[RunRecord]:
+def _newest_per_conditions(records: Iterable[RunRecord], claim_id: str, registry: Registry) -> list[RunRecord]:
     newest: dict[tuple[str, str], RunRecord] = {}
     for record in sorted(records, key=lambda r: (r.created, r.record_id)):
-        if claim_id in record.claim_ids:
+        if claim_id in registry.claim_ids_of(record):
             newest[(record.conditions["model"], record.conditions["hardware"])] = record
     return list(newest.values())
 
@@ -646,10 +740,11 @@ def evaluate(registry: Registry, records: Sequence[RunRecord]) -> Evaluation:
         unknown = [c for c in record.claim_ids if c not in registry.claims]
         if unknown:
             errors.append(f"record {record.source or record.record_id}: unknown claim ids {unknown}")
+        errors += _erratum_errors(registry, record)
     by_id = {r.record_id: r for r in records}
     results: list[ClaimResult] = []
     for claim in registry.claims.values():
-        chosen = _newest_per_conditions(records, claim.id)
+        chosen = _newest_per_conditions(records, claim.id, registry)
         if not claim.measurable:
             detail = f"not re-measured: {claim.not_measurable}"
             results.append(ClaimResult(claim, "not_measurable", detail))
@@ -657,7 +752,30 @@ def evaluate(registry: Registry, records: Sequence[RunRecord]) -> Evaluation:
                 errors.append(f"claim {claim.id} is marked not_measurable but records declare it")
             continue
         if not chosen:
-            results.append(ClaimResult(claim, "unmeasured", f"no record yet; measured by {claim.test}"))
+            results.append(ClaimResult(claim, "unmeasured", _unmeasured_detail(claim, records, registry)))
             continue
-        results.extend(judge_record(claim, r, registry, by_id) for r in chosen)
+        for record in chosen:
+            result = judge_record(claim, record, registry, by_id)
+            erratum = registry.errata.get(record.record_id)
+            if erratum is not None and claim.id in erratum.measures:
+                result.detail += f"; read by registry erratum (record {record.record_id} did not declare it)"
+            results.append(result)
     return Evaluation(results, errors)
+
+
+def _erratum_errors(registry: Registry, record: RunRecord) -> list[str]:
+    """An erratum must correct its record's actual declaration: drop only declared ids, add only undeclared."""
+    erratum = registry.errata.get(record.record_id)
+    if erratum is None:
+        return []
+    where = f"erratum for record {record.source or record.record_id}"
+    errors = [f"{where}: unmeasured claim {c} is not declared by the record" for c in erratum.unmeasured
+              if c not in record.claim_ids]
+    return errors + [f"{where}: claim {c} is already declared by the record" for c in erratum.measures
+                     if c in record.claim_ids]
+
+
+def _unmeasured_detail(claim: Claim, records: Sequence[RunRecord], registry: Registry) -> str:
+    why = [f"record {r.record_id} declares it but holds no value: {registry.errata[r.record_id].unmeasured[claim.id]}"
+           for r in records if r.record_id in registry.errata and claim.id in registry.errata[r.record_id].unmeasured]
+    return "; ".join([*why, f"no record measures it yet; measured by {claim.test}"])

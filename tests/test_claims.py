@@ -17,6 +17,7 @@ from sdsie.claims import (
     evaluate,
     judge_record,
     load_registry,
+    missing_inputs,
     missing_tests,
 )
 from sdsie.telemetry.records import RunRecord
@@ -364,3 +365,65 @@ def test_not_measurable_claim_with_records_is_an_error(registry: Registry) -> No
     rec = record(["clutch-sweep-flat-throughput"], {"x": 1.0}, model="m", hardware=SEED_GPU)
     evaluation = evaluate(registry, [rec])
     assert any("not_measurable" in e for e in evaluation.errors) and evaluation.failed()
+
+
+# -- sample medians, errata ------------------------------------------------------------------------------
+
+
+def test_sample_median_metric_reads_raw_samples(tmp_path: Path) -> None:
+    reg = load_registry(_write(tmp_path, GOOD.replace('metric = "x_pct"', 'metric = "median:x|m1"')))
+    res = evaluate(reg, [record(["x"], {}, samples={"x|m1": [9.0, 1.5, 1.2]})]).results[0]
+    assert (res.verdict, res.measured) == ("reproduced", 1.5)
+    missing = evaluate(reg, [record(["x"], {}, samples={"other": [1.5]})]).results[0]
+    assert missing.verdict == "invalid" and "lacks samples 'x|m1'" in missing.detail
+    with pytest.raises(RegistryError, match="names no samples key"):
+        load_registry(_write(tmp_path, GOOD.replace('metric = "x_pct"', 'metric = "median:"')))
+
+
+def test_missing_inputs_names_what_a_record_lacks(tmp_path: Path) -> None:
+    text = GOOD.replace('metric = "x_pct"', 'metric = "100 * (a / b - 1)"')
+    claim = load_registry(_write(tmp_path, text)).claims["x"]
+    assert missing_inputs(claim, {"a": 1.0, "b": 2.0}, {}) == []
+    assert missing_inputs(claim, {"a": 1.0}, {}) == ["metric 'b'"]
+    claim = load_registry(_write(tmp_path, GOOD.replace('metric = "x_pct"', 'metric = "median:s"'))).claims["x"]
+    assert missing_inputs(claim, {}, {"s": [1.0]}) == [] and missing_inputs(claim, {}, {}) == ["samples 's'"]
+
+
+TWO = GOOD + GOOD.replace("schema_version = 1", "").replace('id = "x"', 'id = "y"').replace("x_pct", "y_pct")
+
+
+def _erratum(body: str) -> str:
+    return TWO + f'[[erratum]]\nrecord = "rec-1"\nnote = "hand-kept ids"\n{body}\n'
+
+
+def test_erratum_corrects_one_records_declaration(tmp_path: Path) -> None:
+    reg = load_registry(_write(tmp_path, _erratum('measures = ["y"]\nunmeasured = { "x" = "0/0 here" }')))
+    rec = record(["x"], {"y_pct": 1.5})
+    rec.record_id = "rec-1"
+    results = {r.claim.id: r for r in evaluate(reg, [rec]).results}
+    assert results["y"].verdict == "reproduced" and "read by registry erratum" in results["y"].detail
+    assert results["x"].verdict == "unmeasured" and "0/0 here" in results["x"].detail
+    other = record(["x"], {"y_pct": 1.5})  # another record: its own declaration stands, it lacks x_pct
+    assert evaluate(reg, [other]).results[0].verdict == "invalid"
+
+
+def test_erratum_that_does_not_match_its_record_fails_the_gate(tmp_path: Path) -> None:
+    reg = load_registry(_write(tmp_path, _erratum('measures = ["x"]\nunmeasured = { "y" = "why" }')))
+    rec = record(["x"], {"x_pct": 1.5})
+    rec.record_id = "rec-1"
+    evaluation = evaluate(reg, [rec])
+    assert evaluation.failed()
+    assert any("claim x is already declared" in e for e in evaluation.errors)
+    assert any("unmeasured claim y is not declared" in e for e in evaluation.errors)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('measures = ["nope"]', "no claim with id 'nope'"),
+    ('measures = ["x"]\nunmeasured = { "x" = "why" }', "both measured and unmeasured"),
+    ("", "corrects nothing"),
+    ('unmeasured = { "x" = "" }', "unmeasured must map claim ids to the reason"),
+    ('measures = ["x"]\nrecords = 1', "unknown keys"),
+])
+def test_erratum_schema(tmp_path: Path, body: str, message: str) -> None:
+    with pytest.raises(RegistryError, match=message):
+        load_registry(_write(tmp_path, _erratum(body)))

@@ -4,23 +4,32 @@ One process, one pair, variants interleaved per trial (plain, fixed-K5, gated at
 production and tuned thresholds, HF assisted generation as the peer baseline), warm-up runs
 excluded, one NVML energy window per run, greedy outputs checked against plain decoding during
 the performance runs. Then the threshold grid, decision determinism and the Resolution Gear
-fidelity table. Each suite writes one run record under telemetry/.
+fidelity table, and the gear's INT4 usage, throughput and power. Each suite writes one run record
+under telemetry/; a record declares the registry claims (reproductions/claims.toml) whose test nodes
+its suite serves and whose metrics it holds, so ids are never kept by hand here.
 
     python -m reproductions.decode_repro [--trials 5] [--max-new-tokens 128] [--out telemetry]
+
+The GPU tests (reproductions/test_speculative_gpu.py, test_gated_gpu.py, test_resolution_gear_gpu.py)
+call the same suite functions: `decode_record`, `grid_record`, `fidelity_record`, `gear_record`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from sdsie.claims import load_registry, missing_inputs
 from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
 from sdsie.telemetry.energy import EnergyMeter
@@ -28,6 +37,38 @@ from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
 FAMILY_LABEL = {"verse": "poem", "prose": "physics", "code": "code"}  # seed README names
 K = 5
+REGISTRY = Path(__file__).resolve().parent / "claims.toml"
+_NODE = "reproductions/{}.py::{}"
+# Registry test nodes each suite serves: a record declares the claims of these nodes whose inputs it holds.
+DECODE_TESTS = (_NODE.format("test_speculative_gpu", "test_fixed_k5"),
+                _NODE.format("test_speculative_gpu", "test_plain_decode_throughput"),
+                _NODE.format("test_gated_gpu", "test_gated_tuned"),
+                _NODE.format("test_gated_gpu", "test_gated_production"))
+DECODE_ALSO = ("gated-decisions-bit-identical",)  # portable; its registry test is the CPU re-measurement
+GRID_TESTS = (_NODE.format("test_gated_gpu", "test_threshold_grid"),)
+FIDELITY_TESTS = (_NODE.format("test_resolution_gear_gpu", "test_fidelity_by_gated_layers"),)
+GEAR_TESTS = (_NODE.format("test_resolution_gear_gpu", "test_int4_usage_throughput_power"),)
+SEED_FIDELITY_TOKENS = 250  # the seed's fidelity table generated 250 tokens per prompt
+
+
+def declared_claims(tests: Iterable[str], metrics: Mapping[str, Any], samples: Mapping[str, Any],
+                    also: Iterable[str] = ()) -> list[str]:
+    """Claim ids for a record: the registry claims of `tests` (plus `also`) whose inputs the record holds.
+
+    A claim whose metric the run could not compute (e.g. acceptance when the clutch never speculated)
+    is printed, not declared: the gate then lists it as unmeasured instead of failing on a gap.
+    """
+    tests, also = set(tests), set(also)
+    ids = []
+    for claim in load_registry(REGISTRY).claims.values():
+        if not claim.measurable or (claim.test not in tests and claim.id not in also):
+            continue
+        lacks = missing_inputs(claim, metrics, samples)
+        if lacks:
+            print(f"not measured by this run: {claim.id} (lacks {', '.join(lacks)})", flush=True)
+        else:
+            ids.append(claim.id)
+    return ids
 
 
 @dataclass
@@ -156,6 +197,9 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
                                if p.trial == r.trial and p.stats.get("prompt") == r.stats.get("prompt"))
                     total += 1
                     identical += int(r.tokens == ref.tokens)
+        if base_jpt is not None and _jpt(_per_family(runs, "fixed_k5", fam)) is not None:  # report figure
+            m[f"j_per_token.{label}"] = _jpt(_per_family(runs, "fixed_k5", fam))
+            m[f"j_per_token_baseline.{label}"] = base_jpt
         speedups[label] = m[f"fixed_k5.{label}.speedup"]
         if f"fixed_k5.{label}.j_per_token_reduction_pct" in m:
             reductions[label] = m[f"fixed_k5.{label}.j_per_token_reduction_pct"]
@@ -180,11 +224,36 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         if r.variant.startswith("gated"):
             dec.setdefault((r.variant, r.stats.get("prompt")), set()).add(r.decisions)
     m["decisions_identical_across_trials"] = float(all(len(v) == 1 for v in dec.values()))
+    m.update(zero_engagement_deficit(runs, m))
     return {k: float(v) for k, v in m.items() if math.isfinite(v)}  # records refuse NaN: absent, not NaN
 
 
-def run_grid(target, scout, prompts, max_new: int, trials: int = 2) -> dict[str, float]:
-    """The seed's grid (6 threshold pairs x 3 alphas) on one prompt per family; throughput vs plain."""
+def zero_engagement_deficit(runs: list[Run], m: Mapping[str, float]) -> dict[str, float]:
+    """% slower than plain of each gated (variant, family) whose runs never speculated: min and max.
+
+    The seed's open 4-13% deficit "even with zero speculative engagement". Empty when every gated
+    cell speculated at least once.
+    """
+    deficits = []
+    for variant in ("gated_production", "gated_tuned"):
+        for fam in sorted({r.family for r in runs}):
+            rs = _per_family(runs, variant, fam)
+            if rs and all(r.stats.get("speculate_cycles", 1) == 0 for r in rs):
+                deficits.append(-100.0 * (m[f"{variant}.{FAMILY_LABEL.get(fam, fam)}.speedup"] - 1))
+    if not deficits:
+        return {}
+    return {"zero_engagement_deficit_pct_min": min(deficits), "zero_engagement_deficit_pct_max": max(deficits),
+            "zero_engagement_cells": float(len(deficits))}
+
+
+def run_grid(target, scout, prompts, max_new: int, trials: int = 3) -> dict[str, float]:
+    """The seed's grid (6 threshold pairs x 3 alphas, N=3) on one prompt per family; throughput vs plain.
+
+    grid.production.*: the seed's production point; grid.tuned.*: the seed's "best found" point
+    (0.15/0.70, alpha 0.65); grid.best.*: the best point for that family alone (a deficit there means
+    no configuration removes it); grid.best_over_all.*: the point this search picks (best worst-family
+    ratio). grid.trials: gated runs in total (configurations x prompts x N), the seed's "144 trials".
+    """
     from sdsie.decoding import clutch_grid, sweep
 
     pairs = [(0.15, 0.70), (0.25, 0.85), (0.35, 1.0), (0.45, 1.1), (0.55, 1.25), (0.65, 1.4)]
@@ -196,7 +265,8 @@ def run_grid(target, scout, prompts, max_new: int, trials: int = 2) -> dict[str,
     res = sweep(target, scout, [fam_prompts[f] for f in order], clutches, trials=trials,
                 config=DecodeConfig(max_new_tokens=max_new, k_draft=K))
     data = res.to_dict()
-    m: dict[str, float] = {"grid.trials": float(trials), "grid.configs": float(len(clutches))}
+    m: dict[str, float] = {"grid.trials": float(len(clutches) * len(order) * trials),
+                           "grid.trials_per_cell": float(trials), "grid.configs": float(len(clutches))}
     entries = data["entries"]
     plain = next(e for e in entries if e["label"] == "plain")
 
@@ -215,8 +285,10 @@ def run_grid(target, scout, prompts, max_new: int, trials: int = 2) -> dict[str,
         base = tps(plain, i)
         gated = [e for e in entries if e.get("clutch")]
         prod = next(e for e in gated if e["clutch"]["theta_low"] == 0.55 and e["clutch"]["alpha"] == 0.35)
+        tuned = next(e for e in gated if e["clutch"]["theta_low"] == 0.15 and e["clutch"]["alpha"] == 0.65)
         best = max(gated, key=lambda e, i=i: tps(e, i))
         m[f"grid.production.{label}.throughput_change_pct"] = 100 * (tps(prod, i) / base - 1)
+        m[f"grid.tuned.{label}.throughput_change_pct"] = 100 * (tps(tuned, i) / base - 1)
         m[f"grid.best.{label}.throughput_change_pct"] = 100 * (tps(best, i) / base - 1)
         m[f"grid.best_over_all.{label}.throughput_change_pct"] = 100 * (tps(best_all, i) / base - 1)
     return m
@@ -235,7 +307,222 @@ def fidelity(target, prompts, max_new: int) -> tuple[dict[str, float], dict]:
     for _pid, (fam, ids) in prompts.items():
         fam_prompts.setdefault(FAMILY_LABEL.get(fam, fam), ids)
     res = fidelity_sweep(target, fam_prompts, FidelityConfig(max_new_tokens=max_new))
-    return res.metrics(), {"table": res.table(), **res.to_dict()}
+    metrics = res.metrics()
+    n_all = max(c.n_layers for c in res.cells)  # the "all" row (FidelityConfig.layer_counts ends with "all")
+    for key, value in list(metrics.items()):  # the seed's "32 (all)" row: claims read fidelity.layers_all.*
+        if key.startswith(f"fidelity.layers_{n_all}."):
+            metrics[key.replace(f"layers_{n_all}.", "layers_all.", 1)] = value
+    return metrics, {"table": res.table(), **res.to_dict()}
+
+
+def record_problems(record: RunRecord, tests: Iterable[str], required: Iterable[str]) -> list[str]:
+    """Why the gate could not judge `record` for the claims of `tests`: a `required` claim it does not
+    declare, or a declared claim that is not in the registry or whose inputs the record lacks."""
+    claims = load_registry(REGISTRY).claims
+    problems = [f"{cid}: not declared by the record (not measured)" for cid in required if cid not in record.claim_ids]
+    for cid in record.claim_ids:
+        if cid not in claims:
+            problems.append(f"{cid}: not in the registry")
+        elif claims[cid].test in set(tests) and missing_inputs(claims[cid], record.metrics, record.samples):
+            problems.append(f"{cid}: lacks {missing_inputs(claims[cid], record.metrics, record.samples)}")
+    return problems
+
+
+def node_claims(test: str) -> list[str]:
+    """The registry claims whose reproduction test is `test`."""
+    return [c.id for c in load_registry(REGISTRY).claims.values() if c.test == test]
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolution Gear: INT4 usage, throughput and power with every mlp.down_proj gated
+
+
+def gear_runs(target, prompts, trials: int, max_new: int, meter: EnergyMeter | None,
+              clutch: ClutchConfig = PRODUCTION) -> list[Run]:
+    """Every `mlp.down_proj` gated (per-channel min-max INT4, the seed's calibration), the clutch driving
+    the gear (engaged -> INT4), interleaved with the same gated model held at full precision."""
+    from sdsie.quant.gated import gate_model
+
+    model = copy.deepcopy(target)  # the caller's target stays ungated
+    state = gate_model(model, "mlp.down_proj")
+    cfg = DecodeConfig(max_new_tokens=max_new)
+
+    def full(ids):
+        state.int4 = False
+        r = generate(model, ids, cfg)
+        return r.tokens, {"int4_cycles": 0, "cycles": r.stats.cycles}, ""
+
+    def gear(ids):
+        r = generate(model, ids, cfg, clutch=EntropyClutch(clutch), gear=state)
+        return r.tokens, {"int4_cycles": sum(bool(c.gear_int4) for c in r.cycles), "cycles": r.stats.cycles}, \
+            r.decisions
+
+    fns = {"gear_full": full, "gear_int4": gear}
+    for fn in fns.values():  # warm-up, excluded
+        fn(next(iter(prompts.values()))[1])
+    runs = []
+    for trial in range(trials):
+        for pid, (family, ids) in prompts.items():
+            for name, fn in fns.items():
+                tokens, sec, energy, stats, dec = timed(lambda fn=fn, ids=ids: fn(ids), meter)
+                runs.append(Run(name, family, trial, tokens, sec, energy, {**stats, "prompt": pid}, dec))
+    return runs
+
+
+def gear_metrics(runs: list[Run]) -> dict[str, float]:
+    """gear.{family}.int4_usage_pct (decode cycles on INT4), throughput_change_pct and power_change_pct
+    (median over runs of window energy / window time) against the same model at full precision."""
+    m: dict[str, float] = {}
+    for fam in sorted({r.family for r in runs}):
+        label = FAMILY_LABEL.get(fam, fam)
+        full, gear = _per_family(runs, "gear_full", fam), _per_family(runs, "gear_int4", fam)
+        m[f"gear.{label}.int4_usage_pct"] = 100.0 * sum(r.stats["int4_cycles"] for r in gear) / max(
+            1, sum(r.stats["cycles"] for r in gear))
+        m[f"gear.{label}.throughput_change_pct"] = 100.0 * (_tps(gear) / _tps(full) - 1)
+        watts = {name: [r.energy_j / r.seconds for r in rs if r.energy_j is not None]
+                 for name, rs in (("full", full), ("gear", gear))}
+        if watts["full"] and watts["gear"]:
+            m[f"gear.{label}.power_change_pct"] = 100.0 * (
+                statistics.median(watts["gear"]) / statistics.median(watts["full"]) - 1)
+    return m
+
+
+# --------------------------------------------------------------------------------------------------
+# Suites as records
+
+
+@dataclass
+class Setup:
+    """The loaded pair, the prompts and what every record of one run shares."""
+
+    target: Any
+    scout: Any
+    prompts: dict[str, tuple[str, torch.Tensor]]  # prompt id -> (family, ids [S])
+    device: str
+    environment: dict
+    conditions: dict  # model, hardware (trials set per suite)
+    meter: EnergyMeter | None
+
+
+def load_setup(preset: str = "gpu", device: str = "cuda", one_per_family: bool = False) -> Setup:
+    """Load (or build) the stand-in pair and the prompts; an energy meter where NVML is available."""
+    from sdsie.standin import get_preset, load_prompts, load_standin, prompts_hash
+
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target, scout, tok = load_standin(preset, device, dtype)
+    print(f"stand-in ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    chosen = load_prompts()
+    if one_per_family:
+        chosen = [next(pr for pr in chosen if pr.family == f) for f in dict.fromkeys(pr.family for pr in chosen)]
+    prompts = {pr.id: (pr.family, torch.tensor(tok(pr.text)["input_ids"], device=device)) for pr in chosen}
+    env = capture_environment(models={"target": f"sdsie stand-in {preset} target",
+                                      "scout": f"sdsie stand-in {preset} scout"},
+                              prompts={pid: tok.decode(ids) for pid, (_f, ids) in prompts.items()}, seeds={"torch": 0})
+    env["prompts_hash"] = prompts_hash()
+    env["standin_recipe"] = get_preset(preset).name
+    hardware = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    cond = {"model": f"sdsie stand-in pair ({preset} preset), {str(dtype).split('.')[-1]}", "hardware": hardware}
+    ok, why = EnergyMeter.available()
+    meter = EnergyMeter() if ok and device == "cuda" else None
+    if meter:
+        meter.measure_idle(2.0)
+    else:
+        print("energy not measured:", why)
+    return Setup(target, scout, prompts, device, env, cond, meter)
+
+
+def _samples(runs: list[Run]) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {}
+    for r in runs:
+        key = f"{r.variant}|{r.stats.get('prompt')}"
+        samples.setdefault(f"{key}|tokens_per_s", []).append(len(r.tokens) / r.seconds)
+        if r.energy_j is not None:
+            samples.setdefault(f"{key}|j_per_token", []).append(r.energy_j / len(r.tokens))
+    return samples
+
+
+def entropy_sync_share(plain_tokens_per_s: float, device: str) -> dict[str, float]:
+    """The entropy host sync (at the seed's vocabulary 128256) as a share of a plain decode step here."""
+    from reproductions.entropy_overhead import measure
+
+    sync = measure(torch.device(device))["metrics"]["sync_cost_us"]
+    return {"entropy_sync_cost_us": sync, "sync_share_of_token_pct": 100.0 * sync * 1e-6 * plain_tokens_per_s}
+
+
+def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
+                  entropy_sync: bool = True) -> RunRecord:
+    """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record."""
+    runs = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter)
+    metrics = decode_metrics(runs)
+    if entropy_sync:
+        metrics.update(entropy_sync_share(metrics["plain_tokens_per_s"], s.device))
+    samples = _samples(runs)
+    extra = {}
+    if near_ties_check:
+        try:
+            extra["near_ties"] = near_ties(s.target, s.scout, s.prompts, max_new)
+        except Exception as err:  # reported, not hidden
+            extra["near_ties_error"] = repr(err)
+    config = {"k": K, "max_new_tokens": max_new, "trials": trials,
+              "idle_power_w": s.meter.idle.power_w if s.meter and s.meter.idle else None,
+              "variants": ["plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate"],
+              "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
+              "decisions": {f"{r.variant}|{r.stats.get('prompt')}|{r.trial}": r.decisions for r in runs
+                            if r.variant.startswith("gated")}, **extra}
+    return RunRecord(claim_ids=declared_claims(DECODE_TESTS, metrics, samples, DECODE_ALSO), suite="decode_standin",
+                     config=config, samples=samples, metrics=metrics, environment=s.environment,
+                     conditions={**s.conditions, "trials": trials})
+
+
+def grid_record(s: Setup, max_new: int = 96, trials: int = 3) -> RunRecord:
+    metrics = run_grid(s.target, s.scout, s.prompts, max_new, trials)
+    return RunRecord(claim_ids=declared_claims(GRID_TESTS, metrics, {}), suite="threshold_grid",
+                     config={"k": K, "max_new_tokens": max_new, "trials_per_cell": trials}, samples={},
+                     metrics=metrics, environment=s.environment, conditions={**s.conditions, "trials": trials})
+
+
+def fidelity_record(s: Setup, max_new: int = SEED_FIDELITY_TOKENS) -> tuple[RunRecord, str]:
+    """The fidelity table (per calibration scheme x 1, 2, 4, all gated down_proj layers) and its markdown."""
+    metrics, detail = fidelity(s.target, s.prompts, max_new)
+    per_channel = [c for c in detail["cells"] if c["scheme"] == "per-channel"]  # the seed's scheme
+    samples = {"fidelity.layers": [float(c["n_layers"]) for c in per_channel]}  # the report's figure
+    for i, p in enumerate(per_channel[0]["prompts"] if per_channel else []):
+        samples[f"fidelity.match_pct.{p['prompt']}"] = [c["prompts"][i]["match_pct"] for c in per_channel]
+    rec = RunRecord(claim_ids=declared_claims(FIDELITY_TESTS, metrics, {}), suite="resolution_gear_fidelity",
+                    config={"max_new_tokens": max_new, **detail}, samples=samples, metrics=metrics,
+                    environment=s.environment, conditions={**s.conditions, "trials": 1})
+    return rec, detail["table"]
+
+
+def gear_record(s: Setup, trials: int = 5, max_new: int = 128, clutch: ClutchConfig = PRODUCTION) -> RunRecord:
+    runs = gear_runs(s.target, s.prompts, trials, max_new, s.meter, clutch)
+    metrics = gear_metrics(runs)
+    samples = _samples(runs)
+    config = {"max_new_tokens": max_new, "trials": trials, "clutch": clutch.__dict__, "targets": "mlp.down_proj",
+              "calibration": "per-channel min-max, asymmetric", "gear": "engaged -> INT4",
+              "decisions": {f"{r.stats['prompt']}|{r.trial}": r.decisions
+                            for r in runs if r.variant == "gear_int4"}}
+    return RunRecord(claim_ids=declared_claims(GEAR_TESTS, metrics, samples), suite="resolution_gear_usage",
+                     config=config, samples=samples, metrics=metrics, environment=s.environment,
+                     conditions={**s.conditions, "trials": trials})
+
+
+# One GPU process runs the decode suite once for the four test nodes it serves (tests/test_*_gpu.py).
+
+
+@functools.cache
+def gpu_setup() -> Setup:
+    return load_setup("gpu", "cuda")
+
+
+@functools.cache
+def gpu_decode_record(out: str = "telemetry") -> RunRecord:
+    """The decode suite's record on the GPU stand-in pair, written once per process under `out`."""
+    rec = decode_record(gpu_setup())
+    rec.source = write_record(rec, out)
+    print("record:", rec.source, flush=True)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,81 +530,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=Path("telemetry"))
-    p.add_argument("--skip", nargs="*", default=[], choices=["grid", "fidelity", "near_ties"])
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["grid", "fidelity", "gear", "near_ties", "entropy_sync"])
     p.add_argument("--preset", default="gpu", help="stand-in preset; 'cpu' with --device cpu is a dry run")
     p.add_argument("--device", default="cuda")
     p.add_argument("--one-per-family", action="store_true", help="first prompt of each family only")
+    p.add_argument("--fidelity-tokens", type=int, default=SEED_FIDELITY_TOKENS, help="tokens per fidelity run")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("decode_repro needs a CUDA GPU (torch.cuda.is_available() is False); the CPU-reproducible "
               "claims run in `nox -s claims`.")
         return 2
-    from sdsie.standin import get_preset, load_prompts, load_standin, prompts_hash
-
-    t0 = time.perf_counter()
-    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    target, scout, tok = load_standin(a.preset, a.device, dtype)
-    print(f"stand-in ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    chosen = load_prompts()
-    if a.one_per_family:
-        chosen = [next(pr for pr in chosen if pr.family == f) for f in dict.fromkeys(pr.family for pr in chosen)]
-    prompts = {pr.id: (pr.family, torch.tensor(tok(pr.text)["input_ids"], device=a.device)) for pr in chosen}
-    env = capture_environment(models={"target": "sdsie stand-in gpu target", "scout": "sdsie stand-in gpu scout"},
-                              prompts={pid: tok.decode(ids) for pid, (_f, ids) in prompts.items()}, seeds={"torch": 0})
-    env["prompts_hash"] = prompts_hash()
-    env["standin_recipe"] = get_preset(a.preset).name
-    hardware = torch.cuda.get_device_name() if a.device == "cuda" else "cpu (dry run)"
-    cond = {"model": f"sdsie stand-in pair ({a.preset} preset), {str(dtype).split('.')[-1]}", "hardware": hardware,
-            "trials": a.trials}
-    ok, why = EnergyMeter.available()
-    meter = EnergyMeter() if ok and a.device == "cuda" else None
-    if meter:
-        meter.measure_idle(2.0)
-    else:
-        print("energy not measured:", why)
-    runs = run_decode_suite(target, scout, prompts, a.trials, a.max_new_tokens, meter)
-    metrics = decode_metrics(runs)
-    samples = {f"{r.variant}|{r.stats.get('prompt')}|tokens_per_s": [] for r in runs}
-    for r in runs:
-        samples[f"{r.variant}|{r.stats.get('prompt')}|tokens_per_s"].append(len(r.tokens) / r.seconds)
-        if r.energy_j is not None:
-            key = f"{r.variant}|{r.stats.get('prompt')}|j_per_token"
-            samples.setdefault(key, []).append(r.energy_j / len(r.tokens))
-    extra = {}
-    if "near_ties" not in a.skip:
-        try:
-            extra["near_ties"] = near_ties(target, scout, prompts, a.max_new_tokens)
-        except Exception as err:  # reported, not hidden
-            extra["near_ties_error"] = repr(err)
-    rec = RunRecord(
-        claim_ids=["spec-k5-speedup", "spec-k5-acceptance", "spec-k5-fidelity", "spec-k5-energy-reduction",
-                   "e2e-throughput", "gated-decisions-bit-identical"]
-        + [f"gated-tuned-{f}-{k}" for f in ("code", "poem", "physics") for k in ("throughput", "energy", "fallback")]
-        + ["gated-tuned-code-acceptance"],
-        suite="decode_standin",
-        config={"k": K, "max_new_tokens": a.max_new_tokens, "trials": a.trials,
-                "idle_power_w": meter.idle.power_w if meter else None,
-                "variants": ["plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate"],
-                "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
-                "decisions": {f"{r.variant}|{r.stats.get('prompt')}|{r.trial}": r.decisions for r in runs
-                              if r.variant.startswith("gated")}, **extra},
-        samples=samples, metrics=metrics, environment=env, conditions=cond)
+    s = load_setup(a.preset, a.device, a.one_per_family)
+    rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip)
     print("record:", write_record(rec, a.out), flush=True)
-    for k in sorted(metrics):
+    for k in sorted(rec.metrics):
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):
-            print(f"  {k} = {metrics[k]:.3f}")
+            print(f"  {k} = {rec.metrics[k]:.3f}")
     if "grid" not in a.skip:
-        gm = run_grid(target, scout, prompts, min(a.max_new_tokens, 96))
-        rec = RunRecord(claim_ids=[c for c in ("grid-production-poem", "grid-best-poem") if c], suite="threshold_grid",
-                        config={"k": K}, samples={}, metrics=gm, environment=env, conditions={**cond, "trials": 2})
-        print("record:", write_record(rec, a.out), gm, flush=True)
+        rec = grid_record(s, min(a.max_new_tokens, 96))
+        print("record:", write_record(rec, a.out), rec.metrics, flush=True)
     if "fidelity" not in a.skip:
-        fm, fd = fidelity(target, prompts, a.max_new_tokens)
-        rec = RunRecord(claim_ids=["resolution-gear-fidelity"], suite="resolution_gear_fidelity",
-                        config={"table": fd["table"]}, samples={}, metrics=fm, environment=env,
-                        conditions={**cond, "trials": 1})
+        rec, table = fidelity_record(s, a.fidelity_tokens)
         print("record:", write_record(rec, a.out), flush=True)
-        print(fd["table"], flush=True)
+        print(table, flush=True)
+    if "gear" not in a.skip:
+        rec = gear_record(s, a.trials, a.max_new_tokens)
+        print("record:", write_record(rec, a.out), rec.metrics, flush=True)
     return 0
 
 

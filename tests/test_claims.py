@@ -20,7 +20,7 @@ from sdsie.claims import (
     missing_inputs,
     missing_tests,
 )
-from sdsie.telemetry.records import RunRecord
+from sdsie.telemetry.records import RunRecord, load_records, write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = ROOT / "reproductions" / "claims.toml"
@@ -111,9 +111,8 @@ def test_registry_ranges_are_two_sided(registry: Registry) -> None:
     assert not band.contains(71.84) and band.contains(71.86) and band.contains(73.44) and not band.contains(73.46)
 
 
-def test_committed_cpu_reproduction_tests_exist(registry: Registry) -> None:
-    missing = missing_tests(registry, ROOT)
-    assert not [m for m in missing if "test_claims_cpu.py" in m]
+def test_every_claim_names_an_existing_test_node(registry: Registry) -> None:
+    assert missing_tests(registry, ROOT) == []
 
 
 # -- registry schema -------------------------------------------------------------------------------------
@@ -427,3 +426,74 @@ def test_erratum_that_does_not_match_its_record_fails_the_gate(tmp_path: Path) -
 def test_erratum_schema(tmp_path: Path, body: str, message: str) -> None:
     with pytest.raises(RegistryError, match=message):
         load_registry(_write(tmp_path, _erratum(body)))
+
+
+# -- the committed records against the committed registry --------------------------------------------------
+
+TELEMETRY = ROOT / "telemetry"
+
+
+@pytest.fixture(scope="module")
+def committed() -> list[RunRecord]:
+    records = load_records(TELEMETRY)
+    if not records:
+        pytest.skip("no committed records under telemetry/")
+    return records
+
+
+def test_gate_passes_on_the_committed_records(registry: Registry, committed: list[RunRecord]) -> None:
+    evaluation = evaluate(registry, committed)
+    assert not evaluation.failed(), [r.summary() for r in evaluation.results if r.failed] + evaluation.errors
+    for res in evaluation.results:
+        if res.record is not None and not res.claim.portable and res.conditions["hardware"] != SEED_GPU:
+            assert res.basis == "reference", res.summary()  # H200 figures are judged on their own references
+
+
+def test_errata_and_references_name_committed_records(registry: Registry, committed: list[RunRecord]) -> None:
+    ids = {r.record_id for r in committed}
+    assert set(registry.errata) <= ids
+    assert {ref.record for ref in registry.references if ref.record} <= ids
+
+
+def _planted(original: RunRecord, **changes) -> RunRecord:
+    data = original.to_dict()
+    data.pop("digest")
+    data.update(record_id=original.record_id[:-8] + "deadbeef", created="2027-01-01T00:00:00+00:00", **changes)
+    return RunRecord(**data)
+
+
+def _gate(registry: Registry, committed: list[RunRecord], planted: RunRecord, tmp_path: Path) -> tuple[bool, dict]:
+    """(gate failed, results judged on the planted record), the planted record newest of its conditions."""
+    write_record(planted, tmp_path)  # through the writer and the loader, as the gate reads it
+    evaluation = evaluate(registry, [*committed, *load_records(tmp_path)])
+    return evaluation.failed(), {r.claim.id: r for r in evaluation.results
+                                 if r.record is not None and r.record.record_id == planted.record_id}
+
+
+def test_gate_fails_on_a_planted_slower_kernel_record(registry: Registry, committed: list[RunRecord],
+                                                      tmp_path: Path) -> None:
+    kernel = next(r for r in committed if r.suite == "kernel_int4")
+    ids = [*kernel.claim_ids, "kernel-latency-us"]  # as the record should have declared
+    failed, _ = _gate(registry, committed, _planted(kernel, claim_ids=ids), tmp_path / "same")
+    assert not failed  # control: a re-run with the same samples passes
+    slower = {k: [1.3 * x for x in v] if k.endswith("|int4") else v for k, v in kernel.samples.items()}
+    failed, results = _gate(registry, committed, _planted(kernel, samples=slower, claim_ids=ids), tmp_path)
+    assert failed
+    for cid in ("kernel-latency", "kernel-latency-us"):
+        assert results[cid].verdict == "drifted", results[cid].summary()
+        assert "Mann-Whitney" in results[cid].detail and results[cid].drift.direction == "worse"
+    assert results["kernel-bandwidth-reduction"].verdict == "reproduced"  # byte counts did not change
+
+
+def test_gate_fails_on_a_planted_slower_decode_record(registry: Registry, committed: list[RunRecord],
+                                                      tmp_path: Path) -> None:
+    decode = next(r for r in committed if r.suite == "decode_standin")
+    ids = [c for c in decode.claim_ids if c not in registry.errata[decode.record_id].unmeasured]
+    failed, _ = _gate(registry, committed, _planted(decode, claim_ids=ids), tmp_path / "same")
+    assert not failed  # control
+    metrics = {**decode.metrics, "speedup_max": 0.3, "fixed_k5.code.speedup": 0.3, "fidelity_pct": 98.0}
+    failed, results = _gate(registry, committed, _planted(decode, metrics=metrics, claim_ids=ids), tmp_path)
+    assert failed
+    assert results["spec-k5-speedup"].verdict == "drifted" and "OUTSIDE band" in results["spec-k5-speedup"].detail
+    assert results["spec-k5-fidelity"].verdict == "drifted"
+    assert results["e2e-throughput"].verdict == "reproduced"

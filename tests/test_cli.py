@@ -82,7 +82,8 @@ def test_strict_fails_on_unmeasured_and_bad_registry_fails(tmp_path: Path, capsy
 
 
 def test_pin_prints_a_reference_that_the_gate_then_uses(tmp_path: Path, capsys) -> None:
-    rec = kernel_record({"m1_g128_geomean_speedup": 2.5}, claim_ids=["kernel-latency"])  # -60% latency
+    gpu = "NVIDIA A100 (no reference pinned)"  # the committed registry pins H200 references
+    rec = kernel_record({"m1_g128_geomean_speedup": 2.5}, hardware=gpu, claim_ids=["kernel-latency"])  # -60%
     path = write_record(rec, tmp_path / "telemetry")
     assert check(tmp_path / "telemetry") == 0
     assert "NO_REFERENCE" in capsys.readouterr().out  # another GPU than the seed's: not judged yet
@@ -97,7 +98,7 @@ def test_pin_prints_a_reference_that_the_gate_then_uses(tmp_path: Path, capsys) 
     assert check(tmp_path / "telemetry", registry=registry) == 0
     out = capsys.readouterr().out
     assert "REPRODUCED" in out and "kernel-latency" in out
-    slower = kernel_record({"m1_g128_geomean_speedup": 1.6}, claim_ids=["kernel-latency"],
+    slower = kernel_record({"m1_g128_geomean_speedup": 1.6}, hardware=gpu, claim_ids=["kernel-latency"],
                            samples={"down_4096x14336|m1|g128|int4": [30.0 + 0.1 * i for i in range(12)]})
     write_record(slower, tmp_path / "telemetry")
     assert check(tmp_path / "telemetry", registry=registry) == 1

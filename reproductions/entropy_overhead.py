@@ -15,7 +15,7 @@ import torch
 from sdsie.entropy import entropy
 
 VOCAB = 128256
-CLAIM_IDS = ["entropy-sync-overhead"]
+CLAIM_IDS = ["entropy-sync-overhead", "entropy-sync-us"]
 
 
 def per_call_us(fn, calls: int, device: torch.device) -> float:

@@ -169,11 +169,12 @@ def _claims_pin(args: argparse.Namespace) -> int:
     except RecordError as err:
         _err(f"FAIL: {err}")
         return 1
-    wanted = args.claim or record.claim_ids
+    declared = registry.claim_ids_of(record)  # the record's own ids, corrected by any [[erratum]]
+    wanted = args.claim or declared
     status = 0
     for cid in wanted:
         claim = registry.claims.get(cid)
-        if claim is None or cid not in record.claim_ids:
+        if claim is None or cid not in declared:
             _err(f"skip {cid}: {'not in the registry' if claim is None else 'not declared by this record'}")
             status = 1
             continue

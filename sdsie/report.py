@@ -266,6 +266,13 @@ def _env_summary(r: RunRecord) -> dict[str, Any]:
     }
 
 
+def _expected_json(expected: Any) -> Any:
+    """A band as [low, high]; exact values (bools, numbers) as they are."""
+    if expected is None or isinstance(expected, (bool, int, float)):
+        return expected
+    return [expected.low, expected.high]
+
+
 def _result_json(res: ClaimResult, root: Path) -> dict[str, Any]:
     c = res.claim
     expected = res.expected
@@ -273,8 +280,7 @@ def _result_json(res: ClaimResult, root: Path) -> dict[str, Any]:
         "id": c.id, "statement": c.statement, "status": c.status, "kind": c.kind, "unit": c.unit,
         "published": c.published, "original": c.original, "published_conditions": c.conditions,
         "verdict": res.verdict, "failed": res.failed, "measured": res.measured,
-        "expected": None if expected is None else (expected if isinstance(expected, bool) else
-                                                   [expected.low, expected.high]),
+        "expected": _expected_json(expected),
         "basis": res.basis, "conditions": res.conditions, "detail": res.detail, "test": c.test,
         "record": None if res.record is None else _rel(res.record.source, root),
         "reference_record": None if res.reference_record is None else _rel(res.reference_record.source, root),

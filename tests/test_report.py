@@ -97,3 +97,20 @@ def test_report_command_writes_markdown_and_json(tmp_path: Path, capsys: pytest.
     assert (out / "report.md").is_file() and (out / "report.json").is_file()
     assert (out / "figures" / "entropy_trace.png").is_file()
     assert "figure j_per_token: skipped" in capsys.readouterr().out
+
+
+def test_report_builds_from_the_committed_records(tmp_path: Path) -> None:
+    """The committed H200 records (pinned references, exact-valued claims included) make a report whose
+    JSON carries every claim with its verdict; exact expectations stay plain values, bands become pairs."""
+    import json
+
+    out = tmp_path / "out"
+    code = cli.main(["report", "--records", str(ROOT / "telemetry"), "--registry", str(REGISTRY), "--out", str(out),
+                     "--root", str(ROOT)])
+    assert code == 0
+    data = json.loads((out / "report.json").read_text())
+    claims = {c["id"]: c for c in data["claims"]}
+    assert claims["kernel-bandwidth-reduction"]["verdict"] == "reproduced"
+    assert isinstance(claims["kernel-bandwidth-reduction"]["expected"], list)
+    exact = [c for c in claims.values() if c["kind"] == "exact" and c["expected"] is not None]
+    assert exact and all(not isinstance(c["expected"], list) for c in exact)

@@ -1,14 +1,19 @@
 """Compile the GEMV kernel for sm_90 on any host (no GPU needed) and count what its PTX does.
 
-    python -m reproductions.kernels.inspect_ptx
+    python -m reproductions.kernels.inspect_ptx [--configs BNxBKxW ...]
 
 Integer arguments get the divisibility-by-16 attribute Triton gives them at run time for the
-Llama shapes (N, K, strides multiples of 16), so vectorization matches a real launch.
-Reports 128-bit global loads, local-memory (spill) accesses, conversions and shared memory.
+Llama shapes (N, K, strides multiples of 16), so vectorization matches a real launch; EVEN (no
+masks) is set as it is for those shapes. Reports the main loop's PTX instructions per INT4 code a
+thread handles (the issue-rate budget: at 4.2 TB/s an H200 SM must retire ~30 codes per clock, i.e.
+~4 lane-instructions per code), its global/shared loads, local-memory (spill) accesses and
+int->float conversions.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import re
 
 from triton.backends.compiler import GPUTarget
@@ -23,32 +28,73 @@ DIV16 = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "lock_ptr", "N"
          "stride_xm", "stride_qn", "stride_ym"}
 
 
-def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128) -> dict[str, int]:
+def loop_body(ptx: str) -> list[str]:
+    """The longest span between a label and a backward branch to it: the K loop."""
+    lines = ptx.splitlines()
+    labels: dict[str, int] = {}
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^\$(\w+):", line.strip())
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(r"bra(?:\.uni)?\s+\$(\w+);", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i and i - labels[m.group(1)] > len(best):
+            best = lines[labels[m.group(1)]:i + 1]
+    return best
+
+
+def opcounts(lines: list[str]) -> collections.Counter:
+    c: collections.Counter = collections.Counter()
+    for line in lines:
+        line = re.sub(r"^@!?%p\d+\s+", "", line.strip())
+        if line and not line.startswith(("//", "$", "{", "}", ".")):
+            c[line.split()[0].rstrip(";")] += 1
+    return c
+
+
+def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128) -> dict[str, float]:
     consts = {"GROUP": group, "PER_CHANNEL": False, "HAS_ZEROS": True, "BLOCK_N": block_n, "BLOCK_K": block_k,
-              "SPLIT_K": split_k, "PER_COL": 8}
+              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n in DIV16}
     sig = {**dict(zip(NAMES, TYPES, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(ASTSource(_int4_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": num_warps})
     ptx = kernel.asm["ptx"]
+    loop = opcounts(loop_body(ptx))
+    codes_per_thread = block_n * block_k / (32 * num_warps)
     return {
-        "ld_global": len(re.findall(r"ld\.global", ptx)),
-        "ld_global_v4": len(re.findall(r"ld\.global[^\n]*\.v4", ptx)),
+        "loop_per_code": sum(loop.values()) / codes_per_thread,
+        "loop_ld_global": sum(v for k, v in loop.items() if k.startswith("ld.global")),
+        "loop_ld_shared": sum(v for k, v in loop.items() if k.startswith("ld.shared")),
+        "loop_shfl": sum(v for k, v in loop.items() if k.startswith("shfl")),
+        "codes_per_thread": codes_per_thread,
         "local_mem": len(re.findall(r"(?:ld|st)\.local", ptx)),
         "cvt_to_f32": len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
         "shared_bytes": kernel.metadata.shared,
     }
 
 
-def main() -> int:
-    print("| config | ld.global | of which 128-bit | local (spills) | int->f32 cvt | shared B |")
-    print("|---|---|---|---|---|---|")
-    for cfg in candidate_configs():
-        if cfg.block_m != 1:
-            continue
-        r = inspect(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps)
-        print(f"| BN{cfg.block_n} BK{cfg.block_k} S{cfg.split_k} W{cfg.num_warps} | {r['ld_global']} | "
-              f"{r['ld_global_v4']} | {r['local_mem']} | {r['cvt_to_f32']} | {r['shared_bytes']} |")
+def _parse(spec: str) -> tuple[int, int, int, int]:
+    bn, bk, w, *rest = (int(v) for v in spec.split("x"))
+    return bn, bk, rest[0] if rest else 1, w
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="*", help="BNxBKxWARPS[xSPLIT] to inspect instead of the shipped ones")
+    a = p.parse_args(argv)
+    if a.configs:
+        cfgs = [_parse(c) for c in a.configs]
+    else:
+        cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps) for c in candidate_configs() if c.block_m == 1]
+    print("| config | loop instr/code | codes/thread | loop ld.global | loop ld.shared | loop shfl "
+          "| local (spills) | int->f32 cvt | shared B |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for bn, bk, split, w in cfgs:
+        r = inspect(bn, bk, split, w)
+        print(f"| BN{bn} BK{bk} S{split} W{w} | {r['loop_per_code']:.2f} | {r['codes_per_thread']:.0f} | "
+              f"{r['loop_ld_global']} | {r['loop_ld_shared']} | {r['loop_shfl']} | {r['local_mem']} | "
+              f"{r['cvt_to_f32']} | {r['shared_bytes']} |")
     return 0
 
 

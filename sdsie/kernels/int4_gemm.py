@@ -78,27 +78,89 @@ def _load_bytes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB: tl.constexpr):
 
 
 @triton.jit
-def _gemv_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
-               PER_COL: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    """Products of one weight tile with x, summed over the codes each column holds.
+def _code_pair_f32(w, SHIFT: tl.constexpr):
+    """The two codes at bits [SHIFT, SHIFT + 8) of int32 words w as exact fp32 (256 + q_lo, 16 + q_hi).
 
-    Columns are int32 words (PER_COL = 8 codes) when K % 8 == 0, else bytes (PER_COL = 2).
-    Returns prod [BN, BLOCK_COLS] and xcol [BLOCK_COLS] (the sum of x over each column's codes).
-    """
-    offs_c = k0 // PER_COL + tl.arange(0, BLOCK_COLS)  # [BC]
+    One shift puts the pair at bits 15..22; one and-or per code then drops each nibble into a float's
+    mantissa: bits 15..18 of 256.0 (0x43800000, ulp 2**-15) step by 1, and so do bits 19..22 of 16.0
+    (0x41800000, ulp 2**-19). So a code costs half a shift, one LOP3 and its FMA; the caller removes
+    the offsets (256 for even positions, 16 for odd) per tile with sums of x (v3,
+    reproductions/kernels/NOTES.md). No int->float conversion, which ran at a quarter rate in v1."""
+    if SHIFT <= 15:
+        t = w << (15 - SHIFT)
+    else:
+        t = w >> (SHIFT - 15)
+    lo = ((t & 0x00078000) | 0x43800000).to(tl.float32, bitcast=True)
+    hi = ((t & 0x00780000) | 0x41800000).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _split8(xt, BC: tl.constexpr):
+    """x tile [BC, 8] (column c holds x[8c .. 8c + 7]) -> its eight [BC] columns, code positions 0..7.
+
+    Three levels of tl.split (register moves within a thread): the tile is read with contiguous vector
+    loads instead of eight stride-8 gathers."""
+    ev, od = tl.split(tl.reshape(xt, [BC, 4, 2]))  # positions (0, 2, 4, 6) and (1, 3, 5, 7)
+    e04, e26 = tl.split(tl.reshape(ev, [BC, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(od, [BC, 2, 2]))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _load_words(qw_ptr, offs_n, n_mask, c0, NCOLS, stride_qn, BLOCK_COLS: tl.constexpr, EVEN: tl.constexpr):
+    """A [BN, BLOCK_COLS] tile of int32 words (8 codes each) starting at word column c0."""
+    offs_c = c0 + tl.arange(0, BLOCK_COLS)  # [BC]
     offs_c = tl.max_contiguous(tl.multiple_of(offs_c, BLOCK_COLS), BLOCK_COLS)
+    ptrs = qw_ptr + offs_n[:, None] * stride_qn + offs_c[None, :]
+    if EVEN:
+        return tl.load(ptrs, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=n_mask[:, None] & (offs_c[None, :] < NCOLS), other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS: tl.constexpr, EVEN: tl.constexpr):
+    """sum_j q_j x_j over each word's 8 codes for one word tile raw [BN, BC].
+
+    Returns prod [BN, BC] and xcol [BC] (the sum of x over each word's codes)."""
+    offs_k = k0 + tl.arange(0, BLOCK_COLS)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BC, 8]
+    if EVEN:
+        xt = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+    else:
+        xt = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)  # [BC, 8]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, BLOCK_COLS)
+    x_even = x0 + x2 + x4 + x6  # [BC]
+    x_odd = x1 + x3 + x5 + x7
+    prod = tl.broadcast_to(-(256.0 * x_even + 16.0 * x_odd)[None, :], raw.shape)  # the codes' offsets
+    c0, c1 = _code_pair_f32(raw, 0)
+    prod = tl.fma(c1, x1[None, :], tl.fma(c0, x0[None, :], prod))
+    c2, c3 = _code_pair_f32(raw, 8)
+    prod = tl.fma(c3, x3[None, :], tl.fma(c2, x2[None, :], prod))
+    c4, c5 = _code_pair_f32(raw, 16)
+    prod = tl.fma(c5, x5[None, :], tl.fma(c4, x4[None, :], prod))
+    c6, c7 = _code_pair_f32(raw, 24)
+    prod = tl.fma(c7, x7[None, :], tl.fma(c6, x6[None, :], prod))
+    return prod, x_even + x_odd
+
+
+@triton.jit
+def _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS: tl.constexpr):
+    """Bytes path (K not a multiple of 8): sum_j q_j x_j over each byte's two codes, prod [BN, BC], and
+    xcol [BC]."""
+    offs_c = k0 // 2 + tl.arange(0, BLOCK_COLS)  # [BC]
     mask = n_mask[:, None] & (offs_c[None, :] < NCOLS)
     raw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_c[None, :], mask=mask, other=0,
                   eviction_policy="evict_first").to(tl.int32)  # [BN, BC]
-    kc = offs_c * PER_COL  # [BC] first k of each column
-    prod = tl.zeros([offs_n.shape[0], BLOCK_COLS], tl.float32)
-    xcol = tl.zeros([BLOCK_COLS], tl.float32)
-    for i in tl.static_range(PER_COL):
-        xi = tl.load(x_row + (kc + i) * stride_xk, mask=kc + i < K, other=0.0,
-                     eviction_policy="evict_last").to(tl.float32)  # [BC]
-        prod += _codes_f32((raw >> (4 * i)) & 0xF) * xi[None, :]
-        xcol += xi
-    return prod, xcol
+    kc = offs_c * 2  # [BC] first k of each byte
+    xe = tl.load(x_row + kc * stride_xk, mask=kc < K, other=0.0).to(tl.float32)  # [BC]
+    xo = tl.load(x_row + (kc + 1) * stride_xk, mask=kc + 1 < K, other=0.0).to(tl.float32)
+    lo, hi = _code_pair_f32(raw, 0)
+    prod = tl.fma(hi, xo[None, :], tl.fma(lo, xe[None, :], -(256.0 * xe + 16.0 * xo)[None, :]))
+    return prod, xe + xo
 
 
 @triton.jit
@@ -143,31 +205,46 @@ def _int4_gemv_kernel(
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PER_COL: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    # grid: (cdiv(N, BLOCK_N), SPLIT_K, M); one program = BLOCK_N outputs of one row over one K split.
+    # grid: (M, cdiv(N, BLOCK_N), SPLIT_K); one program = BLOCK_N outputs of one row over one K split.
+    # Rows are the fastest grid axis, so at small M > 1 the programs sharing a weight tile run together
+    # and all but the first read it from L2.
     # qw is viewed as int32 words (PER_COL = 8 codes per column) or bytes (PER_COL = 2).
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    # EVEN: N % BLOCK_N == 0 and every split covers whole BLOCK_K tiles of K (no masks needed).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     BLOCK_COLS: tl.constexpr = BLOCK_K // PER_COL
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
     x_row = x_ptr + pid_m * stride_xm
     k_begin = pid_k * k_per_split
-    k_end = k_begin + k_per_split  # may overshoot K in the last split: loads are masked
+    k_end = tl.minimum(k_begin + k_per_split, K)
 
+    # Per group, sum_k (q - z) s x = s * (sum_k q x - z sum_k x): the zero-point leaves the inner loop.
     # Accumulate elementwise and reduce across threads once at the end, not every iteration.
     acc = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)  # scaled (or, per channel, raw) products
     xs = tl.zeros([BLOCK_COLS], tl.float32)  # per channel only: sum of x
+    zacc = tl.zeros([BLOCK_N], tl.float32)  # groups within a tile: sum over tiles of s * z * sum(x)
+    if PER_COL == 8:  # prefetch: the next word tile is in flight while this one is multiplied
+        raw = _load_words(qw_ptr, offs_n, n_mask, k_begin // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        prod, xcol = _gemv_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
-                                PER_COL, BLOCK_COLS)
+        if PER_COL == 8:
+            nxt = _load_words(qw_ptr, offs_n, n_mask & (k0 + BLOCK_K < k_end), (k0 + BLOCK_K) // 8, NCOLS,
+                              stride_qn, BLOCK_COLS, False)
+            prod, xcol = _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS, EVEN)
+            raw = nxt
+        else:
+            prod, xcol = _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
+                                          BLOCK_COLS)
         if PER_CHANNEL:
             acc += prod
             xs += xcol
         elif BLOCK_K <= GROUP:  # the whole tile lies in one group: per-row scale and zero
-            s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)
-            acc += s[:, None] * prod - (s * z)[:, None] * xcol[None, :]
+            s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)
+            acc = tl.fma(s[:, None], prod, acc)
+            zacc += s * z * tl.sum(xcol, axis=0)  # the zero-point term once per row, not per word
         else:  # the tile spans TG groups of GROUP // PER_COL columns each
             TG: tl.constexpr = BLOCK_K // GROUP
             GC: tl.constexpr = GROUP // PER_COL
@@ -176,15 +253,15 @@ def _int4_gemv_kernel(
             s, z = _load_group_params(s_ptr, z_ptr, g[None, :], offs_n[:, None], gmask, N, HAS_ZEROS)  # [BN, TG]
             s_c = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
             sz_c = tl.reshape(tl.broadcast_to((s * z)[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
-            acc += s_c * prod - sz_c * xcol[None, :]
-    out = tl.sum(acc, axis=1)  # [BN]
+            acc = tl.fma(s_c, prod, tl.fma(-sz_c, xcol[None, :], acc))
+    out = tl.sum(acc, axis=1) - zacc  # [BN]
     if PER_CHANNEL:
         s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)
         out = s * (out - z * tl.sum(xs, axis=0))
 
     offs_m = pid_m + tl.arange(0, 1)
     _store_or_reduce(out[None, :], y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
-                     pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
+                     pid_m, pid_n, pid_k, tl.num_programs(1), SPLIT_K)
 
 
 @triton.jit
@@ -255,7 +332,8 @@ def _int4_gemm_kernel(
 
 @dataclass(frozen=True)
 class Int4KernelConfig:
-    """Launch configuration. block_m == 1 selects the GEMV kernel (M == 1 only)."""
+    """Launch configuration. block_m == 1 selects the GEMV kernel (one program per row and N tile; it
+    suits M == 1 and, sharing weight tiles through L2, very small M), block_m >= 16 the tl.dot kernel."""
 
     block_m: int
     block_n: int
@@ -277,12 +355,12 @@ class Int4KernelConfig:
 
 # Configurations the selector can return (tests run every one of them). Tuned on an H200;
 # see reproductions/kernels/NOTES.md for how each was chosen.
-_GEMV_CONFIGS = (
-    Int4KernelConfig(1, 32, 256, split_k=1, num_warps=4),
-    Int4KernelConfig(1, 64, 256, split_k=1, num_warps=4),
-    Int4KernelConfig(1, 16, 512, split_k=2, num_warps=4),
-    Int4KernelConfig(1, 32, 512, split_k=4, num_warps=4),
-    Int4KernelConfig(1, 16, 256, split_k=8, num_warps=2),
+_GEMV_CONFIGS = (  # v3: many rows per program so each x value serves several weight words
+    Int4KernelConfig(1, 256, 128, split_k=1, num_warps=4),
+    Int4KernelConfig(1, 128, 256, split_k=2, num_warps=4),
+    Int4KernelConfig(1, 64, 256, split_k=4, num_warps=2),
+    Int4KernelConfig(1, 64, 256, split_k=8, num_warps=2),
+    Int4KernelConfig(1, 32, 256, split_k=8, num_warps=2),
 )
 _GEMM_CONFIGS = (
     Int4KernelConfig(16, 64, 128, split_k=1, num_warps=4),
@@ -306,9 +384,12 @@ def _tuned_table() -> dict[str, dict[str, Int4KernelConfig]]:
     return {dev: {key: Int4KernelConfig(**cfg) for key, cfg in table.items()} for dev, table in raw.items()}
 
 
+TUNED_M = (1, 2, 4, 8, 16)  # M buckets the sweep tunes; M in (2, 4] uses the m4 entry, and so on
+
+
 def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
-    bucket = "m1" if m == 1 else "m16"
-    return f"{bucket}|{n}|{k}|{'pc' if group_size >= k else group_size}"
+    bucket = next(b for b in TUNED_M if m <= b)
+    return f"m{bucket}|{n}|{k}|{'pc' if group_size >= k else group_size}"
 
 
 def candidate_configs() -> tuple[Int4KernelConfig, ...]:
@@ -334,13 +415,13 @@ def select_config(m: int, n: int, k: int, device: torch.device, group_size: int 
 
 @functools.lru_cache(maxsize=4096)
 def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_size: int) -> Int4KernelConfig:
-    if device_type == "cuda" and m <= 16:
+    if device_type == "cuda" and m <= TUNED_M[-1]:
         table = _tuned_table().get(torch.cuda.get_device_name(index), {})
         cfg = table.get(tuned_key(m, n, k, group_size))
         if cfg is not None:
             return cfg
     sms = _num_sms(torch.device(device_type, index))
-    if m == 1:
+    if m <= 2:
         cands = _GEMV_CONFIGS
     elif m <= 16:
         cands = _GEMM_CONFIGS[:2]
@@ -418,18 +499,16 @@ def int4_matmul(
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     cfg = config or select_config(m, n, k, x.device, w.group_size)
-    if (cfg.block_m == 1) != (m == 1):
-        raise ValueError(f"config {cfg} does not fit M={m}: block_m == 1 is the GEMV kernel for M == 1 only")
     per_channel = w.group_size >= k
     block_k = cfg.block_k
     if cfg.block_m > 1 and not per_channel:
         block_k = min(block_k, w.group_size)  # a GEMM tile never straddles two groups
     split_k = min(cfg.split_k, triton.next_power_of_2(triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
+    n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
     if split_k > 1:
         ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        locks = _SCRATCH.lock_buffer(x.device, grid[0] * grid[2])
+        locks = _SCRATCH.lock_buffer(x.device, n_tiles * m_tiles)
     else:
         ws, locks = y, y  # unused by the kernel
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
@@ -448,9 +527,10 @@ def int4_matmul(
         qw = w.qweight
         words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
         qw = qw.view(torch.int32) if words else qw
-        _int4_gemv_kernel[grid](
+        even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
+        _int4_gemv_kernel[(m, n_tiles, split_k)](
             x2, qw, w.scales, zeros, y, ws, locks, m, n, k, qw.shape[1], w.n_groups, k_per_split,
-            x2.stride(0), x2.stride(1), qw.stride(0), y.stride(0), PER_COL=8 if words else 2, **common)
+            x2.stride(0), x2.stride(1), qw.stride(0), y.stride(0), PER_COL=8 if words else 2, EVEN=even, **common)
     else:
         args = (x2, w.qweight, w.scales, zeros, y, ws, locks, m, n, k, w.qweight.shape[1], w.n_groups,
                 k_per_split, x2.stride(0), x2.stride(1), w.qweight.stride(0), y.stride(0))
@@ -458,8 +538,8 @@ def int4_matmul(
         # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use
         # the tensor cores. Everything else in the kernel is the same code on both.
         dot_ieee = x.dtype == torch.float32 or _interpreting()
-        _int4_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, IS_FP32=x.dtype == torch.float32,
-                                **common)
+        _int4_gemm_kernel[(n_tiles, split_k, m_tiles)](
+            *args, BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, IS_FP32=x.dtype == torch.float32, **common)
     _CALLS["n"] += 1
     return y.reshape(*lead, n)
 

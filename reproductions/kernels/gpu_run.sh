@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The kernel and entropy reproductions on a GPU machine, in the order a tuning session needs them:
+# sweep -> install the tuned table -> kernel tests over every candidate (tuned ones included) ->
+# suite record (kernel_int4) and entropy record -> thorough property tests while time remains.
+# Progress goes to stdout; `.run/done` holds the exit status when everything has finished.
+#   setsid nohup bash reproductions/kernels/gpu_run.sh > .run/log 2>&1 &
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+mkdir -p .run && rm -f .run/done
+step() { echo "=== $(date -u +%T) $*"; }
+status=0
+step environment
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+step sweep
+if python3 -m reproductions.kernels.int4_bench --sweep --no-energy --out telemetry/raw; then
+    cp telemetry/raw/tuned_configs.json sdsie/kernels/tuned_configs.json
+else
+    status=1
+fi
+step kernel tests, every candidate configuration
+python3 -m pytest tests/test_int4_kernel.py tests/test_int4_modules.py -q -x -p no:cacheprovider || status=1
+step suite records: kernel_int4, entropy_overhead
+python3 -m pytest reproductions/test_kernel_int4.py reproductions/test_entropy_overhead.py -m gpu -q -s \
+    -p no:cacheprovider || status=1
+step thorough property tests, 150 s at most
+SDSIE_HYPOTHESIS_PROFILE=thorough timeout 150 python3 -m pytest tests/test_int4_kernel.py -q -x \
+    -p no:cacheprovider -k "matches_reference or rows" || status=1
+step done "status=$status"
+echo "$status" > .run/done

@@ -232,3 +232,29 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
         int4_matmul(torch.randn(2, 64, device=kernel_device), w, out=torch.empty(2, 9, device=kernel_device))
     with pytest.raises(ValueError, match="power of two"):
         Int4KernelConfig(1, 24, 256)
+
+
+def test_launch_plans_follow_specialization_and_die_with_the_weight(kernel_device):
+    """One plan per (M, x dtype/strides/alignment, config) on a weight; a misaligned x or another M gets
+    its own plan (Triton specializes on them), results stay exact, and plans leave with the weight."""
+    import copy
+    import gc
+
+    from sdsie.kernels import int4_gemm
+
+    gen = torch.Generator().manual_seed(11)
+    w = make_weight(40, 256, 64, False, 0.05, kernel_device, gen)
+    buf = torch.randn(3 * 256 + 1, generator=gen).to(kernel_device)
+    aligned, shifted = buf[:256].view(1, 256), buf[1:257].view(1, 256)  # 4-byte offset: not 16-aligned
+    for x in (aligned, aligned, shifted, buf[:768].view(3, 256)):
+        assert_close_to_reference(int4_matmul(x, w), x, w)
+    plans = int4_gemm._PLANS[id(w)]
+    assert len(plans) == 3, f"expected plans for M=1 aligned, M=1 misaligned and M=3, got {list(plans)}"
+    assert {key[0] for key in plans} == {1, 3} and {key[4] for key in plans} == {True, False}
+    w2 = copy.deepcopy(w)  # plans are not part of the weight: a copy starts without any
+    assert id(w2) not in int4_gemm._PLANS
+    assert_close_to_reference(int4_matmul(aligned, w2), aligned, w2)
+    key = id(w)
+    del w, plans
+    gc.collect()
+    assert key not in int4_gemm._PLANS

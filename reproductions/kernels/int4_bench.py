@@ -307,11 +307,14 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
             energy_results.append(e)
             print(f"energy {shape}: bf16 {e['bf16_power_w']:.0f} W {e['bf16_uj_per_call']:.1f} uJ/call, "
                   f"int4 {e['int4_power_w']:.0f} W {e['int4_uj_per_call']:.1f} uJ/call", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if sweep:  # written first: a later failure must not lose the measurements
+        table = best_configs(results)
+        (out_dir / "tuned_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True))
+        (out_dir / "kernel_sweep.json").write_text(json.dumps({"results": results}))
     summary = summarize(results, energy_results, copy_gbs)
     if sweep:
-        table = best_configs(results)
         summary["tuned"] = table
-        (out_dir / "tuned_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True))
     summary["energy_skipped"] = None if (energy and ok) else why
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}, indent=1))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -381,7 +384,8 @@ def summarize(results: list[dict], energy: list[dict], copy_gbs: float) -> dict:
         s[f"m1_g{g}_bytes_reduction_pct_min"] = min(r["bytes_reduction_pct"] for r in m1)
         s[f"m1_g{g}_bytes_reduction_pct_max"] = max(r["bytes_reduction_pct"] for r in m1)
     for m in M_VALUES[1:]:
-        s[f"m{m}_g128_min_speedup"] = min(r["speedup_vs_bf16"] for r in pick(m, 128))
+        if pick(m, 128):  # a sweep times a subset of M
+            s[f"m{m}_g128_min_speedup"] = min(r["speedup_vs_bf16"] for r in pick(m, 128))
     for g in GROUPS:
         graphed = [r["graph_us"] for r in pick(1, g) if "graph_us" in r]
         if graphed:

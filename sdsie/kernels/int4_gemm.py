@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -476,6 +478,108 @@ def _check_inputs(x: torch.Tensor, w: Int4Weight) -> None:
         raise ValueError(f"int4_matmul: x is on {x.device} but the weight is on {w.qweight.device}")
 
 
+@dataclass
+class _Plan:
+    """Everything about a launch that depends only on (weight, M, x's dtype/strides/alignment, config).
+
+    Built on the first call and kept per weight object (see `_plans_of`). On a GPU the first launch returns
+    Triton's compiled kernel; later calls hand the arguments straight to its launcher, skipping Triton's
+    per-call binding and specialization (the key below pins every value Triton specializes on), which
+    on the H200 host cost ~20 us in front of every GEMV (reproductions/kernels/NOTES.md, v3)."""
+
+    kernel: triton.runtime.JITFunction
+    grid: tuple[int, int, int]
+    qw: torch.Tensor  # qweight, or its int32 view for the GEMV words path
+    zeros: torch.Tensor  # zero-points, or the scales as a dummy pointer when symmetric
+    ints: tuple[int, ...]  # M, N, K, NCOLS, G, k_per_split
+    consts: dict  # constexpr arguments, in the kernel's parameter order
+    options: dict  # num_warps, num_stages
+    split_k: int
+    lock_slots: int
+    compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
+
+
+@functools.cache
+def _constexpr_names(kernel) -> tuple[str, ...]:
+    """The kernel's constexpr parameters in order (also for the interpreter's wrapped function)."""
+    params = inspect.signature(getattr(kernel, "fn", kernel)).parameters.values()
+    return tuple(p.name for p in params if "constexpr" in str(p.annotation))
+
+
+def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
+    m, k = x2.shape
+    n = w.out_features
+    per_channel = w.group_size >= k
+    block_k = cfg.block_k
+    if cfg.block_m > 1 and not per_channel:
+        block_k = min(block_k, w.group_size)  # a GEMM tile never straddles two groups
+    split_k = min(cfg.split_k, triton.next_power_of_2(triton.cdiv(k, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
+    consts = dict(
+        GROUP=1 if per_channel else w.group_size,  # unused when PER_CHANNEL: no recompile per K
+        PER_CHANNEL=per_channel,
+        HAS_ZEROS=w.zeros is not None,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+    )
+    qw = w.qweight
+    if cfg.block_m == 1:
+        # GEMV: read whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
+        words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
+        qw = qw.view(torch.int32) if words else qw
+        even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
+        kernel, grid = _int4_gemv_kernel, (m, n_tiles, split_k)
+        consts.update(PER_COL=8 if words else 2, EVEN=even)
+    else:
+        # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
+        # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use
+        # the tensor cores. Everything else in the kernel is the same code on both.
+        kernel, grid = _int4_gemm_kernel, (n_tiles, split_k, m_tiles)
+        consts.update(BLOCK_M=cfg.block_m, DOT_IEEE=x2.dtype == torch.float32 or _interpreting(),
+                      IS_FP32=x2.dtype == torch.float32)
+    order = _constexpr_names(kernel)
+    return _Plan(kernel, grid, qw, w.zeros if w.zeros is not None else w.scales,
+                 (m, n, k, qw.shape[1], w.n_groups, k_per_split), {name: consts[name] for name in order},
+                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), split_k, n_tiles * m_tiles)
+
+
+_PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan}; an entry leaves with its weight
+
+
+def _plans_of(w: Int4Weight) -> dict:
+    """The launch plans of one weight object, kept outside it (deepcopy of a model must not copy
+    compiled kernels) and dropped when the weight is garbage-collected (before its id can be reused)."""
+    plans = _PLANS.get(id(w))
+    if plans is None:
+        plans = _PLANS[id(w)] = {}
+        weakref.finalize(w, _PLANS.pop, id(w), None)
+    return plans
+
+
+def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
+    m, n = plan.ints[0], plan.ints[1]
+    if plan.split_k > 1:
+        ws = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x2.device)
+        locks = _SCRATCH.lock_buffer(x2.device, plan.lock_slots)
+    else:
+        ws, locks = y, y  # unused by the kernel
+    args = (x2, plan.qw, w.scales, plan.zeros, y, ws, locks, *plan.ints,
+            x2.stride(0), x2.stride(1), plan.qw.stride(0), y.stride(0))
+    compiled = plan.compiled
+    if compiled is not None and y.data_ptr() % 16 == 0:  # y is the one pointer the plan key does not pin
+        stream = triton.runtime.driver.active.get_current_stream(x2.device.index)
+        values = (*args, *plan.consts.values())
+        compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(plan.grid, stream, *values),
+                     triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook, *values)
+        return
+    result = plan.kernel[plan.grid](*args, **plan.consts, **plan.options)
+    if not _interpreting() and y.data_ptr() % 16 == 0 and hasattr(result, "run"):
+        plan.compiled = result
+
+
 def int4_matmul(
     x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -484,6 +588,7 @@ def int4_matmul(
     `config` overrides the automatic choice (tests use it to cover every candidate).
     `out`, if given, is a contiguous [M, N] (M = prod of leading dims) tensor of x's dtype to write.
     Empty inputs (any leading dim 0) return an empty [..., N] without launching.
+    Launches on one weight are meant for one stream at a time (split K reuses a semaphore buffer).
     """
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
@@ -499,47 +604,14 @@ def int4_matmul(
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     cfg = config or select_config(m, n, k, x.device, w.group_size)
-    per_channel = w.group_size >= k
-    block_k = cfg.block_k
-    if cfg.block_m > 1 and not per_channel:
-        block_k = min(block_k, w.group_size)  # a GEMM tile never straddles two groups
-    split_k = min(cfg.split_k, triton.next_power_of_2(triton.cdiv(k, block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
-    if split_k > 1:
-        ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        locks = _SCRATCH.lock_buffer(x.device, n_tiles * m_tiles)
-    else:
-        ws, locks = y, y  # unused by the kernel
-    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    common = dict(
-        GROUP=1 if per_channel else w.group_size,  # unused when PER_CHANNEL: no recompile per K
-        PER_CHANNEL=per_channel,
-        HAS_ZEROS=w.zeros is not None,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=block_k,
-        SPLIT_K=split_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if cfg.block_m == 1:
-        # GEMV: read whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
-        qw = w.qweight
-        words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
-        qw = qw.view(torch.int32) if words else qw
-        even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
-        _int4_gemv_kernel[(m, n_tiles, split_k)](
-            x2, qw, w.scales, zeros, y, ws, locks, m, n, k, qw.shape[1], w.n_groups, k_per_split,
-            x2.stride(0), x2.stride(1), qw.stride(0), y.stride(0), PER_COL=8 if words else 2, EVEN=even, **common)
-    else:
-        args = (x2, w.qweight, w.scales, zeros, y, ws, locks, m, n, k, w.qweight.shape[1], w.n_groups,
-                k_per_split, x2.stride(0), x2.stride(1), w.qweight.stride(0), y.stride(0))
-        # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
-        # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use
-        # the tensor cores. Everything else in the kernel is the same code on both.
-        dot_ieee = x.dtype == torch.float32 or _interpreting()
-        _int4_gemm_kernel[(n_tiles, split_k, m_tiles)](
-            *args, BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, IS_FP32=x.dtype == torch.float32, **common)
+    # Everything Triton specializes on: M (value), x's dtype, strides and 16-byte alignment, the config;
+    # the weight's tensors, N, K and the group are fixed for the object the plans live on.
+    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, cfg)
+    plans = _plans_of(w)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _plan(x2, w, cfg)
+    _launch(plan, x2, w, y)
     _CALLS["n"] += 1
     return y.reshape(*lead, n)
 

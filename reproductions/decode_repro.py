@@ -20,6 +20,7 @@ import argparse
 import copy
 import functools
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -525,38 +526,64 @@ def gpu_decode_record(out: str = "telemetry") -> RunRecord:
     return rec
 
 
-def main(argv: list[str] | None = None) -> int:
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--trials", type=_positive_int, default=5)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--out", type=Path, default=Path("telemetry"))
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["grid", "fidelity", "gear", "near_ties", "entropy_sync"])
     p.add_argument("--preset", default="gpu", help="stand-in preset; 'cpu' with --device cpu is a dry run")
     p.add_argument("--device", default="cuda")
     p.add_argument("--one-per-family", action="store_true", help="first prompt of each family only")
-    p.add_argument("--fidelity-tokens", type=int, default=SEED_FIDELITY_TOKENS, help="tokens per fidelity run")
-    a = p.parse_args(argv)
+    p.add_argument("--grid-trials", type=_positive_int, default=3, help="trials per grid cell (the seed's N=3)")
+    p.add_argument("--grid-tokens", type=_positive_int, default=None,
+                   help="tokens per grid run (default: --max-new-tokens, at most 96)")
+    p.add_argument("--fidelity-tokens", type=_positive_int, default=SEED_FIDELITY_TOKENS,
+                   help="tokens per fidelity run")
+    p.add_argument("--gear-trials", type=_positive_int, default=None,
+                   help="trials of the gear suite (default: --trials)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("decode_repro needs a CUDA GPU (torch.cuda.is_available() is False); the CPU-reproducible "
               "claims run in `nox -s claims`.")
         return 2
+    if a.device == "cpu":  # the dry run: Triton kernels (the gear's INT4 matmul) need the interpreter on a CPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    t0 = time.perf_counter()
     s = load_setup(a.preset, a.device, a.one_per_family)
+
+    def done(suite: str, rec: RunRecord) -> None:
+        print(f"record: {write_record(rec, a.out)} ({suite} done at {time.perf_counter() - t0:.0f} s)", flush=True)
+
     rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip)
-    print("record:", write_record(rec, a.out), flush=True)
+    done("decode", rec)
     for k in sorted(rec.metrics):
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):
             print(f"  {k} = {rec.metrics[k]:.3f}")
     if "grid" not in a.skip:
-        rec = grid_record(s, min(a.max_new_tokens, 96))
-        print("record:", write_record(rec, a.out), rec.metrics, flush=True)
+        rec = grid_record(s, a.grid_tokens or min(a.max_new_tokens, 96), a.grid_trials)
+        done("grid", rec)
+        print(rec.metrics, flush=True)
     if "fidelity" not in a.skip:
         rec, table = fidelity_record(s, a.fidelity_tokens)
-        print("record:", write_record(rec, a.out), flush=True)
+        done("fidelity", rec)
         print(table, flush=True)
     if "gear" not in a.skip:
-        rec = gear_record(s, a.trials, a.max_new_tokens)
-        print("record:", write_record(rec, a.out), rec.metrics, flush=True)
+        rec = gear_record(s, a.gear_trials or a.trials, a.max_new_tokens)
+        done("gear", rec)
+        print(rec.metrics, flush=True)
     return 0
 
 

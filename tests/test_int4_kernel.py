@@ -92,7 +92,10 @@ def test_kernel_matches_reference(kernel_device, m, n, k, group, symmetric, dtyp
     assert_close_to_reference(y, x, w)
 
 
-@pytest.mark.parametrize("config", candidate_configs(), ids=str)
+GATHER = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2, x_tile=False)  # the sweep's x-gather variant
+
+
+@pytest.mark.parametrize("config", candidate_configs() + (GATHER,), ids=str)
 @pytest.mark.parametrize("group", [32, 128, None])
 def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
     """Every configuration the selector can pick (split-K paths included) is correct."""
@@ -232,6 +235,8 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
         int4_matmul(torch.randn(2, 64, device=kernel_device), w, out=torch.empty(2, 9, device=kernel_device))
     with pytest.raises(ValueError, match="power of two"):
         Int4KernelConfig(1, 24, 256)
+    with pytest.raises(ValueError, match="x_tile must be a bool"):
+        Int4KernelConfig(1, 32, 256, x_tile=1)
 
 
 def test_launch_plans_follow_specialization_and_die_with_the_weight(kernel_device):

@@ -19,12 +19,15 @@ else
     status=1
 fi
 step kernel tests, every candidate configuration
-python3 -m pytest tests/test_int4_kernel.py tests/test_int4_modules.py -q -x -p no:cacheprovider || status=1
+python3 -m pytest tests/test_int4_kernel.py tests/test_int4_modules.py -q -x -p no:cacheprovider \
+    -k "${KERNEL_TESTS:-not nothing}" || status=1
 step suite records: kernel_int4, entropy_overhead
 python3 -m pytest reproductions/test_kernel_int4.py reproductions/test_entropy_overhead.py -m gpu -q -s \
     -p no:cacheprovider || status=1
-step thorough property tests, 150 s at most
-SDSIE_HYPOTHESIS_PROFILE=thorough timeout 150 python3 -m pytest tests/test_int4_kernel.py -q -x \
-    -p no:cacheprovider -k "matches_reference or rows" || status=1
+if [ "${THOROUGH_S:-0}" -gt 0 ]; then
+    step "thorough property tests, ${THOROUGH_S} s at most"
+    SDSIE_HYPOTHESIS_PROFILE=thorough timeout "$THOROUGH_S" python3 -m pytest tests/test_int4_kernel.py -q -x \
+        -p no:cacheprovider -k "matches_reference or rows" || status=1
+fi
 step done "status=$status"
 echo "$status" > .run/done

@@ -52,9 +52,10 @@ def opcounts(lines: list[str]) -> collections.Counter:
     return c
 
 
-def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128) -> dict[str, float]:
+def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128,
+            x_tile: bool = True) -> dict[str, float]:
     consts = {"GROUP": group, "PER_CHANNEL": False, "HAS_ZEROS": True, "BLOCK_N": block_n, "BLOCK_K": block_k,
-              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True}
+              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True, "X_TILE": x_tile}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n in DIV16}
     sig = {**dict(zip(NAMES, TYPES, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(ASTSource(_int4_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -67,6 +68,7 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
         "loop_ld_global": sum(v for k, v in loop.items() if k.startswith("ld.global")),
         "loop_ld_shared": sum(v for k, v in loop.items() if k.startswith("ld.shared")),
         "loop_shfl": sum(v for k, v in loop.items() if k.startswith("shfl")),
+        "loop_bar": sum(v for k, v in loop.items() if k.startswith("bar.")),
         "codes_per_thread": codes_per_thread,
         "local_mem": len(re.findall(r"(?:ld|st)\.local", ptx)),
         "cvt_to_f32": len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
@@ -74,9 +76,11 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
     }
 
 
-def _parse(spec: str) -> tuple[int, int, int, int]:
-    bn, bk, w, *rest = (int(v) for v in spec.split("x"))
-    return bn, bk, rest[0] if rest else 1, w
+def _parse(spec: str) -> tuple[int, int, int, int, bool]:
+    """BNxBKxWARPS[xSPLIT][g]: a trailing g selects the x-gather variant."""
+    gather = spec.endswith("g")
+    bn, bk, w, *rest = (int(v) for v in spec.rstrip("g").split("x"))
+    return bn, bk, rest[0] if rest else 1, w, not gather
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,15 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.configs:
         cfgs = [_parse(c) for c in a.configs]
     else:
-        cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps) for c in candidate_configs() if c.block_m == 1]
-    print("| config | loop instr/code | codes/thread | loop ld.global | loop ld.shared | loop shfl "
+        cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps, c.x_tile) for c in candidate_configs()
+                if c.block_m == 1]
+    print("| config | x | loop instr/code | codes/thread | loop ld.global | loop ld.shared | loop bar | loop shfl "
           "| local (spills) | int->f32 cvt | shared B |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for bn, bk, split, w in cfgs:
-        r = inspect(bn, bk, split, w)
-        print(f"| BN{bn} BK{bk} S{split} W{w} | {r['loop_per_code']:.2f} | {r['codes_per_thread']:.0f} | "
-              f"{r['loop_ld_global']} | {r['loop_ld_shared']} | {r['loop_shfl']} | {r['local_mem']} | "
-              f"{r['cvt_to_f32']} | {r['shared_bytes']} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for bn, bk, split, w, x_tile in cfgs:
+        r = inspect(bn, bk, split, w, x_tile=x_tile)
+        print(f"| BN{bn} BK{bk} S{split} W{w} | {'tile' if x_tile else 'gather'} | {r['loop_per_code']:.2f} | "
+              f"{r['codes_per_thread']:.0f} | {r['loop_ld_global']} | {r['loop_ld_shared']} | {r['loop_bar']} | "
+              f"{r['loop_shfl']} | {r['local_mem']} | {r['cvt_to_f32']} | {r['shared_bytes']} |")
     return 0
 
 

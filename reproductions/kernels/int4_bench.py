@@ -139,7 +139,8 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     for cfg in configs or []:
         if not fits(cfg, case.m):
             continue
-        name = f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}]"
+        name = (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
+                f"{'' if cfg.x_tile else ',gather'}]")
         out["configs"][name] = asdict(cfg)
         record(name, lambda cfg=cfg: int4_matmul(x, w, config=cfg))
     moved = bytes_moved_int4(w, case.m)
@@ -255,8 +256,11 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(1, bn, 256, split_k=sk, num_warps=8) for bn in (128, 256) for sk in (1, 2, 4)]
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=2)
              for bn, bk in ((32, 256), (64, 128), (64, 256)) for sk in (2, 4, 8)]
+    cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, x_tile=False)
+             for bn, bk in ((128, 256), (256, 128)) for sk in (1, 2, 4)]
     cfgs += [Int4KernelConfig(16, bn, bk, split_k=sk, num_warps=4)
-             for bn in (32, 64, 128) for bk in (64, 128) for sk in (1, 2, 4)]
+             for bn in (64, 128) for bk in (64, 128) for sk in (1, 4)]
+    cfgs += [Int4KernelConfig(16, 32, 128, split_k=4, num_warps=4)]
     return cfgs
 
 

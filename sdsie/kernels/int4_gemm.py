@@ -125,16 +125,38 @@ def _load_words(qw_ptr, offs_n, n_mask, c0, NCOLS, stride_qn, BLOCK_COLS: tl.con
 
 
 @triton.jit
-def _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS: tl.constexpr, EVEN: tl.constexpr):
+def _x_gather(x_row, kc, i: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
+    """x at k = kc + i for word columns starting at kc [BC], loaded straight into the columns' layout."""
+    if EVEN:
+        return tl.load(x_row + (kc + i) * stride_xk).to(tl.float32)
+    return tl.load(x_row + (kc + i) * stride_xk, mask=kc + i < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS: tl.constexpr, EVEN: tl.constexpr,
+                     X_TILE: tl.constexpr):
     """sum_j q_j x_j over each word's 8 codes for one word tile raw [BN, BC].
 
+    X_TILE: x is read as one contiguous [BC, 8] tile and split in registers (vector loads; the split
+    goes through shared memory and barriers); else as eight stride-8 gathers (scalar loads, no barrier).
     Returns prod [BN, BC] and xcol [BC] (the sum of x over each word's codes)."""
-    offs_k = k0 + tl.arange(0, BLOCK_COLS)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BC, 8]
-    if EVEN:
-        xt = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+    if X_TILE:
+        offs_k = k0 + tl.arange(0, BLOCK_COLS)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BC, 8]
+        if EVEN:
+            xt = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+        else:
+            xt = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)  # [BC, 8]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, BLOCK_COLS)
     else:
-        xt = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)  # [BC, 8]
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, BLOCK_COLS)
+        kc = k0 + tl.arange(0, BLOCK_COLS) * 8  # [BC]
+        x0 = _x_gather(x_row, kc, 0, K, stride_xk, EVEN)
+        x1 = _x_gather(x_row, kc, 1, K, stride_xk, EVEN)
+        x2 = _x_gather(x_row, kc, 2, K, stride_xk, EVEN)
+        x3 = _x_gather(x_row, kc, 3, K, stride_xk, EVEN)
+        x4 = _x_gather(x_row, kc, 4, K, stride_xk, EVEN)
+        x5 = _x_gather(x_row, kc, 5, K, stride_xk, EVEN)
+        x6 = _x_gather(x_row, kc, 6, K, stride_xk, EVEN)
+        x7 = _x_gather(x_row, kc, 7, K, stride_xk, EVEN)
     x_even = x0 + x2 + x4 + x6  # [BC]
     x_odd = x1 + x3 + x5 + x7
     prod = tl.broadcast_to(-(256.0 * x_even + 16.0 * x_odd)[None, :], raw.shape)  # the codes' offsets
@@ -207,7 +229,7 @@ def _int4_gemv_kernel(
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PER_COL: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, X_TILE: tl.constexpr,
 ):
     # grid: (M, cdiv(N, BLOCK_N), SPLIT_K); one program = BLOCK_N outputs of one row over one K split.
     # Rows are the fastest grid axis, so at small M > 1 the programs sharing a weight tile run together
@@ -228,14 +250,13 @@ def _int4_gemv_kernel(
     # Accumulate elementwise and reduce across threads once at the end, not every iteration.
     acc = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)  # scaled (or, per channel, raw) products
     xs = tl.zeros([BLOCK_COLS], tl.float32)  # per channel only: sum of x
-    zacc = tl.zeros([BLOCK_N], tl.float32)  # groups within a tile: sum over tiles of s * z * sum(x)
     if PER_COL == 8:  # prefetch: the next word tile is in flight while this one is multiplied
         raw = _load_words(qw_ptr, offs_n, n_mask, k_begin // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if PER_COL == 8:
             nxt = _load_words(qw_ptr, offs_n, n_mask & (k0 + BLOCK_K < k_end), (k0 + BLOCK_K) // 8, NCOLS,
                               stride_qn, BLOCK_COLS, False)
-            prod, xcol = _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS, EVEN)
+            prod, xcol = _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS, EVEN, X_TILE)
             raw = nxt
         else:
             prod, xcol = _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
@@ -245,8 +266,8 @@ def _int4_gemv_kernel(
             xs += xcol
         elif BLOCK_K <= GROUP:  # the whole tile lies in one group: per-row scale and zero
             s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)
-            acc = tl.fma(s[:, None], prod, acc)
-            zacc += s * z * tl.sum(xcol, axis=0)  # the zero-point term once per row, not per word
+            # elementwise: a per-tile tl.sum(xcol) would cost a CTA-wide reduction (barriers) every tile
+            acc = tl.fma(s[:, None], prod, tl.fma(-(s * z)[:, None], xcol[None, :], acc))
         else:  # the tile spans TG groups of GROUP // PER_COL columns each
             TG: tl.constexpr = BLOCK_K // GROUP
             GC: tl.constexpr = GROUP // PER_COL
@@ -256,7 +277,7 @@ def _int4_gemv_kernel(
             s_c = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
             sz_c = tl.reshape(tl.broadcast_to((s * z)[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
             acc = tl.fma(s_c, prod, tl.fma(-sz_c, xcol[None, :], acc))
-    out = tl.sum(acc, axis=1) - zacc  # [BN]
+    out = tl.sum(acc, axis=1)  # [BN]
     if PER_CHANNEL:
         s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)
         out = s * (out - z * tl.sum(xs, axis=0))
@@ -343,8 +364,11 @@ class Int4KernelConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    x_tile: bool = True  # GEMV only: x as one contiguous tile split in registers, else eight gathers
 
     def __post_init__(self) -> None:
+        if not isinstance(self.x_tile, bool):
+            raise ValueError(f"Int4KernelConfig.x_tile must be a bool, got {self.x_tile!r}")
         for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -531,7 +555,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         qw = qw.view(torch.int32) if words else qw
         even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
         kernel, grid = _int4_gemv_kernel, (m, n_tiles, split_k)
-        consts.update(PER_COL=8 if words else 2, EVEN=even)
+        consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile)
     else:
         # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
         # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use

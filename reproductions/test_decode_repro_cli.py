@@ -1,0 +1,48 @@
+"""The decoding reproduction's command line, dry-run on CPU with the committed stand-in pair: the suite-size
+flags reach the records they size, and bad sizes are refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reproductions.decode_repro import SEED_FIDELITY_TOKENS, _parser, main
+
+
+def _records(out: Path) -> dict[str, dict]:
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    return {r["suite"]: r for r in records}
+
+
+def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path):
+    argv = ["--preset", "cpu", "--device", "cpu", "--out", str(tmp_path), "--one-per-family",
+            "--trials", "1", "--max-new-tokens", "4", "--grid-trials", "2", "--grid-tokens", "3",
+            "--gear-trials", "2", "--skip", "fidelity", "near_ties", "entropy_sync"]
+    assert main(argv) == 0
+    records = _records(tmp_path)
+    assert sorted(records) == ["decode_standin", "resolution_gear_usage", "threshold_grid"]
+    decode, grid, gear = records["decode_standin"], records["threshold_grid"], records["resolution_gear_usage"]
+    assert decode["config"]["trials"] == 1 and decode["config"]["max_new_tokens"] == 4
+    assert grid["config"]["trials_per_cell"] == 2 and grid["config"]["max_new_tokens"] == 3
+    assert grid["metrics"]["grid.trials"] == 18 * 3 * 2  # configurations x one prompt per family x trials
+    assert gear["config"]["trials"] == 2 and gear["config"]["max_new_tokens"] == 4
+    prompts = len(decode["environment"]["prompts"])
+    assert prompts == 3
+    assert all(len(v) == 2 for k, v in gear["samples"].items() if k.endswith("|tokens_per_s"))  # 2 trials each
+
+
+def test_suite_sizes_default_to_the_seed_and_the_main_record():
+    a = _parser().parse_args([])
+    assert (a.trials, a.grid_trials, a.fidelity_tokens) == (5, 3, SEED_FIDELITY_TOKENS)
+    assert a.grid_tokens is None and a.gear_trials is None  # grid: min(--max-new-tokens, 96); gear: --trials
+
+
+@pytest.mark.parametrize("flag", ["--trials", "--max-new-tokens", "--grid-trials", "--grid-tokens",
+                                  "--fidelity-tokens", "--gear-trials"])
+def test_non_positive_suite_sizes_are_refused(flag: str, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args([flag, "0"])
+    assert exc.value.code == 2
+    assert "must be an integer >= 1, got 0" in capsys.readouterr().err

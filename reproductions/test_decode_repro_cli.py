@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from reproductions.decode_repro import SEED_FIDELITY_TOKENS, _parser, main
 
@@ -16,7 +17,10 @@ def _records(out: Path) -> dict[str, dict]:
     return {r["suite"]: r for r in records}
 
 
-def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run (kernels under TRITON_INTERPRET) is for "
+                    "GPU-less machines; a GPU process may already hold the kernels compiled for CUDA")
+def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what main() sets for --device cpu, undone after the test
     argv = ["--preset", "cpu", "--device", "cpu", "--out", str(tmp_path), "--one-per-family",
             "--trials", "1", "--max-new-tokens", "4", "--grid-trials", "2", "--grid-tokens", "3",
             "--gear-trials", "2", "--skip", "fidelity", "near_ties", "entropy_sync"]

@@ -40,7 +40,10 @@ def claims(session: nox.Session) -> None:
     """Claims gate: re-measure on CPU what a CPU can, then judge the committed records against the registry."""
     _install(session, "test,report")
     session.run("pytest", "reproductions", "-m", "not gpu", *session.posargs)
-    session.run("sdsie", "claims", "check", "--records", "telemetry", "--registry", "reproductions/claims.toml")
+    # `python -m sdsie.cli`, not the `sdsie` script: with --no-venv (the GPU machine) the package is used
+    # from the checkout, not installed
+    session.run("python", "-m", "sdsie.cli", "claims", "check", "--records", "telemetry",
+                "--registry", "reproductions/claims.toml")
     session.run("python", "-m", "reproductions.readme_results", "--check")
 
 
@@ -65,4 +68,7 @@ def gpu_repro(session: nox.Session) -> None:
     _install(session, "test,report")
     session.run("pytest", "tests", "reproductions", "-m", "gpu", "-rs", *session.posargs)
     session.run("pytest", "reproductions", "-m", "not gpu")
-    session.run("sdsie", "claims", "check", "--records", "telemetry", "--registry", "reproductions/claims.toml")
+    # `python -m sdsie.cli`, not the `sdsie` script: with --no-venv (the GPU machine) the package is used
+    # from the checkout, not installed
+    session.run("python", "-m", "sdsie.cli", "claims", "check", "--records", "telemetry",
+                "--registry", "reproductions/claims.toml")

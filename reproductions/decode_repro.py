@@ -138,13 +138,20 @@ def variants(target, scout, cfg: DecodeConfig) -> dict[str, Callable[[torch.Tens
     }
 
 
+def warm_up(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Mapping[str, tuple[str, torch.Tensor]]) -> None:
+    """One untimed run of every variant on every prompt: a prompt's first run pays for its new shapes
+    (on the H200 a cold first trial ran at less than half the speed of the later ones)."""
+    for _family, ids in prompts.values():
+        for fn in fns.values():
+            fn(ids)
+
+
 def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]], trials: int, max_new: int,
                      meter: EnergyMeter | None) -> list[Run]:
     cfg = DecodeConfig(max_new_tokens=max_new)
     fns = variants(target, scout, cfg)
     runs: list[Run] = []
-    for fn in fns.values():  # warm-up, excluded
-        fn(next(iter(prompts.values()))[1])
+    warm_up(fns, prompts)
     for trial in range(trials):
         for pid, (family, ids) in prompts.items():
             for name, fn in fns.items():  # interleaved
@@ -359,8 +366,7 @@ def gear_runs(target, prompts, trials: int, max_new: int, meter: EnergyMeter | N
             r.decisions
 
     fns = {"gear_full": full, "gear_int4": gear}
-    for fn in fns.values():  # warm-up, excluded
-        fn(next(iter(prompts.values()))[1])
+    warm_up(fns, prompts)
     runs = []
     for trial in range(trials):
         for pid, (family, ids) in prompts.items():

@@ -50,3 +50,16 @@ def test_non_positive_suite_sizes_are_refused(flag: str, capsys):
         _parser().parse_args([flag, "0"])
     assert exc.value.code == 2
     assert "must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_warm_up_runs_every_variant_on_every_prompt():
+    """Warm-up is excluded from timing and covers each prompt's new shapes, not only the first prompt's."""
+    import torch
+
+    from reproductions.decode_repro import warm_up
+
+    calls = []
+    fns = {name: (lambda ids, name=name: calls.append((name, ids.numel()))) for name in ("plain", "fixed_k5")}
+    prompts = {"a": ("code", torch.zeros(3)), "b": ("poem", torch.zeros(5))}
+    warm_up(fns, prompts)
+    assert sorted(calls) == sorted((n, k) for n in fns for k in (3, 5))

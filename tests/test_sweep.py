@@ -79,7 +79,7 @@ def test_runs_are_interleaved_trial_then_prompt_then_configuration(monkeypatch: 
     monkeypatch.setattr(sweep_module, "generate", recording)
     sweep(TARGET, SCOUT, PROMPTS, [NEVER, MIXED], trials=2, config=DecodeConfig(max_new_tokens=3), warmup=1)
     plan = [(None, False), (None, True), (0.0, True), (1.8, True)]
-    warmups = [(PROMPTS[0], *p) for p in plan]
+    warmups = [(prompt, *p) for prompt in PROMPTS for p in plan]  # every prompt warmed up, untimed
     timed = [(prompt, *p) for _trial in range(2) for prompt in PROMPTS for p in plan]
     assert order == warmups + timed
 

@@ -167,7 +167,9 @@ def sweep(
     warmup: int = 1,
 ) -> SweepResult:
     """Run every clutch configuration (plus the plain and fixed-K baselines) on every prompt, `trials`
-    times, after `warmup` untimed runs per configuration on the first prompt."""
+    times, after `warmup` untimed runs per configuration on every prompt (a prompt's first run pays for
+    its new shapes: allocator growth, library heuristics; on the H200 a cold first trial ran at less than
+    half the speed of later ones)."""
     config = config if config is not None else DecodeConfig()
     if not prompts:
         raise ValueError("sweep needs at least one prompt")
@@ -189,9 +191,10 @@ def sweep(
             return generate(target, prompt, fixed, scout=scout if plan.speculative else None)
         return generate(target, prompt, gated_config, scout=scout, clutch=EntropyClutch(plan.clutch), gear=gear)
 
-    for plan in plans:
-        for _ in range(warmup):
-            run_one(plan, prompts[0])
+    for _ in range(warmup):
+        for prompt in prompts:
+            for plan in plans:
+                run_one(plan, prompt)
     for trial in range(trials):
         for index, prompt in enumerate(prompts):
             for plan in plans:

@@ -413,7 +413,7 @@ class Setup:
 
 def load_setup(preset: str = "gpu", device: str = "cuda", one_per_family: bool = False) -> Setup:
     """Load (or build) the stand-in pair and the prompts; an energy meter where NVML is available."""
-    from sdsie.standin import get_preset, load_prompts, load_standin, prompts_hash
+    from sdsie.standin import get_preset, load_prompts, load_standin, prompts_hash, recipe_hash
 
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -428,6 +428,7 @@ def load_setup(preset: str = "gpu", device: str = "cuda", one_per_family: bool =
                               prompts={pid: tok.decode(ids) for pid, (_f, ids) in prompts.items()}, seeds={"torch": 0})
     env["prompts_hash"] = prompts_hash()
     env["standin_recipe"] = get_preset(preset).name
+    env["standin_recipe_hash"] = recipe_hash(get_preset(preset))  # which recipe built the pair, not only its name
     hardware = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     cond = {"model": f"sdsie stand-in pair ({preset} preset), {str(dtype).split('.')[-1]}", "hardware": hardware}
     ok, why = EnergyMeter.available()

@@ -6,12 +6,18 @@ equals the activation dtype (fp16, bf16 or fp32).
 
 Two kernels, one launcher (`int4_matmul`):
 
-* `_int4_gemv_kernel` (M == 1): no `tl.dot` (it would pad M to 16); multiply and reduce with
-  `tl.sum`. The zero-point is folded out of the inner loop:
+* `_int4_gemv_kernel` (M == 1, and very small M: one program per row and N tile): no `tl.dot`
+  (it would pad M to 16); multiply elementwise and reduce once with `tl.sum`. The zero-point is
+  folded out of the inner loop:
       sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k)      (per group)
-  so the inner loop is int->float conversion and FMAs only.
+  and codes become exact floats by bit tricks (no int->float conversion), so the inner loop is a
+  shift per two codes, one LOP3 and one FMA per code (v3, reproductions/kernels/NOTES.md).
 * `_int4_gemm_kernel` (M > 1): the even and odd nibbles are two `tl.dot`s against the even and
   odd columns of x, with the same zero-point folding per group.
+
+`int4_matmul` keeps a launch plan per (weight object, M, x layout, config) and, after the first
+call, hands arguments straight to Triton's compiled kernel (host time before a launch is latency
+at batch 1).
 
 Both split K across programs when the N grid alone cannot fill the GPU. Partial sums go to an
 fp32 workspace; the last program to finish a tile (counted with an atomic semaphore that it

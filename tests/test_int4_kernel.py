@@ -24,6 +24,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
+from sdsie.kernels.int4_gemm import tuned_key
 from sdsie.quant.format import Int4Weight, pack_int4
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -237,6 +238,11 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
         Int4KernelConfig(1, 24, 256)
     with pytest.raises(ValueError, match="x_tile must be a bool"):
         Int4KernelConfig(1, 32, 256, x_tile=1)
+    with pytest.raises(ValueError, match="M=17 is outside the tuned buckets"):
+        tuned_key(17, 8, 64, 32)
+    with pytest.raises(ValueError, match="M=0 is outside"):
+        tuned_key(0, 8, 64, 32)
+    assert [tuned_key(m, 8, 64, 32).split("|")[0] for m in (1, 2, 3, 5, 16)] == ["m1", "m2", "m4", "m8", "m16"]
 
 
 def test_launch_plans_follow_specialization_and_die_with_the_weight(kernel_device):
@@ -263,3 +269,32 @@ def test_launch_plans_follow_specialization_and_die_with_the_weight(kernel_devic
     del w, plans
     gc.collect()
     assert key not in int4_gemm._PLANS
+
+
+def test_launch_plans_follow_reassigned_weight_tensors(kernel_device):
+    """Int4Weight is mutable: a plan built for its old tensors must not be reused after qweight, scales or
+    zeros are reassigned (a stale plan would silently multiply by the old weights)."""
+    gen = torch.Generator().manual_seed(12)
+    w = make_weight(40, 256, 64, False, 0.05, kernel_device, gen)
+    other = make_weight(40, 256, 64, False, 0.05, kernel_device, gen)
+    x = torch.randn(1, 256, generator=gen).to(kernel_device)
+    assert_close_to_reference(int4_matmul(x, w), x, w)  # builds the plan
+    for field in ("qweight", "scales", "zeros"):
+        setattr(w, field, getattr(other, field))
+        assert_close_to_reference(int4_matmul(x, w), x, w)
+    w.zeros = None  # now symmetric: the zero-point pointer changes meaning
+    assert_close_to_reference(int4_matmul(x, w), x, w)
+
+
+def test_x_tile_choice_reaches_the_kernel(kernel_device):
+    """Int4KernelConfig.x_tile selects the kernel's X_TILE constexpr (tile + split vs eight gathers)."""
+    from sdsie.kernels import int4_gemm
+
+    gen = torch.Generator().manual_seed(13)
+    w = make_weight(128, 512, 128, False, 0.05, kernel_device, gen)
+    x = torch.randn(1, 512, generator=gen).to(kernel_device)
+    tile = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2)
+    for cfg in (tile, GATHER):
+        assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
+    chosen = {key[-1]: plan.consts["X_TILE"] for key, plan in int4_gemm._PLANS[id(w)].items()}
+    assert chosen == {tile: True, GATHER: False}

@@ -420,6 +420,8 @@ TUNED_M = (1, 2, 4, 8, 16)  # M buckets the sweep tunes; M in (2, 4] uses the m4
 
 
 def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
+    if not 1 <= m <= TUNED_M[-1]:
+        raise ValueError(f"tuned_key: M={m} is outside the tuned buckets 1..{TUNED_M[-1]}")
     bucket = next(b for b in TUNED_M if m <= b)
     return f"m{bucket}|{n}|{k}|{'pc' if group_size >= k else group_size}"
 
@@ -526,7 +528,12 @@ class _Plan:
     options: dict  # num_warps, num_stages
     split_k: int
     lock_slots: int
+    sources: tuple  # (qweight, scales, zeros) it was built from: Int4Weight is mutable, so a call checks them
     compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
+
+    def built_from(self, w: Int4Weight) -> bool:
+        q, s, z = self.sources
+        return q is w.qweight and s is w.scales and z is w.zeros
 
 
 @functools.cache
@@ -572,7 +579,8 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     order = _constexpr_names(kernel)
     return _Plan(kernel, grid, qw, w.zeros if w.zeros is not None else w.scales,
                  (m, n, k, qw.shape[1], w.n_groups, k_per_split), {name: consts[name] for name in order},
-                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), split_k, n_tiles * m_tiles)
+                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), split_k, n_tiles * m_tiles,
+                 (w.qweight, w.scales, w.zeros))
 
 
 _PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan}; an entry leaves with its weight
@@ -639,7 +647,7 @@ def int4_matmul(
     key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, cfg)
     plans = _plans_of(w)
     plan = plans.get(key)
-    if plan is None:
+    if plan is None or not plan.built_from(w):
         plan = plans[key] = _plan(x2, w, cfg)
     _launch(plan, x2, w, y)
     _CALLS["n"] += 1

@@ -139,9 +139,8 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     record("int4", lambda: int4_matmul(x, w))
     out["configs"] = {}
     if graphed and configs:  # weight copies to rotate through, > 4x L2 in all (see graph_us)
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
         rotation = [w] + [random_int4(case.n, case.k, case.group, device, gen)
-                          for _ in range(max(1, min(63, math.ceil(4 * l2 / (case.n * case.k // 2)) - 1)))]
+                          for _ in range(l2_busting_copies(device, case.n * case.k // 2) - 1)]
     for cfg in configs or []:
         if not fits(cfg, case.m):
             continue
@@ -167,13 +166,18 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     return out
 
 
+def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
+    """How many copies of `bytes_per_copy` a rotation needs to cover 4x the L2 (so none is served from
+    L2), clamped to [lo, hi]."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(lo, min(hi, math.ceil(4 * l2 / bytes_per_copy)))
+
+
 def graph_us(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int, device: str,
              reps: int = 20) -> float:
     """Per-call time with launch overhead removed: one CUDA graph replays calls that cycle over enough
     weight copies (> 4x L2) that none is served from L2; time per call = replay time / calls."""
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    copies = max(2, min(64, math.ceil(4 * l2 / bytes_per_call)))
-    calls = [make_call(i) for i in range(copies)]
+    calls = [make_call(i) for i in range(l2_busting_copies(device, bytes_per_call))]
     for c in calls:  # warm-up outside the capture: compilation, workspaces, semaphores
         c()
     torch.cuda.synchronize()
@@ -198,7 +202,7 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
     """bf16, tinygemm and INT4 per-call times under CUDA graphs (no host overhead), L2-cold weights."""
     n, k, m = case.n, case.k, case.m
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
-    copies = max(2, min(64, math.ceil(4 * torch.cuda.get_device_properties(device).L2_cache_size / (n * k // 2))))
+    copies = l2_busting_copies(device, n * k // 2)
     ws = [random_int4(n, k, case.group, device, gen) for _ in range(copies)]
     out = {"int4": graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, device)}
     wb = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(min(copies, 16))]
@@ -215,11 +219,9 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
 
 def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window_s: float = 1.5) -> dict:
     """Power and energy per call for bf16 vs INT4 at M=1, interleaved, L2-busting weight rotation."""
-    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    n_int4 = max(1, math.ceil(4 * l2_bytes / (n * k // 2)))
-    n_bf16 = max(1, math.ceil(4 * l2_bytes / (2 * n * k)))
-    ws = [random_int4(n, k, 128, device, gen) for _ in range(min(n_int4, 64))]
-    wb = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(min(n_bf16, 16))]
+    ws = [random_int4(n, k, 128, device, gen) for _ in range(l2_busting_copies(device, n * k // 2, lo=1))]
+    wb = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device)
+          for _ in range(l2_busting_copies(device, 2 * n * k, lo=1, hi=16))]
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(device)
     variants = {"bf16": lambda i: F.linear(x, wb[i % len(wb)]), "int4": lambda i: int4_matmul(x, ws[i % len(ws)])}
     result: dict = {"n": n, "k": k, "trials": {}}

@@ -34,6 +34,14 @@ def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path, monkeypatch):
     assert gear["config"]["trials"] == 2 and gear["config"]["max_new_tokens"] == 4
     prompts = len(decode["environment"]["prompts"])
     assert prompts == 3
+    # the conditions name this build of the pair, from the hashes of the loaded weights
+    assert all(m["checkpoint_sha256"] for m in decode["environment"]["models"])
+    assert "(cpu preset, build " in decode["conditions"]["model"]
+    # greedy identity: per variant, with raw per-run evidence and a report of every divergence
+    assert {"fixed_k5.fidelity_pct", "hf_assisted.fidelity_pct", "fidelity_pct"} <= set(decode["metrics"])
+    identity = [k for k in decode["samples"] if k.endswith("|identical_to_plain")]
+    assert len(identity) == 4 * prompts  # fixed_k5, two gated, hf_assisted on every prompt
+    assert isinstance(decode["config"]["mismatches"], list)
     assert all(len(v) == 2 for k, v in gear["samples"].items() if k.endswith("|tokens_per_s"))  # 2 trials each
 
 

@@ -1,0 +1,84 @@
+"""The decode suite's greedy-identity accounting, on CPU: per-variant fidelity (HF assisted never pooled
+with this package's variants), raw per-run evidence, and a logit-gap report for every divergence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reproductions.decode_repro import (
+    Run,
+    fidelity_metrics,
+    first_divergence,
+    identity_samples,
+    mismatch_report,
+)
+from sdsie.decoding import DecodeConfig, generate
+from sdsie.models import tiny_llama
+
+
+def _run(variant: str, tokens: list[int], trial: int = 0, prompt: str = "p") -> Run:
+    return Run(variant, "code", trial, tokens, 1.0, None, {"prompt": prompt})
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [
+    ([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 9, 3], 1), ([1, 2], [1, 2, 3], 2), ([5], [6], 0),
+])
+def test_first_divergence(a, b, expected):
+    assert first_divergence(a, b) == expected
+
+
+def test_fidelity_is_per_variant_and_ours_excludes_hf_assisted():
+    runs = []
+    for trial in range(2):
+        runs += [_run("plain", [1, 2, 3], trial), _run("fixed_k5", [1, 2, 3], trial),
+                 _run("gated_tuned", [1, 2, 3], trial), _run("hf_assisted", [1, 2, 4], trial)]
+    runs.append(_run("gated_production", [1, 2, 3], 0))
+    runs.append(_run("gated_production", [7, 2, 3], 1))  # one of our runs differs
+    m = fidelity_metrics(runs)
+    assert m["hf_assisted.fidelity_pct"] == 0.0
+    assert m["fixed_k5.fidelity_pct"] == 100.0 and m["gated_production.fidelity_pct"] == 50.0
+    assert m["fidelity_pct"] == pytest.approx(100.0 * 5 / 6)  # fixed 2 + tuned 2 + production 1 of 6; HF apart
+    assert m["plain_identical_across_trials"] == 1.0
+    samples = identity_samples(runs)
+    assert samples["gated_production|p|identical_to_plain"] == [1.0, 0.0]
+    assert samples["hf_assisted|p|identical_to_plain"] == [0.0, 0.0]
+    assert "plain|p|identical_to_plain" not in samples
+
+
+def test_plain_that_changes_between_trials_is_flagged():
+    runs = [_run("plain", [1, 2], 0), _run("plain", [1, 3], 1)]
+    assert fidelity_metrics(runs)["plain_identical_across_trials"] == 0.0
+
+
+def test_mismatch_report_gives_the_plain_paths_gap_at_each_divergence():
+    target = tiny_llama(seed=3)
+    prompt = torch.tensor([1, 5, 9, 4])
+    plain = generate(target, prompt, DecodeConfig(max_new_tokens=8)).tokens
+    # a variant that took the plain path's runner-up at position 3, then went its own way
+    with torch.inference_mode():
+        logits = target(torch.tensor([[*prompt.tolist(), *plain[:3]]])).logits[0, -1].float()
+    runner_up = int(logits.topk(2).indices[1])
+    other = plain[:3] + [runner_up] + plain[4:]
+    runs = [_run("plain", plain, 0), _run("fixed_k5", other, 0), _run("plain", plain, 1), _run("fixed_k5", other, 1),
+            _run("hf_assisted", plain, 0), _run("hf_assisted", plain, 1)]
+    report = mismatch_report(target, runs, {"p": ("code", prompt)})
+    assert len(report) == 1  # one distinct divergence, seen in both trials
+    (entry,) = report
+    assert (entry["variant"], entry["position"], entry["trials"]) == ("fixed_k5", 3, [0, 1])
+    assert (entry["plain_token"], entry["variant_token"]) == (plain[3], runner_up)
+    top = logits.topk(2).values
+    assert entry["plain_gap"] == pytest.approx(float(top[0] - top[1]), abs=1e-4)
+    assert entry["variant_token_deficit"] == pytest.approx(entry["plain_gap"], abs=1e-4)  # it was the runner-up
+    assert entry["variant_token_rank"] == 1
+
+
+def test_mismatch_at_the_first_token_uses_the_prefill_logits():
+    target = tiny_llama(seed=4)
+    prompt = torch.tensor([3, 7])
+    plain = generate(target, prompt, DecodeConfig(max_new_tokens=3)).tokens
+    other = [(plain[0] + 1) % 64, *plain[1:]]
+    runs = [_run("plain", plain), _run("gated_tuned", other)]
+    (entry,) = mismatch_report(target, runs, {"p": ("code", prompt)})
+    assert entry["position"] == 0 and entry["variant_token_deficit"] > 0
+    assert mismatch_report(target, [_run("plain", plain), _run("gated_tuned", plain)], {"p": ("code", prompt)}) == []

@@ -124,11 +124,32 @@ def decode_section(rec: RunRecord) -> list[str]:
                 f"(top-2 gaps {[m['single_gap'] for m in nt.get('mismatches', [])]}).")
     lines += [
         "",
-        f"Greedy token identity of every speculative run with plain decoding: {mt['fidelity_pct']:.0f}%. "
-        f"Decision sequences identical across trials: {'yes' if mt['decisions_identical_across_trials'] else 'no'}. "
+        identity_line(rec)
+        + f" Decision sequences identical across trials: {'yes' if mt['decisions_identical_across_trials'] else 'no'}. "
         + ties,
     ]
+    plain = [v for k, vs in rec.samples.items() if k.startswith("plain|") and k.endswith("|tokens_per_s") for v in vs]
+    if plain:
+        lines.append(f"Plain decoding over all its runs: {min(plain):.1f} to {max(plain):.1f} tok/s "
+                     f"(median {statistics.median(plain):.1f}), the spread every ratio above sits in.")
     return lines
+
+
+def identity_line(rec: RunRecord) -> str:
+    """Greedy identity with plain decoding: per variant where the record has it, else the pooled figure it has."""
+    mt = rec.metrics
+    if "fixed_k5.fidelity_pct" not in mt:  # records before per-variant accounting pooled HF assisted with ours
+        return (f"Greedy token identity with plain decoding, pooled over fixed-K5, both gated variants and HF "
+                f"assisted generation: {mt['fidelity_pct']:.1f}% of runs (this record keeps no per-variant or "
+                f"per-run identity, so it does not say which runs differed).")
+    parts = ", ".join(f"{v.replace('_', ' ')} {mt[f'{v}.fidelity_pct']:.0f}%"
+                      for v in ("fixed_k5", "gated_production", "gated_tuned", "hf_assisted")
+                      if f"{v}.fidelity_pct" in mt)
+    gaps = [(m["variant"], m["prompt"], m["position"], m["plain_gap"]) for m in rec.config.get("mismatches", [])]
+    where = ("; divergences (variant, prompt, position, plain top-2 logit gap): "
+             + "; ".join(f"{v} {p} @{i} gap {g:.3f}" if g is not None else f"{v} {p} @{i} (length)"
+                         for v, p, i, g in gaps)) if gaps else "; no divergence"
+    return f"Greedy token identity with plain decoding, % of runs: {parts}{where}."
 
 
 def fidelity_section(rec: RunRecord) -> list[str]:

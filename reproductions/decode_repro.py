@@ -35,6 +35,7 @@ from sdsie.claims import load_registry, missing_inputs
 from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
 from sdsie.telemetry.energy import EnergyMeter
+from sdsie.telemetry.env import host_launch_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
 FAMILY_LABEL = {"verse": "poem", "prose": "physics", "code": "code"}  # seed README names
@@ -537,6 +538,7 @@ def load_setup(preset: str = "gpu", device: str = "cuda", one_per_family: bool =
     env["prompts_hash"] = prompts_hash()
     env["standin_recipe"] = get_preset(preset).name
     env["standin_recipe_hash"] = recipe_hash(get_preset(preset))  # which recipe built the pair, not only its name
+    env["host_launch_us"] = host_launch_us(device)  # the host's speed: small-model decoding is bound by it
     build = pair_build_id(env["models"])
     hardware = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     cond = {"model": f"sdsie stand-in pair ({preset} preset, build {build}), {str(dtype).split('.')[-1]}",

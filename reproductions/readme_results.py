@@ -128,11 +128,28 @@ def decode_section(rec: RunRecord) -> list[str]:
         + f" Decision sequences identical across trials: {'yes' if mt['decisions_identical_across_trials'] else 'no'}. "
         + ties,
     ]
+    lines += per_prompt_lines(rec)
     plain = [v for k, vs in rec.samples.items() if k.startswith("plain|") and k.endswith("|tokens_per_s") for v in vs]
     if plain:
         lines.append(f"Plain decoding over all its runs: {min(plain):.1f} to {max(plain):.1f} tok/s "
                      f"(median {statistics.median(plain):.1f}), the spread every ratio above sits in.")
     return lines
+
+
+def per_prompt_lines(rec: RunRecord) -> list[str]:
+    """Fixed-K5 and HF assisted speedup per prompt (median tok/s over median plain tok/s, from raw samples):
+    a family's median pools prompts on which the scout agrees very differently."""
+    def med(variant: str, prompt: str) -> float | None:
+        vals = rec.samples.get(f"{variant}|{prompt}|tokens_per_s")
+        return statistics.median(vals) if vals else None
+
+    prompts = sorted({k.split("|")[1] for k in rec.samples if k.startswith("plain|") and k.endswith("|tokens_per_s")})
+    cells = []
+    for pr in prompts:
+        base, k5, hf = med("plain", pr), med("fixed_k5", pr), med("hf_assisted", pr)
+        if base and k5:
+            cells.append(f"{pr} {k5 / base:.2f}x" + (f" (HF assisted {hf / base:.2f}x)" if hf else ""))
+    return ["", "Fixed-K5 speedup per prompt: " + "; ".join(cells) + "."] if len(cells) > 1 else []
 
 
 def identity_line(rec: RunRecord) -> str:

@@ -225,3 +225,13 @@ def test_git_state_reports_sha_and_dirty_flag(tmp_path: Path) -> None:
     (tmp_path / "f.txt").write_text("b")
     assert env_mod.git_state(tmp_path)["dirty"] is True
     assert env_mod.git_state(tmp_path / "missing")["sha"] is None
+
+
+def test_host_launch_cost_is_a_positive_ordered_spread() -> None:
+    from sdsie.telemetry.env import host_launch_us
+
+    cost = host_launch_us("cpu", launches=200, trials=3)
+    assert 0 < cost["min"] <= cost["median"] <= cost["max"]
+    assert (cost["launches"], cost["trials"]) == (200.0, 3.0)
+    with pytest.raises(ValueError, match="launches and trials must be >= 1"):
+        host_launch_us("cpu", launches=0)

@@ -26,6 +26,7 @@ __all__ = [
     "capture_environment",
     "checkpoint_hash",
     "gpu_state",
+    "host_launch_us",
     "load_nvml",
     "module_hash",
     "nvml_device_state",
@@ -201,6 +202,42 @@ def _torch_state() -> dict[str, Any]:
         state["device_capability"] = list(torch.cuda.get_device_capability(idx))
         state["device_count"] = torch.cuda.device_count()
     return state
+
+
+def host_launch_us(device: Any = "cuda", launches: int = 2000, trials: int = 5) -> dict[str, float]:
+    """Host cost of one tiny op launch on `device`, in us: median and spread over `trials` timed loops.
+
+    Each loop launches `launches` one-element in-place adds back to back and synchronizes once, so the
+    time is the host's submission cost (the GPU finishes each add in about a microsecond). Decoding a small
+    model is bound by this cost, so it says how fast the lease's host is; two leases of one GPU kind have
+    differed by 1.5x in plain decoding speed.
+    """
+    import time
+
+    import torch
+
+    if launches < 1 or trials < 1:
+        raise ValueError(f"launches and trials must be >= 1, got {launches}, {trials}")
+    device = torch.device(device)
+    x = torch.zeros(1, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(launches // 10 + 1):  # warm-up: the op's first launch pays for its setup
+        x.add_(1)
+    sync()
+    per_launch = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1)
+        sync()
+        per_launch.append((time.perf_counter() - t0) / launches * 1e6)
+    per_launch.sort()
+    return {"median": per_launch[len(per_launch) // 2], "min": per_launch[0], "max": per_launch[-1],
+            "launches": float(launches), "trials": float(trials)}
 
 
 def _named(kind: str, values: Mapping[str, Any] | Sequence[Any] | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
-from sdsie.kernels.int4_gemm import tuned_key
+from sdsie.kernels.int4_gemm import tuned_key, tuned_lookup
 from sdsie.quant.format import Int4Weight, pack_int4
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -243,6 +243,21 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
     with pytest.raises(ValueError, match="M=0 is outside"):
         tuned_key(0, 8, 64, 32)
     assert [tuned_key(m, 8, 64, 32).split("|")[0] for m in (1, 2, 3, 5, 16)] == ["m1", "m2", "m4", "m8", "m16"]
+
+
+def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_shape():
+    """An M bucket the sweep did not tune uses the configuration tuned for more rows on that shape (correct
+    for fewer rows), never one tuned for fewer rows or for another shape or group; none left: None."""
+    m1, m4, m16, other = (Int4KernelConfig(1, 64, 256, split_k=s) for s in (1, 2, 4, 8))
+    table = {"m1|8|64|32": m1, "m4|8|64|32": m4, "m16|8|64|32": m16, "m16|16|64|32": other, "m16|8|64|pc": other}
+    assert tuned_lookup(table, 1, 8, 64, 32) is m1
+    assert tuned_lookup(table, 2, 8, 64, 32) is m4  # m2 missing -> m4, not m1
+    assert tuned_lookup(table, 3, 8, 64, 32) is m4
+    assert tuned_lookup(table, 8, 8, 64, 32) is m16  # m8 missing -> m16
+    assert tuned_lookup(table, 16, 8, 64, 32) is m16
+    assert tuned_lookup(table, 8, 8, 64, 64) is other  # group >= K is "pc"
+    assert tuned_lookup(table, 8, 32, 64, 32) is None  # no entry for this shape in any bucket >= m8
+    assert tuned_lookup({"m1|8|64|32": m1}, 2, 8, 64, 32) is None
 
 
 def test_launch_plans_follow_specialization_and_die_with_the_weight(kernel_device):

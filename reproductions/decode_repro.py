@@ -153,14 +153,16 @@ def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]]
     cfg = DecodeConfig(max_new_tokens=max_new)
     fns = variants(target, scout, cfg)
     runs: list[Run] = []
+    start = time.perf_counter()
     warm_up(fns, prompts)
+    print(f"decode suite: warm-up done at {time.perf_counter() - start:.0f} s", flush=True)
     for trial in range(trials):
         for pid, (family, ids) in prompts.items():
             for name, fn in fns.items():  # interleaved
                 tokens, sec, energy, stats, dec = timed(lambda fn=fn, ids=ids: fn(ids), meter)
                 runs.append(Run(name, family, trial, tokens, sec, energy, stats, dec))
                 runs[-1].stats["prompt"] = pid
-        print(f"trial {trial} done", flush=True)
+        print(f"decode suite: trial {trial} done at {time.perf_counter() - start:.0f} s", flush=True)
     return runs
 
 
@@ -464,13 +466,17 @@ def gear_runs(target, prompts, trials: int, max_new: int, meter: EnergyMeter | N
             r.decisions
 
     fns = {"gear_full": full, "gear_int4": gear}
+    start = time.perf_counter()
     warm_up(fns, prompts)
+    print(f"gear suite: warm-up done at {time.perf_counter() - start:.0f} s", flush=True)
     runs = []
     for trial in range(trials):
         for pid, (family, ids) in prompts.items():
             for name, fn in fns.items():
                 tokens, sec, energy, stats, dec = timed(lambda fn=fn, ids=ids: fn(ids), meter)
                 runs.append(Run(name, family, trial, tokens, sec, energy, {**stats, "prompt": pid}, dec))
+        int4 = sum(r.stats["int4_cycles"] for r in runs if r.trial == trial)
+        print(f"gear suite: trial {trial} done at {time.perf_counter() - start:.0f} s ({int4} INT4 cycles)", flush=True)
     return runs
 
 

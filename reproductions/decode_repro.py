@@ -576,6 +576,34 @@ def entropy_sync_share(plain_tokens_per_s: float, device: str) -> dict[str, floa
     return {"entropy_sync_cost_us": sync, "sync_share_of_token_pct": 100.0 * sync * 1e-6 * plain_tokens_per_s}
 
 
+def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30) -> dict[str, float]:
+    """Median wall time (ms, synchronized) of the forwards a decode cycle is made of, on one prompt's cache:
+    a target step (1 token), a target verification (k + 1 tokens) and a scout step (1 token), and
+    scout_cost_ratio = scout step / target step. With them a fixed-K cycle's cost is predictable:
+    (verify + k * scout) against one target step per plain token."""
+    from sdsie.decoding.model_io import crop_cache, forward, new_cache
+
+    def step_ms(model, n_tokens: int) -> float:
+        cache = new_cache(model)
+        with torch.inference_mode():
+            forward(model, ids, cache, last_only=True)  # the prompt in the cache, as in decoding
+            base = cache.get_seq_length()
+            feed = ids[-1:].repeat(n_tokens)
+            times = []
+            for _ in range(reps + 3):  # the first 3 are warm-up
+                _sync()
+                t0 = time.perf_counter()
+                forward(model, feed, cache, last_only=n_tokens == 1)
+                _sync()
+                times.append(1e3 * (time.perf_counter() - t0))
+                crop_cache(cache, base)
+        return statistics.median(times[3:])
+
+    target_ms, verify_ms, scout_ms = step_ms(target, 1), step_ms(target, k + 1), step_ms(scout, 1)
+    return {"target_step_ms": target_ms, "target_verify_ms": verify_ms, "scout_step_ms": scout_ms,
+            "scout_cost_ratio": scout_ms / target_ms, "k": float(k), "reps": float(reps)}
+
+
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
                   entropy_sync: bool = True) -> RunRecord:
     """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record."""
@@ -585,6 +613,8 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
         metrics.update(entropy_sync_share(metrics["plain_tokens_per_s"], s.device))
     samples = {**_samples(runs), **identity_samples(runs)}
     extra: dict[str, Any] = {"mismatches": mismatch_report(s.target, runs, s.prompts)}
+    first_ids = next(iter(s.prompts.values()))[1]
+    extra["forward_ms"] = forward_costs(s.target, s.scout, first_ids)
     if near_ties_check:
         try:
             extra["near_ties"] = near_ties(s.target, s.scout, s.prompts, max_new)

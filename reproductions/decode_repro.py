@@ -111,7 +111,10 @@ def timed(fn: Callable[[], Outcome], meter: EnergyMeter | None) -> tuple[list[in
     return tokens, seconds, energy, stats, decisions
 
 
-def variants(target, scout, cfg: DecodeConfig) -> dict[str, Callable[[torch.Tensor], tuple[list[int], dict, str]]]:
+def variants(target, scout, cfg: DecodeConfig,
+             graphs: bool = False) -> dict[str, Callable[[torch.Tensor], tuple[list[int], dict, str]]]:
+    """The decode suite's variants; graphs adds this engine's plain and fixed-K5 loops on a static cache with
+    replayed CUDA graphs (plain_graphs, fixed_k5_graphs)."""
     def ours(scout_=None, clutch: ClutchConfig | None = None):
         def fn(ids):
             r = generate(target, ids, cfg, scout=scout_, clutch=EntropyClutch(clutch) if clutch else None)
@@ -128,8 +131,17 @@ def variants(target, scout, cfg: DecodeConfig) -> dict[str, Callable[[torch.Tens
                               do_sample=False)
         return out[0, ids.numel():].tolist(), {}, ""
 
+    def graphed(scout_=None):  # this engine with a static cache and replayed CUDA graphs
+        gcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=K if scout_ is not None else None,
+                            kv_cache="static", cuda_graphs=True)
+
+        def fn(ids):
+            r = generate(target, ids, gcfg, scout=scout_)
+            return r.tokens, r.stats.to_dict(), r.decisions
+        return fn
+
     fixed = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=K)
-    return {
+    fns = {
         "plain": ours(),
         "fixed_k5": lambda ids: (lambda r: (r.tokens, r.stats.to_dict(), r.decisions))(
             generate(target, ids, fixed, scout=scout)),
@@ -138,6 +150,9 @@ def variants(target, scout, cfg: DecodeConfig) -> dict[str, Callable[[torch.Tens
         "hf_assisted": hf_assisted,
         "hf_generate": hf_plain,
     }
+    if graphs:
+        fns |= {"plain_graphs": graphed(), "fixed_k5_graphs": graphed(scout)}
+    return fns
 
 
 def warm_up(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Mapping[str, tuple[str, torch.Tensor]]) -> None:
@@ -149,9 +164,9 @@ def warm_up(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Mapping[s
 
 
 def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]], trials: int, max_new: int,
-                     meter: EnergyMeter | None) -> list[Run]:
+                     meter: EnergyMeter | None, graphs: bool = False) -> list[Run]:
     cfg = DecodeConfig(max_new_tokens=max_new)
-    fns = variants(target, scout, cfg)
+    fns = variants(target, scout, cfg, graphs)
     runs: list[Run] = []
     start = time.perf_counter()
     warm_up(fns, prompts)
@@ -180,7 +195,8 @@ def _jpt(rs: list[Run]) -> float | None:
 
 
 # Variants whose greedy output must equal plain decoding's token for token: this package's engine.
-OUR_SPECULATIVE = ("fixed_k5", "gated_production", "gated_tuned")
+# plain_graphs must match too: a replayed graph runs the eager static path's kernels.
+OUR_SPECULATIVE = ("fixed_k5", "gated_production", "gated_tuned", "plain_graphs", "fixed_k5_graphs")
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted")  # HF assisted generation is checked too, and reported apart
 
 
@@ -291,7 +307,9 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         plain = _per_family(runs, "plain", fam)
         base_tps, base_jpt = _tps(plain), _jpt(plain)
         m[f"{label}.plain_tokens_per_s"] = base_tps
-        for variant in ("fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate"):
+        present = {r.variant for r in runs}
+        graphed = [v for v in ("plain_graphs", "fixed_k5_graphs") if v in present]
+        for variant in ("fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate", *graphed):
             rs = _per_family(runs, variant, fam)
             tps = _tps(rs)
             m[f"{variant}.{label}.tokens_per_s"] = tps
@@ -305,6 +323,9 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
                 m[f"{variant}.{label}.acceptance_pct"] = 100.0 * acc
             if stats:
                 m[f"{variant}.{label}.fallback_pct"] = 100.0 * statistics.mean(s["fallback_fraction"] for s in stats)
+        if len(graphed) == 2:  # speculation's gain when both loops replay graphs (speedup: against eager plain)
+            m[f"fixed_k5_graphs.{label}.speedup_vs_plain_graphs"] = (
+                m[f"fixed_k5_graphs.{label}.tokens_per_s"] / m[f"plain_graphs.{label}.tokens_per_s"])
         if base_jpt is not None and _jpt(_per_family(runs, "fixed_k5", fam)) is not None:  # report figure
             m[f"j_per_token.{label}"] = _jpt(_per_family(runs, "fixed_k5", fam))
             m[f"j_per_token_baseline.{label}"] = base_jpt
@@ -605,9 +626,9 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30) 
 
 
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
-                  entropy_sync: bool = True) -> RunRecord:
+                  entropy_sync: bool = True, graphs: bool = False) -> RunRecord:
     """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record."""
-    runs = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter)
+    runs = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter, graphs)
     metrics = decode_metrics(runs)
     if entropy_sync:
         metrics.update(entropy_sync_share(metrics["plain_tokens_per_s"], s.device))
@@ -622,7 +643,7 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
             extra["near_ties_error"] = repr(err)
     config = {"k": K, "max_new_tokens": max_new, "trials": trials,
               "idle_power_w": s.meter.idle.power_w if s.meter and s.meter.idle else None,
-              "variants": ["plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate"],
+              "variants": sorted({r.variant for r in runs}),
               "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
               "decisions": {f"{r.variant}|{r.stats.get('prompt')}|{r.trial}": r.decisions for r in runs
                             if r.variant.startswith("gated")}, **extra}
@@ -703,6 +724,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per grid run (default: --max-new-tokens, at most 96)")
     p.add_argument("--fidelity-tokens", type=_positive_int, default=SEED_FIDELITY_TOKENS,
                    help="tokens per fidelity run")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="add plain_graphs and fixed_k5_graphs: this engine on a static cache with replayed CUDA graphs")
     p.add_argument("--gear-trials", type=_positive_int, default=None,
                    help="trials of the gear suite (default: --trials)")
     return p
@@ -722,7 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     def done(suite: str, rec: RunRecord) -> None:
         print(f"record: {write_record(rec, a.out)} ({suite} done at {time.perf_counter() - t0:.0f} s)", flush=True)
 
-    rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip)
+    if a.cuda_graphs and a.device != "cuda":
+        raise SystemExit("--cuda-graphs needs --device cuda")
+    rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip,
+                        a.cuda_graphs)
     done("decode", rec)
     for k in sorted(rec.metrics):
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):

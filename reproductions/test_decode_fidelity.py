@@ -82,3 +82,19 @@ def test_mismatch_at_the_first_token_uses_the_prefill_logits():
     (entry,) = mismatch_report(target, runs, {"p": ("code", prompt)})
     assert entry["position"] == 0 and entry["variant_token_deficit"] > 0
     assert mismatch_report(target, [_run("plain", plain), _run("gated_tuned", plain)], {"p": ("code", prompt)}) == []
+
+
+def test_graphed_variants_get_speedups_against_eager_and_graphed_plain():
+    from reproductions.decode_repro import decode_metrics
+
+    tps = {"plain": 50.0, "fixed_k5": 80.0, "gated_production": 50.0, "gated_tuned": 50.0, "hf_assisted": 40.0,
+           "hf_generate": 45.0, "plain_graphs": 200.0, "fixed_k5_graphs": 500.0}
+    runs = [Run(v, "code", t, [1, 2, 3, 4], 4 / rate, None, {"prompt": "p"})
+            for t in range(3) for v, rate in tps.items()]
+    m = decode_metrics(runs)
+    assert m["plain_graphs.code.speedup"] == pytest.approx(4.0)  # against eager plain
+    assert m["fixed_k5_graphs.code.speedup"] == pytest.approx(10.0)
+    assert m["fixed_k5_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(2.5)
+    assert m["fixed_k5_graphs.fidelity_pct"] == 100.0 and m["plain_graphs.fidelity_pct"] == 100.0
+    assert "fixed_k5_graphs.code.speedup_vs_plain_graphs" not in decode_metrics(
+        [r for r in runs if not r.variant.endswith("_graphs")])

@@ -32,7 +32,17 @@ import torch
 from torch import nn
 
 from sdsie.clutch import EntropyClutch
-from sdsie.decoding.model_io import check_prompt, crop_cache, forward, model_device, new_cache, sync_device, to_host
+from sdsie.decoding.model_io import (
+    StaticKV,
+    cache_length,
+    check_prompt,
+    crop_cache,
+    forward,
+    model_device,
+    new_cache,
+    sync_device,
+    to_host,
+)
 from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, select_token
 from sdsie.decoding.verify import greedy_verify, rejection_verify
 from sdsie.entropy import entropy
@@ -57,6 +67,10 @@ class DecodeConfig:
     (`clutch.k`); k_draft may then be left None or must equal `clutch.config.k_draft`.
     int4_when_engaged: gear mapping; True = engaged -> INT4, disengaged -> full precision.
     timing: synchronize the device at every cycle boundary so per-cycle times are exact.
+    kv_cache: "dynamic" (HF DynamicCache, cropped after a rejection) or "static" (preallocated, rolled back
+    by a device-side counter: `model_io.StaticKV`).
+    cuda_graphs: capture and replay the 1-token and (K+1)-token forwards (needs kv_cache="static", CUDA,
+    and no gear: a captured graph would keep one precision).
     """
 
     max_new_tokens: int = 64
@@ -65,10 +79,16 @@ class DecodeConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     int4_when_engaged: bool = True
     timing: bool = False
+    kv_cache: str = "dynamic"
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.kv_cache not in ("dynamic", "static"):
+            raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {self.kv_cache!r}")
+        if self.cuda_graphs and self.kv_cache != "static":
+            raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
         if self.k_draft is not None and (
             not isinstance(self.k_draft, int) or isinstance(self.k_draft, bool) or self.k_draft < 1
         ):
@@ -215,7 +235,7 @@ class _Run:
 def _draft(run: _Run, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scout drafts k tokens after `last` -> (drafts [k], q [k, V] or None when greedy)."""
     assert run.scout is not None and run.scout_cache is not None
-    feed = run.ids[run.scout_cache.get_seq_length() : run.length]  # [F]: tokens the scout missed, then last
+    feed = run.ids[cache_length(run.scout_cache) : run.length]  # [F]: tokens the scout missed, then last
     run.stats.scout_catchup_tokens += feed.numel() - 1
     tokens, probs = [], []
     for _ in range(k):
@@ -289,7 +309,7 @@ def generate(
     device = model_device(target)
     prompt = check_prompt(prompt_ids, vocab_size(target), device)  # [P]
     k_engaged = _check_setup(target, scout, clutch, gear, config, device)
-    run = _start(target, scout, prompt, config)
+    run = _start(target, scout, prompt, config, k_engaged)
     if clutch is not None:
         clutch.reset()
 
@@ -410,7 +430,7 @@ def _set_gear(gear: Gear | None, clutch: EntropyClutch | None, config: DecodeCon
 # Setup and input checks
 
 
-def _start(target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, config: DecodeConfig) -> _Run:
+def _start(target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, config: DecodeConfig, k: int) -> _Run:
     device = prompt.device
     ids = torch.empty(prompt.numel() + config.max_new_tokens, dtype=torch.long, device=device)  # [P + N]
     ids[: prompt.numel()] = prompt
@@ -422,9 +442,16 @@ def _start(target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, con
         generator,
         ids,
         prompt.numel(),
-        new_cache(target),
-        new_cache(scout) if scout is not None else None,
+        _kv(target, config, ids.numel(), (1, k + 1) if k else (1,)),
+        _kv(scout, config, ids.numel(), (1,)) if scout is not None else None,
     )
+
+
+def _kv(model: nn.Module, config: DecodeConfig, max_len: int, graph_sizes: tuple[int, ...]) -> Any:
+    """The cache config.kv_cache asks for; a static one holds every position this run can write."""
+    if config.kv_cache == "dynamic":
+        return new_cache(model)
+    return StaticKV(model, max_len, cuda_graphs=config.cuda_graphs, graph_sizes=graph_sizes)
 
 
 def _check_setup(
@@ -440,6 +467,11 @@ def _check_setup(
         raise ValueError("a gear needs a clutch to drive it: pass clutch=EntropyClutch(...)")
     if gear is not None and not isinstance(getattr(gear, "int4", None), bool):
         raise ValueError(f"gear must have a bool attribute 'int4', got {type(gear).__name__}")
+    if gear is not None and config.cuda_graphs:
+        raise ValueError("cuda_graphs with a gear: a captured graph keeps the precision it was captured in; "
+                         "decode gated precision without graphs")
+    if config.cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs a CUDA device, the target is on {device}")
     if clutch is not None and scout is None and gear is None:
         raise ValueError("a clutch with neither a scout nor a gear would gate nothing; pass scout= and/or gear=")
     if scout is None:

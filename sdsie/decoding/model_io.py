@@ -1,17 +1,125 @@
 """Model I/O for decoding: one forward over a KV cache, cache rollback, the per-cycle host read, input checks.
 
 Works with any HF causal LM that accepts `past_key_values` and `logits_to_keep` (transformers >= 4.45).
+
+Two cache kinds. A `DynamicCache` (the default) grows with each forward and is cropped after a rejected
+draft. A `StaticKV` preallocates the whole sequence (HF `StaticCache`) and rolls back by resetting each
+layer's position counter on the device; positions past the counter hold stale keys that the causal mask
+never lets a later query see, and the next forward overwrites them. A static cache is what CUDA graphs need:
+with `cuda_graphs`, the forward of each token count the engine repeats (1 and K + 1) is captured once and
+replayed, so a decode step costs one graph launch instead of one host dispatch per kernel (gpt-fast's
+approach; on the H200 a small model's step is bound by those dispatches).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["check_prompt", "crop_cache", "forward", "model_device", "new_cache", "sync_device", "to_host"]
+__all__ = [
+    "StaticKV",
+    "cache_length",
+    "check_prompt",
+    "crop_cache",
+    "forward",
+    "model_device",
+    "new_cache",
+    "sync_device",
+    "to_host",
+]
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [1, S] static input
+    logits: torch.Tensor  # [S or 1, V] static output, overwritten by each replay
+
+
+class StaticKV:
+    """A preallocated KV cache for one model and one sequence, its length kept on the host (no sync).
+
+    cuda_graphs: capture the forward of each (token count, last_only) in `graph_sizes` on first use and
+    replay it after (CUDA only). A replay overwrites the previous replay's logits: consume them before the
+    next forward of the same size, as the decoding cycle does.
+    """
+
+    def __init__(self, model: nn.Module, max_len: int, cuda_graphs: bool = False,
+                 graph_sizes: Sequence[int] = ()) -> None:
+        from transformers import StaticCache
+
+        if max_len < 1:
+            raise ValueError(f"StaticKV: max_len must be >= 1, got {max_len}")
+        device = model_device(model)
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs the model on a CUDA device, got {device}")
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.max_len = max_len
+        self.length = 0
+        self.cuda_graphs = cuda_graphs
+        self.graph_sizes = frozenset(graph_sizes)
+        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._pool: Any = None
+
+    def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """ids: [S] -> logits [S, V] (or [1, V] with last_only), written at positions length..length+S-1."""
+        n = ids.numel()
+        if self.length + n > self.max_len:
+            raise ValueError(f"StaticKV holds {self.max_len} positions: cannot add {n} to {self.length}")
+        if self.cuda_graphs and n in self.graph_sizes and self.length > 0:  # the prefill runs eagerly
+            g = self._graphs.get((n, last_only)) or self._capture(model, n, last_only)
+            g.ids.copy_(ids[None])
+            g.graph.replay()
+            logits = g.logits
+        else:
+            logits = _hf_forward(model, ids[None], self.cache, last_only)
+        self.length += n
+        return logits
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise RuntimeError(f"cache holds {self.length} positions, cannot crop to {length}")
+        self._set_device_length(length)
+        self.length = length
+
+    def _set_device_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(length)
+
+    def _capture(self, model: nn.Module, n: int, last_only: bool) -> _Graph:
+        """Warm up on a side stream, then capture; the cache's device length is restored after each, so
+        the garbage written at positions length..length+n-1 is overwritten by the first replay."""
+        ids = torch.zeros((1, n), dtype=torch.long, device=model_device(model))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                _hf_forward(model, ids, self.cache, last_only)
+                self._set_device_length(self.length)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = _hf_forward(model, ids, self.cache, last_only)
+        except Exception as err:  # name the model and the size; never fall back silently
+            raise RuntimeError(f"CUDA graph capture of a {n}-token forward of {type(model).__name__} failed "
+                               f"({err!r}); decode with cuda_graphs=False") from err
+        self._set_device_length(self.length)  # capture records the counter's advance, it does not run it
+        self._graphs[(n, last_only)] = _Graph(graph, ids, logits)
+        return self._graphs[(n, last_only)]
+
+
+def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
+    """ids: [1, S] -> logits [S, V] (or [1, V])."""
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+    return out.logits[0]
 
 
 def new_cache(model: nn.Module) -> Any:
@@ -26,12 +134,21 @@ def new_cache(model: nn.Module) -> Any:
 
 def forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
     """ids: [S] -> logits [S, V] (or [1, V] with last_only), appending S positions to `cache`."""
-    out = model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
-    return out.logits[0]
+    if isinstance(cache, StaticKV):
+        return cache.forward(model, ids, last_only)
+    return _hf_forward(model, ids[None], cache, last_only)
+
+
+def cache_length(cache: Any) -> int:
+    """Positions held, read on the host (a StaticKV keeps its own count; no device sync)."""
+    return cache.length if isinstance(cache, StaticKV) else cache.get_seq_length()
 
 
 def crop_cache(cache: Any, length: int) -> None:
     """Keep the first `length` positions. Uses the negative form (remove a count), valid across HF versions."""
+    if isinstance(cache, StaticKV):
+        cache.crop(length)
+        return
     excess = cache.get_seq_length() - length
     if excess < 0:
         raise RuntimeError(f"cache holds {cache.get_seq_length()} positions, cannot crop up to {length}")

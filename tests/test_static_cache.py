@@ -1,0 +1,109 @@
+"""The static KV cache (and its CUDA-graph replay): the same tokens, cycles and decisions as the dynamic
+cache for plain, fixed-K and gated decoding, rollback by the device-side counter, and clear refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdsie.clutch import ClutchConfig, EntropyClutch
+from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward
+from sdsie.models import perturbed_copy, tiny_llama
+from sdsie.quant.gated import gate_model
+
+VOCAB = 64
+TARGET = tiny_llama(vocab_size=VOCAB, seed=0)
+SCOUT = perturbed_copy(TARGET, noise=0.05, seed=2)  # accepts some drafts and rejects others
+MIXED = ClutchConfig(theta_low=1.8, theta_high=2.4, alpha=0.5)  # engages and falls back on this pair
+
+
+def _run(kv_cache: str, prompt: list[int], max_new: int, k: int | None, clutch: ClutchConfig | None, eos=None):
+    cfg = DecodeConfig(max_new_tokens=max_new, kv_cache=kv_cache, eos_token_id=eos,
+                       k_draft=None if clutch else k)
+    scout = SCOUT if (k or clutch) else None
+    return generate(TARGET, prompt, cfg, scout=scout, clutch=EntropyClutch(clutch) if clutch else None)
+
+
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), max_new=st.integers(1, 24),
+       k=st.sampled_from([None, 1, 3, 5]), gated=st.booleans(), eos=st.sampled_from([None, 2, 7]))
+def test_static_cache_reproduces_the_dynamic_cache(prompt, max_new, k, gated, eos):
+    clutch = ClutchConfig(MIXED.theta_low, MIXED.theta_high, MIXED.alpha, k_draft=k or 5) if gated else None
+    a, b = _run("dynamic", prompt, max_new, k, clutch, eos), _run("static", prompt, max_new, k, clutch, eos)
+    assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
+    assert a.decisions == b.decisions
+    assert [(c.k, c.accepted) for c in a.cycles] == [(c.k, c.accepted) for c in b.cycles]
+    assert a.stats.scout_catchup_tokens == b.stats.scout_catchup_tokens
+
+
+def test_gated_run_exercises_rollback_and_catch_up():
+    """The property above is not vacuous: this pair rejects drafts (rollback) and the clutch falls back
+    (the scout then catches up several tokens in one forward)."""
+    r = _run("static", [1, 5, 9, 4], 60, None, ClutchConfig(MIXED.theta_low, MIXED.theta_high, MIXED.alpha))
+    assert "S" in r.decisions and "F" in r.decisions
+    assert r.stats.accepted < r.stats.drafted and r.stats.scout_catchup_tokens > 0
+
+
+def test_static_kv_rolls_back_and_overwrites_stale_positions():
+    ids = torch.tensor([1, 5, 9, 4, 7, 3])
+    with torch.inference_mode():
+        ref = TARGET(input_ids=ids[None]).logits[0]
+        kv = StaticKV(TARGET, max_len=16)
+        head = forward(TARGET, ids[:4], kv, last_only=False)
+        forward(TARGET, torch.tensor([11, 12, 13]), kv, last_only=False)  # rejected drafts
+        assert cache_length(kv) == 7
+        crop_cache(kv, 4)
+        tail = forward(TARGET, ids[4:], kv, last_only=False)
+    assert cache_length(kv) == 6
+    torch.testing.assert_close(torch.cat([head, tail]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_static_kv_refuses_overflow_and_bad_crops():
+    kv = StaticKV(TARGET, max_len=4)
+    with torch.inference_mode():
+        forward(TARGET, torch.tensor([1, 2, 3]), kv, last_only=True)
+        with pytest.raises(ValueError, match="holds 4 positions: cannot add 2 to 3"):
+            forward(TARGET, torch.tensor([4, 5]), kv, last_only=True)
+    with pytest.raises(RuntimeError, match="cannot crop to 5"):
+        crop_cache(kv, 5)
+    with pytest.raises(ValueError, match="max_len must be >= 1"):
+        StaticKV(TARGET, max_len=0)
+
+
+def test_cuda_graph_configurations_are_refused_with_their_reason():
+    with pytest.raises(ValueError, match="kv_cache must be 'dynamic' or 'static'"):
+        DecodeConfig(kv_cache="paged")
+    with pytest.raises(ValueError, match="cuda_graphs needs kv_cache='static'"):
+        DecodeConfig(cuda_graphs=True)
+    graphs = DecodeConfig(kv_cache="static", cuda_graphs=True)
+    gated = copy.deepcopy(TARGET)
+    gear = gate_model(gated, "mlp.down_proj")
+    with pytest.raises(ValueError, match="keeps the precision it was captured in"):
+        generate(gated, [1, 2], graphs, clutch=EntropyClutch(MIXED), gear=gear)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+            generate(TARGET, [1, 2], graphs)
+        with pytest.raises(ValueError, match="needs the model on a CUDA device"):
+            StaticKV(TARGET, 8, cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype):
+    """On a GPU: replaying the captured forwards gives the eager static path's tokens, cycles and decisions
+    (the same kernels on the same inputs), for plain, fixed-K5 and gated decoding."""
+    target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
+    prompt = [1, 5, 9, 4, 7]
+    for kw in ({}, {"scout": scout}, {"scout": scout, "clutch": MIXED}):
+        runs = []
+        for graphs in (False, True):
+            cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs)
+            clutch = EntropyClutch(kw["clutch"]) if "clutch" in kw else None
+            runs.append(generate(target, prompt, cfg, scout=kw.get("scout"), clutch=clutch))
+        eager, replayed = runs
+        assert eager.tokens == replayed.tokens and eager.decisions == replayed.decisions
+        assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]

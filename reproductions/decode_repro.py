@@ -695,8 +695,12 @@ def gpu_setup() -> Setup:
 
 @functools.cache
 def gpu_decode_record(out: str = "telemetry") -> RunRecord:
-    """The decode suite's record on the GPU stand-in pair, written once per process under `out`."""
-    rec = decode_record(gpu_setup())
+    """The decode suite's record on the GPU stand-in pair, written once per process under `out`.
+    SDSIE_CUDA_GRAPHS=1 adds the static-cache CUDA-graph variants (--cuda-graphs of the command line)."""
+    graphs = os.environ.get("SDSIE_CUDA_GRAPHS", "0")
+    if graphs not in ("0", "1"):
+        raise ValueError(f"SDSIE_CUDA_GRAPHS must be 0 or 1, got {graphs!r}")
+    rec = decode_record(gpu_setup(), graphs=graphs == "1")
     rec.source = write_record(rec, out)
     print("record:", rec.source, flush=True)
     return rec

@@ -107,3 +107,20 @@ def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype):
         eager, replayed = runs
         assert eager.tokens == replayed.tokens and eager.decisions == replayed.decisions
         assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]
+
+
+def test_static_caches_are_reused_across_runs_and_kept_apart_per_role():
+    """A later run reuses the model's static cache (emptied), and a module used as both target and scout
+    gets two caches: self-speculation on one module still equals plain decoding."""
+    import sdsie.decoding.engine as engine
+
+    model = copy.deepcopy(TARGET)
+    cfg = DecodeConfig(max_new_tokens=20, kv_cache="static", k_draft=3)
+    first = generate(model, [1, 5, 9], cfg, scout=model)
+    caches = dict(engine._STATIC[model])
+    assert sorted(role for role, *_ in caches) == ["scout", "target"]
+    second = generate(model, [1, 5, 9], cfg, scout=model)
+    assert engine._STATIC[model] == caches  # the same objects, reused
+    plain = generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=20)).tokens
+    assert first.tokens == second.tokens == plain
+    assert first.stats.accepted == first.stats.drafted  # the scout is the target: every draft accepted

@@ -24,6 +24,7 @@ were computed anyway): no extra forward and no extra synchronization.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -442,16 +443,31 @@ def _start(target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, con
         generator,
         ids,
         prompt.numel(),
-        _kv(target, config, ids.numel(), (1, k + 1) if k else (1,)),
-        _kv(scout, config, ids.numel(), (1,)) if scout is not None else None,
+        _kv(target, "target", config, ids.numel(), (1, k + 1) if k else (1,)),
+        _kv(scout, "scout", config, ids.numel(), (1,)) if scout is not None else None,
     )
 
 
-def _kv(model: nn.Module, config: DecodeConfig, max_len: int, graph_sizes: tuple[int, ...]) -> Any:
-    """The cache config.kv_cache asks for; a static one holds every position this run can write."""
+# Static caches outlive a call, as gpt-fast sets its caches up once: a model's StaticKV (and the graphs
+# captured on it) is reused by later runs of the same role, length bucket and graph sizes, emptied first.
+_STATIC: weakref.WeakKeyDictionary[nn.Module, dict[tuple, StaticKV]] = weakref.WeakKeyDictionary()
+STATIC_LEN_BUCKET = 256  # positions: a static cache's length is rounded up to a multiple of this
+
+
+def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_sizes: tuple[int, ...]) -> Any:
+    """The cache config.kv_cache asks for; a static one holds every position this run can write.
+    role keeps the target's and the scout's caches apart even when one module plays both."""
     if config.kv_cache == "dynamic":
         return new_cache(model)
-    return StaticKV(model, max_len, cuda_graphs=config.cuda_graphs, graph_sizes=graph_sizes)
+    max_len = -(-max_len // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET
+    key = (role, max_len, config.cuda_graphs, graph_sizes, model_device(model), next(model.parameters()).dtype)
+    caches = _STATIC.setdefault(model, {})
+    kv = caches.get(key)
+    if kv is None:
+        kv = caches[key] = StaticKV(model, max_len, cuda_graphs=config.cuda_graphs, graph_sizes=graph_sizes)
+    else:
+        kv.crop(0)
+    return kv
 
 
 def _check_setup(

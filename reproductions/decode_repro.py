@@ -118,7 +118,10 @@ def variants(target, scout, cfg: DecodeConfig,
     def ours(scout_=None, clutch: ClutchConfig | None = None):
         def fn(ids):
             r = generate(target, ids, cfg, scout=scout_, clutch=EntropyClutch(clutch) if clutch else None)
-            return r.tokens, r.stats.to_dict(), r.decisions
+            stats = r.stats.to_dict()
+            if scout_ is None and clutch is None:  # plain: the entropy (bits) behind each token, what a clutch reads
+                stats["entropy_bits"] = [r.prefill_entropy] + [c.entropy for c in r.cycles]
+            return r.tokens, stats, r.decisions
         return fn
 
     def hf_assisted(ids):
@@ -307,6 +310,10 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         plain = _per_family(runs, "plain", fam)
         base_tps, base_jpt = _tps(plain), _jpt(plain)
         m[f"{label}.plain_tokens_per_s"] = base_tps
+        bits = sorted(b for r in plain for b in r.stats.get("entropy_bits", []))
+        if bits:  # where the clutch thresholds (bits, on an EMA of these) sit in this pair's distribution
+            for q in (10, 50, 90):
+                m[f"{label}.entropy_bits_p{q}"] = bits[min(len(bits) - 1, len(bits) * q // 100)]
         present = {r.variant for r in runs}
         graphed = [v for v in ("plain_graphs", "fixed_k5_graphs") if v in present]
         for variant in ("fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate", *graphed):

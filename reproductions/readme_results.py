@@ -129,6 +129,11 @@ def decode_section(rec: RunRecord) -> list[str]:
         + ties,
     ]
     lines += per_prompt_lines(rec)
+    if "code.entropy_bits_p50" in mt:  # records since the suite kept the plain runs' entropies
+        q = "; ".join(f"{f} {mt[f'{f}.entropy_bits_p10']:.2f} / {mt[f'{f}.entropy_bits_p50']:.2f} / "
+                      f"{mt[f'{f}.entropy_bits_p90']:.2f}" for f in FAMILIES if f"{f}.entropy_bits_p50" in mt)
+        lines.append(f"Per-token entropy of plain decoding, bits, p10 / p50 / p90: {q}. The clutch engages when an "
+                     "EMA of it falls below theta_low (production 0.55, tuned 0.15).")
     plain = [v for k, vs in rec.samples.items() if k.startswith("plain|") and k.endswith("|tokens_per_s") for v in vs]
     if plain:
         lines.append(f"Plain decoding over all its runs: {min(plain):.1f} to {max(plain):.1f} tok/s "

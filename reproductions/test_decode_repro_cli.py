@@ -42,6 +42,8 @@ def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path, monkeypatch):
     identity = [k for k in decode["samples"] if k.endswith("|identical_to_plain")]
     assert len(identity) == 4 * prompts  # fixed_k5, two gated, hf_assisted on every prompt
     assert isinstance(decode["config"]["mismatches"], list)
+    bits = [decode["metrics"][f"{f}.entropy_bits_p{q}"] for f in ("code", "physics", "poem") for q in (10, 50, 90)]
+    assert all(b >= 0 for b in bits)  # the plain runs' per-token entropy, where the clutch thresholds sit
     costs = decode["config"]["forward_ms"]  # what a cycle is made of, to model the speedup from
     assert costs["target_step_ms"] > 0 and costs["scout_step_ms"] > 0 and costs["target_verify_ms"] > 0
     assert costs["scout_cost_ratio"] == pytest.approx(costs["scout_step_ms"] / costs["target_step_ms"])

@@ -124,3 +124,21 @@ def test_static_caches_are_reused_across_runs_and_kept_apart_per_role():
     plain = generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=20)).tokens
     assert first.tokens == second.tokens == plain
     assert first.stats.accepted == first.stats.drafted  # the scout is the target: every draft accepted
+
+
+def test_static_forwards_build_their_mask_on_the_device_and_restore_the_attention_setting():
+    """Static-cache forwards run HF's sdpa with the mask-skip question (a host sync) removed; the model's
+    own setting is back afterwards, and dynamic-cache forwards never see the swap."""
+    from sdsie.decoding.model_io import STATIC_SDPA
+
+    model = copy.deepcopy(TARGET)
+    seen: list[str] = []
+    handle = model.register_forward_pre_hook(lambda mod, args: seen.append(mod.config._attn_implementation))
+    try:
+        generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=6, kv_cache="static"))
+        static_seen, seen[:] = list(seen), []
+        generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=6))
+    finally:
+        handle.remove()
+    assert static_seen and set(static_seen) == {STATIC_SDPA}
+    assert set(seen) == {"sdpa"} and model.config._attn_implementation == "sdpa"

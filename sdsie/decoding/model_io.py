@@ -13,7 +13,9 @@ approach; on the H200 a small model's step is bound by those dispatches).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +78,8 @@ class StaticKV:
             g.graph.replay()
             logits = g.logits
         else:
-            logits = _hf_forward(model, ids[None], self.cache, last_only)
+            with _static_attention(model):
+                logits = _hf_forward(model, ids[None], self.cache, last_only)
         self.length += n
         return logits
 
@@ -97,7 +100,7 @@ class StaticKV:
         ids = torch.zeros((1, n), dtype=torch.long, device=model_device(model))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _static_attention(model):
             for _ in range(2):
                 _hf_forward(model, ids, self.cache, last_only)
                 self._set_device_length(self.length)
@@ -106,7 +109,7 @@ class StaticKV:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool), _static_attention(model):
                 logits = _hf_forward(model, ids, self.cache, last_only)
         except Exception as err:  # name the model and the size; never fall back silently
             raise RuntimeError(f"CUDA graph capture of a {n}-token forward of {type(model).__name__} failed "
@@ -120,6 +123,44 @@ def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool
     """ids: [1, S] -> logits [S, V] (or [1, V])."""
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
     return out.logits[0]
+
+
+STATIC_SDPA = "sdsie_static_sdpa"
+
+
+@contextmanager
+def _static_attention(model: nn.Module) -> Iterator[None]:
+    """HF's sdpa, but the causal mask always built on the device.
+
+    For a multi-token forward over a static cache, HF's sdpa mask asks on the host whether the mask can be
+    skipped (`q_offset == 0` on the cache's device-side counter): a device sync, which a CUDA graph capture
+    cannot contain. The mask it then builds is the same; only that question is dropped. Models on another
+    attention implementation are left as they are.
+    """
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        yield
+        return
+    _register_static_sdpa()
+    config._attn_implementation = STATIC_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+@functools.cache
+def _register_static_sdpa() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_is_causal_skip"] = False
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionInterface.register(STATIC_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(STATIC_SDPA, mask)
 
 
 def new_cache(model: nn.Module) -> Any:

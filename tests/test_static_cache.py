@@ -80,10 +80,6 @@ def test_cuda_graph_configurations_are_refused_with_their_reason():
     with pytest.raises(ValueError, match="cuda_graphs needs kv_cache='static'"):
         DecodeConfig(cuda_graphs=True)
     graphs = DecodeConfig(kv_cache="static", cuda_graphs=True)
-    gated = copy.deepcopy(TARGET)
-    gear = gate_model(gated, "mlp.down_proj")
-    with pytest.raises(ValueError, match="keeps the precision it was captured in"):
-        generate(gated, [1, 2], graphs, clutch=EntropyClutch(MIXED), gear=gear)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
             generate(TARGET, [1, 2], graphs)
@@ -107,6 +103,22 @@ def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype):
         eager, replayed = runs
         assert eager.tokens == replayed.tokens and eager.decisions == replayed.decisions
         assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_follow_the_gear_precision():
+    """With a gear, the target's forward has one graph per precision: replays give the eager static path's
+    tokens, decisions and per-cycle precision, and both precisions ran."""
+    target = copy.deepcopy(TARGET).to("cuda", torch.bfloat16)
+    gear = gate_model(target, "mlp.down_proj")
+    runs = []
+    for graphs in (False, True):
+        cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs)
+        runs.append(generate(target, [1, 5, 9, 4, 7], cfg, clutch=EntropyClutch(MIXED), gear=gear))
+    eager, replayed = runs
+    assert eager.tokens == replayed.tokens and eager.decisions == replayed.decisions
+    assert [c.gear_int4 for c in eager.cycles] == [c.gear_int4 for c in replayed.cycles]
+    assert {c.gear_int4 for c in replayed.cycles} == {True, False}
 
 
 def test_static_caches_are_reused_across_runs_and_kept_apart_per_role():

@@ -70,8 +70,10 @@ class DecodeConfig:
     timing: synchronize the device at every cycle boundary so per-cycle times are exact.
     kv_cache: "dynamic" (HF DynamicCache, cropped after a rejection) or "static" (preallocated, rolled back
     by a device-side counter: `model_io.StaticKV`).
-    cuda_graphs: capture and replay the 1-token and (K+1)-token forwards (needs kv_cache="static", CUDA,
-    and no gear: a captured graph would keep one precision).
+    cuda_graphs: capture and replay the 1-token and (K+1)-token forwards (needs kv_cache="static" and CUDA;
+    with a gear, the target gets one graph per precision). A replay runs no Python: counters kept inside the
+    model (GearState.int4_calls / full_calls, kernel_calls()) count captures, not replays; the per-cycle
+    CycleRecord.gear_int4 stays exact.
     """
 
     max_new_tokens: int = 64
@@ -226,6 +228,7 @@ class _Run:
     length: int  # valid entries of ids; ids[length - 1] is `last`, not yet in the target cache
     target_cache: Any
     scout_cache: Any | None
+    gear: Gear | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
 
     @property
@@ -268,7 +271,8 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int]:
         drafts, q = _draft(run, k)  # [k], [k, V] | None
     else:
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
-    logits = forward(run.target, torch.cat([run.last, drafts]), run.target_cache, last_only=False)  # [k+1, V]
+    precision = run.gear.int4 if run.gear is not None else None  # a graphed cache keeps one graph per precision
+    logits = forward(run.target, torch.cat([run.last, drafts]), run.target_cache, False, precision)  # [k+1, V]
     run.stats.target_forwards += 1
     n_acc, next_token = _verify(run, logits, drafts, q)
     bits = entropy(logits)  # [k+1]
@@ -310,7 +314,7 @@ def generate(
     device = model_device(target)
     prompt = check_prompt(prompt_ids, vocab_size(target), device)  # [P]
     k_engaged = _check_setup(target, scout, clutch, gear, config, device)
-    run = _start(target, scout, prompt, config, k_engaged)
+    run = _start(target, scout, prompt, config, k_engaged, gear)
     if clutch is not None:
         clutch.reset()
 
@@ -431,7 +435,9 @@ def _set_gear(gear: Gear | None, clutch: EntropyClutch | None, config: DecodeCon
 # Setup and input checks
 
 
-def _start(target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, config: DecodeConfig, k: int) -> _Run:
+def _start(
+    target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, config: DecodeConfig, k: int, gear: Gear | None
+) -> _Run:
     device = prompt.device
     ids = torch.empty(prompt.numel() + config.max_new_tokens, dtype=torch.long, device=device)  # [P + N]
     ids[: prompt.numel()] = prompt
@@ -445,6 +451,7 @@ def _start(target: nn.Module, scout: nn.Module | None, prompt: torch.Tensor, con
         prompt.numel(),
         _kv(target, "target", config, ids.numel(), (1, k + 1) if k else (1,)),
         _kv(scout, "scout", config, ids.numel(), (1,)) if scout is not None else None,
+        gear,
     )
 
 
@@ -483,9 +490,6 @@ def _check_setup(
         raise ValueError("a gear needs a clutch to drive it: pass clutch=EntropyClutch(...)")
     if gear is not None and not isinstance(getattr(gear, "int4", None), bool):
         raise ValueError(f"gear must have a bool attribute 'int4', got {type(gear).__name__}")
-    if gear is not None and config.cuda_graphs:
-        raise ValueError("cuda_graphs with a gear: a captured graph keeps the precision it was captured in; "
-                         "decode gated precision without graphs")
     if config.cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs needs a CUDA device, the target is on {device}")
     if clutch is not None and scout is None and gear is None:

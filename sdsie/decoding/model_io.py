@@ -14,7 +14,7 @@ approach; on the H200 a small model's step is bound by those dispatches).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +45,10 @@ class _Graph:
 class StaticKV:
     """A preallocated KV cache for one model and one sequence, its length kept on the host (no sync).
 
-    cuda_graphs: capture the forward of each (token count, last_only) in `graph_sizes` on first use and
-    replay it after (CUDA only). A replay overwrites the previous replay's logits: consume them before the
-    next forward of the same size, as the decoding cycle does.
+    cuda_graphs: capture the forward of each (token count, last_only, variant) with a token count in
+    `graph_sizes` on first use and replay it after (CUDA only). `variant` names any state outside the inputs
+    that changes which kernels run (the gear's precision): each value gets its own graph. A replay overwrites
+    the previous replay's logits: consume them before the next forward of the same size, as the cycle does.
     """
 
     def __init__(self, model: nn.Module, max_len: int, cuda_graphs: bool = False,
@@ -64,16 +65,16 @@ class StaticKV:
         self.length = 0
         self.cuda_graphs = cuda_graphs
         self.graph_sizes = frozenset(graph_sizes)
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
         self._pool: Any = None
 
-    def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
+    def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable = None) -> torch.Tensor:
         """ids: [S] -> logits [S, V] (or [1, V] with last_only), written at positions length..length+S-1."""
         n = ids.numel()
         if self.length + n > self.max_len:
             raise ValueError(f"StaticKV holds {self.max_len} positions: cannot add {n} to {self.length}")
         if self.cuda_graphs and n in self.graph_sizes and self.length > 0:  # the prefill runs eagerly
-            g = self._graphs.get((n, last_only)) or self._capture(model, n, last_only)
+            g = self._graphs.get((n, last_only, variant)) or self._capture(model, n, last_only, variant)
             g.ids.copy_(ids[None])
             g.graph.replay()
             logits = g.logits
@@ -94,7 +95,7 @@ class StaticKV:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(length)
 
-    def _capture(self, model: nn.Module, n: int, last_only: bool) -> _Graph:
+    def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
         """Warm up on a side stream, then capture; the cache's device length is restored after each, so
         the garbage written at positions length..length+n-1 is overwritten by the first replay."""
         ids = torch.zeros((1, n), dtype=torch.long, device=model_device(model))
@@ -115,8 +116,8 @@ class StaticKV:
             raise RuntimeError(f"CUDA graph capture of a {n}-token forward of {type(model).__name__} failed "
                                f"({err!r}); decode with cuda_graphs=False") from err
         self._set_device_length(self.length)  # capture records the counter's advance, it does not run it
-        self._graphs[(n, last_only)] = _Graph(graph, ids, logits)
-        return self._graphs[(n, last_only)]
+        self._graphs[(n, last_only, variant)] = _Graph(graph, ids, logits)
+        return self._graphs[(n, last_only, variant)]
 
 
 def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
@@ -173,10 +174,11 @@ def new_cache(model: nn.Module) -> Any:
         return DynamicCache()
 
 
-def forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
-    """ids: [S] -> logits [S, V] (or [1, V] with last_only), appending S positions to `cache`."""
+def forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool, variant: Hashable = None) -> torch.Tensor:
+    """ids: [S] -> logits [S, V] (or [1, V] with last_only), appending S positions to `cache`.
+    variant: for a graphed StaticKV, the state that selects the graph (see StaticKV)."""
     if isinstance(cache, StaticKV):
-        return cache.forward(model, ids, last_only)
+        return cache.forward(model, ids, last_only, variant)
     return _hf_forward(model, ids[None], cache, last_only)
 
 

@@ -204,12 +204,23 @@ OUR_SPECULATIVE = ("fixed_k5", "gated_production", "gated_tuned")  # against pla
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", "plain_graphs", "fixed_k5_graphs")
 
 
+# The greedy reference of each compared variant: fixed_k5_graphs runs the static-cache kernels of plain_graphs.
+BASELINE = {"fixed_k5_graphs": "plain_graphs"}
+
+
 def plain_twin(runs: list[Run], r: Run) -> Run:
-    """The plain run of the same prompt and trial as r (its greedy reference): plain_graphs for the other
-    graphed variants (the same static-cache kernels), plain for everything else, plain_graphs included."""
-    base = "plain_graphs" if r.variant.endswith("_graphs") and r.variant != "plain_graphs" else "plain"
+    """The baseline run (BASELINE, else plain) of the same prompt and trial as r: its greedy reference."""
+    base = BASELINE.get(r.variant, "plain")
     return next(p for p in runs if p.variant == base and p.trial == r.trial
                 and p.stats.get("prompt") == r.stats.get("prompt"))
+
+
+def identity(runs: list[Run]) -> dict[tuple[str, Any], list[float]]:
+    """(variant, prompt) -> 1.0 / 0.0 per run in trial order: its tokens equal its baseline twin's."""
+    out: dict[tuple[str, Any], list[float]] = {}
+    for r in sorted((r for r in runs if r.variant in COMPARED), key=lambda r: r.trial):
+        out.setdefault((r.variant, r.stats.get("prompt")), []).append(float(r.tokens == plain_twin(runs, r).tokens))
+    return out
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -227,13 +238,14 @@ def fidelity_metrics(runs: list[Run]) -> dict[str, float]:
     for each compared variant, HF assisted generation included (a peer's output, never pooled with ours).
     """
     m: dict[str, float] = {}
-    ours = [r for r in runs if r.variant in OUR_SPECULATIVE]
+    same = identity(runs)
+    ours = [v for (variant, _), vs in same.items() if variant in OUR_SPECULATIVE for v in vs]
     if ours:
-        m["fidelity_pct"] = 100.0 * statistics.mean(r.tokens == plain_twin(runs, r).tokens for r in ours)
+        m["fidelity_pct"] = 100.0 * statistics.mean(ours)
     for variant in COMPARED:
-        rs = [r for r in runs if r.variant == variant]
-        if rs:
-            m[f"{variant}.fidelity_pct"] = 100.0 * statistics.mean(r.tokens == plain_twin(runs, r).tokens for r in rs)
+        vals = [v for (name, _), vs in same.items() if name == variant for v in vs]
+        if vals:
+            m[f"{variant}.fidelity_pct"] = 100.0 * statistics.mean(vals)
     plain_outputs: dict[Any, set[tuple[int, ...]]] = {}
     for r in runs:
         if r.variant == "plain":
@@ -245,11 +257,7 @@ def fidelity_metrics(runs: list[Run]) -> dict[str, float]:
 
 def identity_samples(runs: list[Run]) -> dict[str, list[float]]:
     """Raw per-run evidence: 1.0 where a run's tokens equal its plain twin's, per variant|prompt, trial order."""
-    samples: dict[str, list[float]] = {}
-    for r in sorted((r for r in runs if r.variant in COMPARED), key=lambda r: r.trial):
-        key = f"{r.variant}|{r.stats.get('prompt')}|identical_to_plain"
-        samples.setdefault(key, []).append(float(r.tokens == plain_twin(runs, r).tokens))
-    return samples
+    return {f"{variant}|{prompt}|identical_to_plain": vals for (variant, prompt), vals in identity(runs).items()}
 
 
 def mismatch_report(target, runs: list[Run], prompts: Mapping[str, tuple[str, torch.Tensor]]) -> list[dict]:
@@ -308,6 +316,8 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
     m: dict[str, float] = {}
     families = sorted({r.family for r in runs})
     speedups, reductions = {}, {}
+    present = {r.variant for r in runs}
+    graphed = [v for v in ("plain_graphs", "fixed_k5_graphs") if v in present]
     for fam in families:
         label = FAMILY_LABEL.get(fam, fam)
         plain = _per_family(runs, "plain", fam)
@@ -317,8 +327,6 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         if bits:  # where the clutch thresholds (bits, on an EMA of these) sit in this pair's distribution
             for q in (10, 50, 90):
                 m[f"{label}.entropy_bits_p{q}"] = bits[min(len(bits) - 1, len(bits) * q // 100)]
-        present = {r.variant for r in runs}
-        graphed = [v for v in ("plain_graphs", "fixed_k5_graphs") if v in present]
         for variant in ("fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate", *graphed):
             rs = _per_family(runs, variant, fam)
             tps = _tps(rs)
@@ -465,6 +473,16 @@ def record_problems(record: RunRecord, tests: Iterable[str], required: Iterable[
         elif claims[cid].test in set(tests) and missing_inputs(claims[cid], record.metrics, record.samples):
             problems.append(f"{cid}: lacks {missing_inputs(claims[cid], record.metrics, record.samples)}")
     return problems
+
+
+def assert_serves(record: RunRecord, tests: Iterable[str], node: str, required: Iterable[str]) -> None:
+    """A GPU test's check: its `required` claims are the registry's for `node`, and `record` can be judged
+    for each of them (declared, with its inputs)."""
+    required = list(required)
+    missing = set(required) - set(node_claims(node))
+    assert not missing, f"{node} does not serve {sorted(missing)} in the registry"
+    problems = record_problems(record, tests, required)
+    assert not problems, "\n".join(problems)
 
 
 def node_claims(test: str) -> list[str]:

@@ -14,11 +14,11 @@ import pytest
 from reproductions.decode_repro import (
     DECODE_TESTS,
     GRID_TESTS,
+    assert_serves,
     gpu_decode_record,
     gpu_setup,
     grid_record,
     node_claims,
-    record_problems,
 )
 from sdsie.telemetry.records import write_record
 
@@ -32,9 +32,7 @@ def test_gated_tuned():
     rec = gpu_decode_record()
     kinds = ["throughput", "fallback"] + (["energy"] if rec.config.get("idle_power_w") is not None else [])
     required = [f"gated-tuned-{f}-{k}" for f in FAMILIES for k in kinds]  # acceptance: only if it speculated
-    assert set(required) <= set(node_claims(NODE.format("test_gated_tuned")))
-    problems = record_problems(rec, DECODE_TESTS, required)
-    assert not problems, "\n".join(problems)
+    assert_serves(rec, DECODE_TESTS, NODE.format("test_gated_tuned"), required)
     runs = rec.conditions["trials"] * len(rec.environment["prompts"])
     tuned = [k for k in rec.config["decisions"] if k.startswith("gated_tuned|")]
     assert len(tuned) == runs, f"decision sequences recorded for {len(tuned)} of {runs} tuned runs"
@@ -45,9 +43,7 @@ def test_gated_tuned():
 def test_gated_production():
     rec = gpu_decode_record()
     required = ["gated-production-poem-throughput", "gated-production-physics-throughput"]
-    assert set(required) <= set(node_claims(NODE.format("test_gated_production")))
-    problems = record_problems(rec, DECODE_TESTS, required)
-    assert not problems, "\n".join(problems)
+    assert_serves(rec, DECODE_TESTS, NODE.format("test_gated_production"), required)
 
 
 @pytest.mark.gpu
@@ -55,8 +51,8 @@ def test_gated_production():
 def test_threshold_grid():
     rec = grid_record(gpu_setup())
     print("record:", write_record(rec, "telemetry"))
-    problems = record_problems(rec, GRID_TESTS, node_claims(NODE.format("test_threshold_grid")))
-    assert not problems, "\n".join(problems)
+    node = NODE.format("test_threshold_grid")
+    assert_serves(rec, GRID_TESTS, node, node_claims(node))
 
 
 # -- CPU: the decode suite's derived numbers and claim declaration ----------------------------------------

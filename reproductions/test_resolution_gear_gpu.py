@@ -14,11 +14,11 @@ import pytest
 from reproductions.decode_repro import (
     FIDELITY_TESTS,
     GEAR_TESTS,
+    assert_serves,
     fidelity_record,
     gear_record,
     gpu_setup,
     node_claims,
-    record_problems,
 )
 from sdsie.telemetry.records import write_record
 
@@ -31,8 +31,8 @@ def test_fidelity_by_gated_layers():
     rec, table = fidelity_record(gpu_setup())
     print("record:", write_record(rec, "telemetry"))
     print(table)
-    problems = record_problems(rec, FIDELITY_TESTS, node_claims(NODE.format("test_fidelity_by_gated_layers")))
-    assert not problems, "\n".join(problems)
+    node = NODE.format("test_fidelity_by_gated_layers")
+    assert_serves(rec, FIDELITY_TESTS, node, node_claims(node))
 
 
 @pytest.mark.gpu
@@ -43,9 +43,7 @@ def test_int4_usage_throughput_power():
     print("record:", write_record(rec, "telemetry"))
     kinds = ["int4-usage", "throughput"] + (["power"] if setup.meter is not None else [])
     required = [f"gear-{f}-{k}" for f in ("poem", "physics", "code") for k in kinds]
-    assert set(required) <= set(node_claims(NODE.format("test_int4_usage_throughput_power")))
-    problems = record_problems(rec, GEAR_TESTS, required)
-    assert not problems, "\n".join(problems)
+    assert_serves(rec, GEAR_TESTS, NODE.format("test_int4_usage_throughput_power"), required)
 
 
 def test_gear_metrics_usage_throughput_and_power():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from reproductions.decode_repro import DECODE_TESTS, gpu_decode_record, node_claims, record_problems
+from reproductions.decode_repro import DECODE_TESTS, assert_serves, gpu_decode_record
 
 NODE = "reproductions/test_speculative_gpu.py::{}"
 
@@ -26,9 +26,7 @@ def test_fixed_k5():
     rec = gpu_decode_record()
     required = ["spec-k5-speedup", "spec-k5-acceptance", "spec-k5-fidelity"]
     required += ["spec-k5-energy-reduction"] if _energy_measured(rec.config) else []
-    assert set(required) <= set(node_claims(NODE.format("test_fixed_k5")))
-    problems = record_problems(rec, DECODE_TESTS, required)
-    assert not problems, "\n".join(problems)
+    assert_serves(rec, DECODE_TESTS, NODE.format("test_fixed_k5"), required)
     # bf16 near-ties may flip a token: every divergence from plain decoding is reported with its logit gap
     diverged = {(k.split("|")[0], k.split("|")[1], trial) for k, v in rec.samples.items()
                 if k.endswith("|identical_to_plain") for trial, same in enumerate(v) if not same}
@@ -44,6 +42,4 @@ def test_fixed_k5():
 def test_plain_decode_throughput():
     rec = gpu_decode_record()
     required = ["e2e-throughput", "entropy-sync-share"]
-    assert set(required) <= set(node_claims(NODE.format("test_plain_decode_throughput")))
-    problems = record_problems(rec, DECODE_TESTS, required)
-    assert not problems, "\n".join(problems)
+    assert_serves(rec, DECODE_TESTS, NODE.format("test_plain_decode_throughput"), required)

@@ -87,8 +87,9 @@ class StaticKV:
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise RuntimeError(f"cache holds {self.length} positions, cannot crop to {length}")
-        self._set_device_length(length)
-        self.length = length
+        if length < self.length:  # every cycle crops the target; a cycle that accepted everything launches nothing
+            self._set_device_length(length)
+            self.length = length
 
     def _set_device_length(self, length: int) -> None:
         for layer in self.cache.layers:

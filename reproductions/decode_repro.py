@@ -721,14 +721,19 @@ def gpu_setup() -> Setup:
     return load_setup("gpu", "cuda")
 
 
+def graphs_from_env() -> bool:
+    """SDSIE_CUDA_GRAPHS: "1" adds the graph variants to the nox decode record, "0" or unset does not."""
+    graphs = os.environ.get("SDSIE_CUDA_GRAPHS", "0")
+    if graphs not in ("0", "1"):
+        raise ValueError(f"SDSIE_CUDA_GRAPHS must be 0 or 1, got {graphs!r}")
+    return graphs == "1"
+
+
 @functools.cache
 def gpu_decode_record(out: str = "telemetry") -> RunRecord:
     """The decode suite's record on the GPU stand-in pair, written once per process under `out`.
     SDSIE_CUDA_GRAPHS=1 adds the static-cache CUDA-graph variants (--cuda-graphs of the command line)."""
-    graphs = os.environ.get("SDSIE_CUDA_GRAPHS", "0")
-    if graphs not in ("0", "1"):
-        raise ValueError(f"SDSIE_CUDA_GRAPHS must be 0 or 1, got {graphs!r}")
-    rec = decode_record(gpu_setup(), graphs=graphs == "1")
+    rec = decode_record(gpu_setup(), graphs=graphs_from_env())
     rec.source = write_record(rec, out)
     print("record:", rec.source, flush=True)
     return rec
@@ -769,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
         print("decode_repro needs a CUDA GPU (torch.cuda.is_available() is False); the CPU-reproducible "
               "claims run in `nox -s claims`.")
         return 2
+    if a.cuda_graphs and a.device != "cuda":  # refused before anything loads
+        raise SystemExit("--cuda-graphs needs --device cuda")
     if a.device == "cpu":  # the dry run: Triton kernels (the gear's INT4 matmul) need the interpreter on a CPU
         os.environ.setdefault("TRITON_INTERPRET", "1")
     t0 = time.perf_counter()
@@ -777,8 +784,6 @@ def main(argv: list[str] | None = None) -> int:
     def done(suite: str, rec: RunRecord) -> None:
         print(f"record: {write_record(rec, a.out)} ({suite} done at {time.perf_counter() - t0:.0f} s)", flush=True)
 
-    if a.cuda_graphs and a.device != "cuda":
-        raise SystemExit("--cuda-graphs needs --device cuda")
     rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip,
                         a.cuda_graphs)
     done("decode", rec)

@@ -98,3 +98,45 @@ def test_graphed_variants_get_speedups_against_eager_and_graphed_plain():
     assert m["fixed_k5_graphs.fidelity_pct"] == 100.0 and m["plain_graphs.fidelity_pct"] == 100.0
     assert "fixed_k5_graphs.code.speedup_vs_plain_graphs" not in decode_metrics(
         [r for r in runs if not r.variant.endswith("_graphs")])
+
+
+def test_entropy_quantiles_come_from_the_plain_runs_of_each_family():
+    from reproductions.decode_repro import decode_metrics
+
+    names = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
+    runs = [Run(v, "code", 0, [1, 2], 0.1, None, {"prompt": "p"}) for v in names]
+    runs[0].stats["entropy_bits"] = [float(b) for b in range(10)]  # 0..9 bits, plain only
+    runs[1].stats["entropy_bits"] = [100.0] * 10  # another variant's entropies are not read
+    m = decode_metrics(runs)
+    assert (m["code.entropy_bits_p10"], m["code.entropy_bits_p50"], m["code.entropy_bits_p90"]) == (1.0, 5.0, 9.0)
+
+
+def test_assert_serves_accepts_a_record_that_holds_the_claims_and_names_what_is_missing():
+    from pathlib import Path
+
+    from reproductions.decode_repro import DECODE_TESTS, assert_serves
+    from sdsie.telemetry.records import load_records
+
+    rec = max((r for r in load_records(Path("telemetry")) if r.suite == "decode_standin"), key=lambda r: r.created)
+    node = "reproductions/test_speculative_gpu.py::test_plain_decode_throughput"
+    assert_serves(rec, DECODE_TESTS, node, ["e2e-throughput"])
+    with pytest.raises(AssertionError, match="does not serve"):
+        assert_serves(rec, DECODE_TESTS, node, ["spec-k5-speedup"])  # another node's claim
+    rec.claim_ids = [c for c in rec.claim_ids if c != "e2e-throughput"]
+    with pytest.raises(AssertionError, match="e2e-throughput: not declared"):
+        assert_serves(rec, DECODE_TESTS, node, ["e2e-throughput"])
+
+
+def test_readme_identity_line_per_variant_with_divergences_or_pooled_for_older_records():
+    from types import SimpleNamespace
+
+    from reproductions.readme_results import identity_line
+
+    new = SimpleNamespace(metrics={"fidelity_pct": 100.0, "fixed_k5.fidelity_pct": 100.0,
+                                   "hf_assisted.fidelity_pct": 80.0},
+                          config={"mismatches": [{"variant": "hf_assisted", "prompt": "p", "position": 7,
+                                                  "plain_gap": 0.0625}]})
+    line = identity_line(new)
+    assert "fixed k5 100%" in line and "hf assisted 80%" in line and "hf_assisted p @7 gap 0.062" in line
+    old = SimpleNamespace(metrics={"fidelity_pct": 78.57}, config={})
+    assert "pooled over fixed-K5" in identity_line(old) and "78.6%" in identity_line(old)

@@ -260,6 +260,28 @@ def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_
     assert tuned_lookup({"m1|8|64|32": m1}, 2, 8, 64, 32) is None
 
 
+def test_dispatch_on_a_gpu_takes_the_fallback_bucket(monkeypatch):
+    """select_config's CUDA branch uses tuned_lookup: M = 8 with only an M = 16 entry runs that entry, and a
+    shape with no entry falls to the heuristic. (The table and device name are stand-ins; no GPU needed.)"""
+    import sdsie.kernels.int4_gemm as ig
+
+    m16 = Int4KernelConfig(16, 128, 64, split_k=2, num_warps=8)  # in no heuristic list
+    table = {"m16|4096|4096|128": m16}
+    monkeypatch.setattr(ig, "_tuned_table", lambda: {"Fake GPU": table})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(ig, "_num_sms", lambda device: 132)
+    ig._select_config.cache_clear()
+    try:
+        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128) is m16
+        chosen = ig._select_config(8, 1024, 4096, "cuda", 0, 128)  # no entry for this shape
+        table.clear()
+        ig._select_config.cache_clear()
+        assert chosen == ig._select_config(8, 1024, 4096, "cuda", 0, 128) != m16  # the heuristic's choice
+        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128) != m16  # and without the m16 entry, too
+    finally:
+        ig._select_config.cache_clear()
+
+
 def test_launch_plans_follow_specialization_and_die_with_the_weight(kernel_device):
     """One plan per (M, x dtype/strides/alignment, config) on a weight; a misaligned x or another M gets
     its own plan (Triton specializes on them), results stay exact, and plans leave with the weight."""

@@ -79,6 +79,8 @@ def test_cuda_graph_configurations_are_refused_with_their_reason():
         DecodeConfig(kv_cache="paged")
     with pytest.raises(ValueError, match="cuda_graphs needs kv_cache='static'"):
         DecodeConfig(cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be a bool, got 'yes'"):
+        DecodeConfig(kv_cache="static", cuda_graphs="yes")
     graphs = DecodeConfig(kv_cache="static", cuda_graphs=True)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):

@@ -90,6 +90,8 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {self.kv_cache!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.kv_cache != "static":
             raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
         if self.k_draft is not None and (

@@ -34,6 +34,8 @@ import torch
 from sdsie.claims import load_registry, missing_inputs
 from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
+from sdsie.decoding.model_io import crop_cache, forward, new_cache
+from sdsie.decoding.near_tie import decode_logits
 from sdsie.telemetry.energy import EnergyMeter
 from sdsie.telemetry.env import host_launch_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
@@ -269,8 +271,6 @@ def mismatch_report(target, runs: list[Run], prompts: Mapping[str, tuple[str, to
     variant's token trailed the plain token. A bf16 near-tie shows as a gap of a few hundredths; a large
     deficit means the variant did not follow the target's argmax.
     """
-    from sdsie.decoding.near_tie import decode_logits
-
     found: dict[tuple, dict] = {}
     plain_of: dict[tuple, list[int]] = {}  # the plain output each divergence is measured along
     for r in runs:
@@ -289,17 +289,15 @@ def mismatch_report(target, runs: list[Run], prompts: Mapping[str, tuple[str, to
         plain_of.setdefault(key, ref.tokens)
     for key, entry in found.items():
         ids = prompts[entry["prompt"]][1]
-        entry.update(_gap_at(target, ids, plain_of[key], entry["position"], entry["variant_token"], decode_logits))
+        entry.update(_gap_at(target, ids, plain_of[key], entry["position"], entry["variant_token"]))
     return sorted(found.values(), key=lambda e: (e["variant"], e["prompt"], e["position"]))
 
 
-def _gap_at(target, ids: torch.Tensor, plain: list[int], i: int, other: int | None, decode_logits) -> dict:
+def _gap_at(target, ids: torch.Tensor, plain: list[int], i: int, other: int | None) -> dict:
     """The plain path's logits predicting plain[i]: top-2 gap, and the deficit of `other` against plain[i]."""
     if i >= len(plain):
         return {"plain_gap": None, "variant_token_deficit": None, "variant_token_rank": None}
     if i == 0:  # the prefill's token: one forward over the prompt
-        from sdsie.decoding.model_io import forward, new_cache
-
         with torch.inference_mode():
             row = forward(target, ids, new_cache(target), last_only=True)[-1].float()
     else:
@@ -630,8 +628,6 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30) 
     a target step (1 token), a target verification (k + 1 tokens) and a scout step (1 token), and
     scout_cost_ratio = scout step / target step. With them a fixed-K cycle's cost is predictable:
     (verify + k * scout) against one target step per plain token."""
-    from sdsie.decoding.model_io import crop_cache, forward, new_cache
-
     def step_ms(model, n_tokens: int) -> float:
         cache = new_cache(model)
         with torch.inference_mode():

@@ -62,6 +62,22 @@ def test_static_kv_rolls_back_and_overwrites_stale_positions():
     torch.testing.assert_close(torch.cat([head, tail]), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_static_kv_crops_counters_created_under_inference_mode():
+    """On CUDA, HF creates a layer's position counter in its first forward, inside the engine's inference_mode;
+    the next run crops the reused cache outside it. Updating an inference tensor there must not fail (the
+    H200 refused it before the crop ran under inference_mode)."""
+    kv = StaticKV(TARGET, max_len=16)
+    with torch.inference_mode():
+        forward(TARGET, torch.tensor([1, 5, 9, 4]), kv, last_only=False)
+        counters = [torch.full((), 4, dtype=torch.long) for _ in kv.cache.layers]  # as CUDA creates them
+    for layer, counter in zip(kv.cache.layers, counters, strict=True):
+        layer.cumulative_length = counter
+    assert all(layer.cumulative_length.is_inference() for layer in kv.cache.layers)
+    kv.crop(1)
+    assert cache_length(kv) == 1
+    assert [int(layer.cumulative_length) for layer in kv.cache.layers] == [1] * len(kv.cache.layers)
+
+
 def test_static_kv_refuses_overflow_and_bad_crops():
     kv = StaticKV(TARGET, max_len=4)
     with torch.inference_mode():

@@ -93,9 +93,13 @@ class StaticKV:
             self.length = length
 
     def _set_device_length(self, length: int) -> None:
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.cumulative_length.fill_(length)
+        # On CUDA, HF initializes a layer lazily in its first forward, which the engine runs under
+        # inference_mode: the counter is then an inference tensor, which only inference mode may update
+        # (the H200 refused the next run's crop(0) without this).
+        with torch.inference_mode():
+            for layer in self.cache.layers:
+                if getattr(layer, "is_initialized", False):
+                    layer.cumulative_length.fill_(length)
 
     def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
         """Warm up on a side stream, then capture; the cache's device length is restored after each, so

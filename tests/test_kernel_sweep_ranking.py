@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from reproductions.kernels.int4_bench import best_configs
+from reproductions.kernels.int4_bench import best_configs, summarize
 from sdsie.kernels import Int4KernelConfig
 
 A = Int4KernelConfig(1, 256, 128, split_k=4)
@@ -17,7 +17,7 @@ def _result(median_us: dict, errors: dict, graph_us: dict | None = None) -> dict
     r = {"case": {"shape": "kv", "n": 1024, "k": 4096, "m": 1, "group": 128},
          "configs": {"A": asdict(A), "B": asdict(B), "C": asdict(C)}, "median_us": median_us, "errors": errors}
     if graph_us is not None:
-        r["graph_us"] = graph_us
+        r["graph_us_by_config"] = graph_us
     return r
 
 
@@ -31,3 +31,17 @@ def test_graphed_time_decides_over_host_bound_eager_medians():
 def test_eager_medians_rank_when_no_graphed_time_and_wrong_results_never_win():
     r = _result({"A": 20.9, "B": 21.5, "C": 23.0}, {"A": 0.5, "B": 3e-3, "C": 3e-3})
     assert best_configs([r], "GPU")["GPU"]["m1|1024|4096|128"] == asdict(B)  # A is fastest but wrong
+
+
+def test_a_sweep_result_summarizes_and_keeps_its_per_config_graph_times_apart():
+    """A sweep's per-configuration graphed times must not be read as a record's bf16/INT4 graphed pair: the H200
+    sweep of session 4 crashed in `summarize` (KeyError 'bf16') after writing its table."""
+    r = _result({"A": 20.9, "B": 21.5, "C": 23.0, "bf16": 10.8, "int4": 19.0},
+                {"A": 3e-3, "B": 3e-3, "C": 3e-3, "bf16": 0.0, "int4": 3e-3},
+                graph_us={"A": 12.4, "B": 5.0, "C": 6.1})
+    r.update(speedup_vs_bf16=10.8 / 19.0, int4_pct_of_copy=3.0, bytes_reduction_pct=73.4)
+    r["case"]["shape"] = "lm_head_128256x4096"  # summarize reads the large shapes' share of copy bandwidth
+    s = summarize([r], [], copy_gbs=4200.0)
+    assert s["m1_g128_geomean_speedup"] == 10.8 / 19.0
+    assert not any(k.endswith("_graph") for k in s)  # no record-style graphed pair in a sweep
+    assert best_configs([r], "GPU")["GPU"]["m1|1024|4096|128"] == asdict(B)

@@ -108,7 +108,8 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
                  configs: list[Int4KernelConfig] | None = None, rep_ms: int = 200, keep_samples: bool = True,
                  graphed: bool = False) -> dict:
     """Median latencies of bf16, tinygemm and our kernel (auto config, or each of `configs`); with `graphed`,
-    each config is also timed under CUDA graphs (`graph_us`), which is what a sweep ranks by."""
+    each config is also timed under CUDA graphs (`graph_us_by_config`), which is what a sweep ranks by.
+    (`graph_us`, a record's bf16/tinygemm/INT4 graphed times, is `graph_case`'s.)"""
     w = random_int4(case.n, case.k, case.group, device, gen)
     w_bf16 = w.dequantize(torch.float32).to(torch.bfloat16)  # [N, K], the same weights in bf16
     x = torch.randn(case.m, case.k, generator=gen).to(torch.bfloat16).to(device)
@@ -149,7 +150,7 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
         out["configs"][name] = asdict(cfg)
         record(name, lambda cfg=cfg: int4_matmul(x, w, config=cfg))
         if graphed:  # what a graphed decode step gets: the kernel alone, weights not in L2
-            out.setdefault("graph_us", {})[name] = graph_us(
+            out.setdefault("graph_us_by_config", {})[name] = graph_us(
                 lambda i, cfg=cfg: (lambda: int4_matmul(x, rotation[i % len(rotation)], config=cfg)),
                 case.n * case.k // 2, device)
     moved = bytes_moved_int4(w, case.m)
@@ -364,7 +365,7 @@ def best_configs(results: list[dict], device_name: str | None = None) -> dict:
         c = r["case"]
         # graphed time where measured: eager medians of tiny shapes measure host time, and picked a config
         # 2.5x slower than the heuristic's for kv_1024x4096 (reproductions/kernels/NOTES.md, v3 run 4)
-        times = r.get("graph_us") or r["median_us"]
+        times = r.get("graph_us_by_config") or r["median_us"]
         timed = [(times[name], name) for name in r.get("configs", {}) if r["errors"][name] < 2e-2 and name in times]
         if not timed:
             continue

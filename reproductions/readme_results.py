@@ -129,6 +129,9 @@ def decode_section(rec: RunRecord) -> list[str]:
         + ties,
     ]
     lines += per_prompt_lines(rec)
+    graphs = graphs_line(rec)
+    if graphs:
+        lines.append(graphs)
     if "code.entropy_bits_p50" in mt:  # records since the suite kept the plain runs' entropies
         q = "; ".join(f"{f} {mt[f'{f}.entropy_bits_p10']:.2f} / {mt[f'{f}.entropy_bits_p50']:.2f} / "
                       f"{mt[f'{f}.entropy_bits_p90']:.2f}" for f in FAMILIES if f"{f}.entropy_bits_p50" in mt)
@@ -139,6 +142,20 @@ def decode_section(rec: RunRecord) -> list[str]:
         lines.append(f"Plain decoding over all its runs: {min(plain):.1f} to {max(plain):.1f} tok/s "
                      f"(median {statistics.median(plain):.1f}), the spread every ratio above sits in.")
     return lines
+
+
+def graphs_line(rec: RunRecord) -> str | None:
+    """Tokens/s of the CUDA-graph variants per family, against the eager plain loop and against each other; None
+    for a record without them."""
+    mt = rec.metrics
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt and f"fixed_k5_graphs.{f}.tokens_per_s" in mt]
+    if not fams:
+        return None
+    per = "; ".join(f"{f} {mt[f'plain_graphs.{f}.tokens_per_s']:.0f} tok/s ({mt[f'plain_graphs.{f}.speedup']:.1f}x the "
+                    f"eager plain loop) and {mt[f'fixed_k5_graphs.{f}.tokens_per_s']:.0f} tok/s "
+                    f"({mt[f'fixed_k5_graphs.{f}.speedup_vs_plain_graphs']:.2f}x plain with graphs)" for f in fams)
+    return ("With a static KV cache and CUDA graphs (`DecodeConfig(kv_cache=\"static\", cuda_graphs=True)`), plain "
+            f"decoding and fixed-K5: {per}.")
 
 
 def per_prompt_lines(rec: RunRecord) -> list[str]:

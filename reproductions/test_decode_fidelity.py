@@ -140,3 +140,16 @@ def test_readme_identity_line_per_variant_with_divergences_or_pooled_for_older_r
     assert "fixed k5 100%" in line and "hf assisted 80%" in line and "hf_assisted p @7 gap 0.062" in line
     old = SimpleNamespace(metrics={"fidelity_pct": 78.57}, config={})
     assert "pooled over fixed-K5" in identity_line(old) and "78.6%" in identity_line(old)
+
+
+def test_readme_graphs_line_reads_the_graph_variants_or_is_absent():
+    from types import SimpleNamespace
+
+    from reproductions.readme_results import graphs_line
+
+    mt = {"plain_graphs.code.tokens_per_s": 533.4, "plain_graphs.code.speedup": 5.98,
+          "fixed_k5_graphs.code.tokens_per_s": 635.3, "fixed_k5_graphs.code.speedup_vs_plain_graphs": 1.191}
+    line = graphs_line(SimpleNamespace(metrics=mt))
+    assert "code 533 tok/s (6.0x the eager plain loop) and 635 tok/s (1.19x plain with graphs)" in line
+    assert "physics" not in line
+    assert graphs_line(SimpleNamespace(metrics={"plain_graphs.code.tokens_per_s": 533.4})) is None

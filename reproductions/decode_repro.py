@@ -334,9 +334,9 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
             if jpt is not None and base_jpt is not None:
                 m[f"{variant}.{label}.j_per_token_reduction_pct"] = 100.0 * (1 - jpt / base_jpt)
             stats = [r.stats for r in rs if "cycles" in r.stats]
-            if stats and stats[0].get("drafted"):
-                acc = sum(s["accepted"] for s in stats) / max(1, sum(s["drafted"] for s in stats))
-                m[f"{variant}.{label}.acceptance_pct"] = 100.0 * acc
+            drafted = sum(s.get("drafted", 0) for s in stats)
+            if drafted:  # over every run of the family that drafted (a gated run may draft on one prompt only)
+                m[f"{variant}.{label}.acceptance_pct"] = 100.0 * sum(s["accepted"] for s in stats) / drafted
             if stats:
                 m[f"{variant}.{label}.fallback_pct"] = 100.0 * statistics.mean(s["fallback_fraction"] for s in stats)
         if len(graphed) == 2:  # speculation's gain when both loops replay graphs (speedup: against eager plain)

@@ -153,3 +153,23 @@ def test_readme_graphs_line_reads_the_graph_variants_or_is_absent():
     assert "code 533 tok/s (6.0x the eager plain loop) and 635 tok/s (1.19x plain with graphs)" in line
     assert "physics" not in line
     assert graphs_line(SimpleNamespace(metrics={"plain_graphs.code.tokens_per_s": 533.4})) is None
+
+
+def test_acceptance_counts_every_run_that_drafted_not_only_the_first():
+    """A gated variant may draft on one prompt of a family and never on another: its acceptance is over all the
+    family's drafts. Session 4's records left gated_tuned's code acceptance out because the family's first run
+    (code-instruction) drafted nothing while code-bst-module drafted."""
+    from reproductions.decode_repro import decode_metrics
+
+    names = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
+    runs = [Run(v, "code", 0, [1, 2], 0.1, None, {"prompt": "p"}) for v in names]
+    runs += [Run("gated_tuned", "code", 0, [1, 2], 0.1, None, {"prompt": "q"}),
+             Run("plain", "code", 0, [1, 2], 0.1, None, {"prompt": "q"})]
+    for r in runs[1:4]:
+        r.stats.update(cycles=4, drafted=0, accepted=0, fallback_fraction=1.0)
+    runs[1].stats.update(drafted=10, accepted=4, fallback_fraction=0.0)
+    runs[-2].stats.update(cycles=4, drafted=10, accepted=5, fallback_fraction=0.5)
+    m = decode_metrics(runs)
+    assert m["gated_tuned.code.acceptance_pct"] == 50.0 and m["tuned.code.acceptance_pct"] == 50.0
+    assert m["fixed_k5.code.acceptance_pct"] == 40.0
+    assert "gated_production.code.acceptance_pct" not in m  # nothing drafted: no rate, not 0%

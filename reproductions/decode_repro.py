@@ -201,6 +201,7 @@ def _jpt(rs: list[Run]) -> float | None:
 
 # Variants whose greedy output must equal plain decoding's token for token: this package's engine.
 OUR_SPECULATIVE = ("fixed_k5", "gated_production", "gated_tuned")  # against plain: the lossless claim
+PEERS = ("hf_assisted", "hf_generate")  # HF transformers on the same pair: the peer baseline
 # Checked and reported apart: HF assisted (a peer), fixed_k5_graphs (against plain_graphs, the same static-cache
 # kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", "plain_graphs", "fixed_k5_graphs")
@@ -325,7 +326,7 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         if bits:  # where the clutch thresholds (bits, on an EMA of these) sit in this pair's distribution
             for q in (10, 50, 90):
                 m[f"{label}.entropy_bits_p{q}"] = bits[min(len(bits) - 1, len(bits) * q // 100)]
-        for variant in ("fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate", *graphed):
+        for variant in (*OUR_SPECULATIVE, *PEERS, *graphed):
             rs = _per_family(runs, variant, fam)
             tps = _tps(rs)
             m[f"{variant}.{label}.tokens_per_s"] = tps

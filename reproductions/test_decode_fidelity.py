@@ -100,11 +100,17 @@ def test_graphed_variants_get_speedups_against_eager_and_graphed_plain():
         [r for r in runs if not r.variant.endswith("_graphs")])
 
 
+def _eager_runs(prompt: str) -> list[Run]:
+    """One trial of every eager variant on one code prompt, in the suite's order (plain first)."""
+    from reproductions.decode_repro import OUR_SPECULATIVE, PEERS
+
+    return [Run(v, "code", 0, [1, 2], 0.1, None, {"prompt": prompt}) for v in ("plain", *OUR_SPECULATIVE, *PEERS)]
+
+
 def test_entropy_quantiles_come_from_the_plain_runs_of_each_family():
     from reproductions.decode_repro import decode_metrics
 
-    names = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
-    runs = [Run(v, "code", 0, [1, 2], 0.1, None, {"prompt": "p"}) for v in names]
+    runs = _eager_runs("p")
     runs[0].stats["entropy_bits"] = [float(b) for b in range(10)]  # 0..9 bits, plain only
     runs[1].stats["entropy_bits"] = [100.0] * 10  # another variant's entropies are not read
     m = decode_metrics(runs)
@@ -161,8 +167,7 @@ def test_acceptance_counts_every_run_that_drafted_not_only_the_first():
     (code-instruction) drafted nothing while code-bst-module drafted."""
     from reproductions.decode_repro import decode_metrics
 
-    names = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
-    runs = [Run(v, "code", 0, [1, 2], 0.1, None, {"prompt": "p"}) for v in names]
+    runs = _eager_runs("p")
     runs += [Run("gated_tuned", "code", 0, [1, 2], 0.1, None, {"prompt": "q"}),
              Run("plain", "code", 0, [1, 2], 0.1, None, {"prompt": "q"})]
     for r in runs[1:4]:

@@ -45,6 +45,7 @@ import sysconfig
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +133,7 @@ class TrainConfig:
     compile: bool = False
     cpu_threads: int | None = 1  # on a CPU device: fixed thread count (bitwise repeatable; robust when shared)
     log_every: int = 50
+    deterministic: bool = False  # CUDA: deterministic kernels (see `_deterministic`), so a rebuild repeats bit for bit
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -236,6 +238,7 @@ PRESETS: dict[str, StandinConfig] = {
             warmup_steps=40,
             time_budget_s=270.0,  # both phases together: stop with a warning past this
             bf16_autocast=True,
+            deterministic=True,  # two H200 builds of the non-deterministic recipe gave two different pairs
         ),
         scout_phase=ScoutPhaseConfig(steps=800, lr=1e-3, warmup_steps=20, distill_weight=1.0, init_from_target=True),
         save_dtype="float32",
@@ -537,6 +540,15 @@ def distill_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.
     return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="batchmean")
 
 
+def _nll(logp: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of labels y [N] under logp [N, V]. F.nll_loss has no deterministic CUDA
+    kernel (it raises under torch.use_deterministic_algorithms); under that mode a gather, whose backward is
+    deterministic there, computes the same loss (on every device, so a CPU test covers the branch)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return -logp.gather(1, y[:, None]).mean()
+    return F.nll_loss(logp, y)
+
+
 def pair_losses(
     target, scout, window: torch.Tensor, bf16: bool, distill_weight: float, train_target: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -551,11 +563,11 @@ def pair_losses(
             t_logits = target(input_ids=x, use_cache=False).logits  # [B, S, V]
         s_logits = None if scout is None else scout(input_ids=x, use_cache=False).logits  # [B, S, V]
     t_logp = F.log_softmax(t_logits.flatten(0, 1).float(), dim=-1)  # [B*S, V]
-    losses = {"target_ce": F.nll_loss(t_logp, y)}
+    losses = {"target_ce": _nll(t_logp, y)}
     total = losses["target_ce"] if train_target else 0.0
     if s_logits is not None:
         s_logp = F.log_softmax(s_logits.flatten(0, 1).float(), dim=-1)  # [B*S, V]
-        losses["scout_ce"] = F.nll_loss(s_logp, y)
+        losses["scout_ce"] = _nll(s_logp, y)
         losses["scout_kl"] = distill_kl(s_logp, t_logp.detach())
         total = total + (1 - distill_weight) * losses["scout_ce"] + distill_weight * losses["scout_kl"]
     losses["total"] = total
@@ -963,6 +975,36 @@ def train_models(config: StandinConfig, data: PreparedData, device: torch.device
     return target, scout, phases
 
 
+@contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    """Deterministic CUDA kernels for the duration of a build, the caller's settings restored after.
+
+    Without it two H200 builds of one recipe on one corpus gave two different pairs (attention backward
+    accumulates with atomics), so every lease needed references pinned for its own build. Strict mode, not
+    warn_only: with warn_only, flash attention's backward keeps its atomic (non-deterministic) algorithm and
+    only warns. An op with no deterministic CUDA kernel then raises, naming itself; NLLLoss is one, so the
+    cross-entropy is a gather under this mode (`_nll`). cuBLAS needs a fixed workspace (CUBLAS_WORKSPACE_CONFIG)
+    before its first handle: it is set here when the caller has not, which works when no cuBLAS call ran
+    earlier in the process. `reproductions/standin/determinism_check.py` measures whether builds repeat.
+    """
+    if not enabled:
+        yield
+        return
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+
+
+def train_reproducibly(config: StandinConfig, data: PreparedData, device: torch.device):
+    """`train_models` under the recipe's determinism setting (config.train.deterministic)."""
+    with _deterministic(config.train.deterministic):
+        return train_models(config, data, device)
+
+
 def _build(config: StandinConfig, out: Path, device: torch.device, command: str | None) -> dict:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul outside autocast
@@ -971,7 +1013,7 @@ def _build(config: StandinConfig, out: Path, device: torch.device, command: str 
     t_data = time.perf_counter() - t0
     log.info("corpus %s: %s (%.1f s)", data.corpus_hash[:12], _corpus_summary(data), t_data)
 
-    target, scout, phases = train_models(config, data, device)
+    target, scout, phases = train_reproducibly(config, data, device)
     save_dtype = _DTYPES[config.save_dtype]
     _round_to(target, save_dtype)  # evaluate exactly the weights that are saved
     _round_to(scout, save_dtype)

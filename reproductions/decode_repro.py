@@ -22,6 +22,7 @@ import functools
 import hashlib
 import math
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -115,8 +116,10 @@ def timed(fn: Callable[[], Outcome], meter: EnergyMeter | None) -> tuple[list[in
 
 def variants(target, scout, cfg: DecodeConfig,
              graphs: bool = False) -> dict[str, Callable[[torch.Tensor], tuple[list[int], dict, str]]]:
-    """The decode suite's variants; graphs adds this engine's plain and fixed-K5 loops on a static cache with
-    replayed CUDA graphs (plain_graphs, fixed_k5_graphs)."""
+    """The decode suite's variants; graphs adds this engine's plain, fixed-K5 and gated loops on a static cache
+    with replayed CUDA graphs (GRAPHED). Eager host dispatch makes the eager loops' times noisy (the same
+    code path ran 5% apart between two variants of one record); graphed, a gated run that never engages is
+    timed closely enough to tell its cost against plain_graphs."""
     def ours(scout_=None, clutch: ClutchConfig | None = None):
         def fn(ids):
             r = generate(target, ids, cfg, scout=scout_, clutch=EntropyClutch(clutch) if clutch else None)
@@ -136,12 +139,12 @@ def variants(target, scout, cfg: DecodeConfig,
                               do_sample=False)
         return out[0, ids.numel():].tolist(), {}, ""
 
-    def graphed(scout_=None):  # this engine with a static cache and replayed CUDA graphs
-        gcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=K if scout_ is not None else None,
-                            kv_cache="static", cuda_graphs=True)
+    def graphed(scout_=None, clutch: ClutchConfig | None = None):  # this engine, static cache, replayed graphs
+        fixed_k = K if scout_ is not None and clutch is None else None  # with a clutch, K is the clutch's
+        gcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=fixed_k, kv_cache="static", cuda_graphs=True)
 
         def fn(ids):
-            r = generate(target, ids, gcfg, scout=scout_)
+            r = generate(target, ids, gcfg, scout=scout_, clutch=EntropyClutch(clutch) if clutch else None)
             return r.tokens, r.stats.to_dict(), r.decisions
         return fn
 
@@ -156,7 +159,8 @@ def variants(target, scout, cfg: DecodeConfig,
         "hf_generate": hf_plain,
     }
     if graphs:
-        fns |= {"plain_graphs": graphed(), "fixed_k5_graphs": graphed(scout)}
+        fns |= {"plain_graphs": graphed(), "fixed_k5_graphs": graphed(scout),
+                "gated_production_graphs": graphed(scout, PRODUCTION), "gated_tuned_graphs": graphed(scout, TUNED)}
     return fns
 
 
@@ -168,6 +172,15 @@ def warm_up(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Mapping[s
             fn(ids)
 
 
+def run_order(names: list[str], trial: int, prompt_index: int, seed: int = 0) -> list[str]:
+    """The variants in a seeded order of their own for each (trial, prompt): in a fixed order plain always ran
+    first, after the previous prompt's HF runs, so any drift within a group (clocks, allocator, host caches)
+    fell on the same variants every time. The order is recorded per run (stats["slot"])."""
+    order = list(names)
+    random.Random(f"{seed}:{trial}:{prompt_index}").shuffle(order)
+    return order
+
+
 def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]], trials: int, max_new: int,
                      meter: EnergyMeter | None, graphs: bool = False) -> list[Run]:
     cfg = DecodeConfig(max_new_tokens=max_new)
@@ -177,11 +190,12 @@ def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]]
     warm_up(fns, prompts)
     print(f"decode suite: warm-up done at {time.perf_counter() - start:.0f} s", flush=True)
     for trial in range(trials):
-        for pid, (family, ids) in prompts.items():
-            for name, fn in fns.items():  # interleaved
+        for p_index, (pid, (family, ids)) in enumerate(prompts.items()):
+            for slot, name in enumerate(run_order(list(fns), trial, p_index)):  # interleaved, seeded order
+                fn = fns[name]
                 tokens, sec, energy, stats, dec = timed(lambda fn=fn, ids=ids: fn(ids), meter)
                 runs.append(Run(name, family, trial, tokens, sec, energy, stats, dec))
-                runs[-1].stats["prompt"] = pid
+                runs[-1].stats.update(prompt=pid, slot=slot)
         print(f"decode suite: trial {trial} done at {time.perf_counter() - start:.0f} s", flush=True)
     return runs
 
@@ -202,13 +216,15 @@ def _jpt(rs: list[Run]) -> float | None:
 # Variants whose greedy output must equal plain decoding's token for token: this package's engine.
 OUR_SPECULATIVE = ("fixed_k5", "gated_production", "gated_tuned")  # against plain: the lossless claim
 PEERS = ("hf_assisted", "hf_generate")  # HF transformers on the same pair: the peer baseline
-# Checked and reported apart: HF assisted (a peer), fixed_k5_graphs (against plain_graphs, the same static-cache
-# kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
-COMPARED = (*OUR_SPECULATIVE, "hf_assisted", "plain_graphs", "fixed_k5_graphs")
+# This engine on a static cache with replayed CUDA graphs: plain, then the speculative loops timed against it.
+GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs")
+# Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
+# static-cache kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
+COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
 
 
-# The greedy reference of each compared variant: fixed_k5_graphs runs the static-cache kernels of plain_graphs.
-BASELINE = {"fixed_k5_graphs": "plain_graphs"}
+# The greedy reference of each compared variant: a graphed loop runs the static-cache kernels of plain_graphs.
+BASELINE = {v: "plain_graphs" for v in GRAPHED[1:]}
 
 
 def plain_twin(runs: list[Run], r: Run) -> Run:
@@ -316,7 +332,7 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
     families = sorted({r.family for r in runs})
     speedups, reductions = {}, {}
     present = {r.variant for r in runs}
-    graphed = [v for v in ("plain_graphs", "fixed_k5_graphs") if v in present]
+    graphed = [v for v in GRAPHED if v in present]
     for fam in families:
         label = FAMILY_LABEL.get(fam, fam)
         plain = _per_family(runs, "plain", fam)
@@ -340,9 +356,10 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
                 m[f"{variant}.{label}.acceptance_pct"] = 100.0 * sum(s["accepted"] for s in stats) / drafted
             if stats:
                 m[f"{variant}.{label}.fallback_pct"] = 100.0 * statistics.mean(s["fallback_fraction"] for s in stats)
-        if len(graphed) == 2:  # speculation's gain when both loops replay graphs (speedup: against eager plain)
-            m[f"fixed_k5_graphs.{label}.speedup_vs_plain_graphs"] = (
-                m[f"fixed_k5_graphs.{label}.tokens_per_s"] / m[f"plain_graphs.{label}.tokens_per_s"])
+        if "plain_graphs" in graphed:  # speculation's gain when both loops replay graphs (speedup: against eager plain)
+            for v in graphed[1:]:
+                m[f"{v}.{label}.speedup_vs_plain_graphs"] = (
+                    m[f"{v}.{label}.tokens_per_s"] / m[f"plain_graphs.{label}.tokens_per_s"])
         if base_jpt is not None and _jpt(_per_family(runs, "fixed_k5", fam)) is not None:  # report figure
             m[f"j_per_token.{label}"] = _jpt(_per_family(runs, "fixed_k5", fam))
             m[f"j_per_token_baseline.{label}"] = base_jpt
@@ -759,7 +776,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fidelity-tokens", type=_positive_int, default=SEED_FIDELITY_TOKENS,
                    help="tokens per fidelity run")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="add plain_graphs and fixed_k5_graphs: this engine on a static cache with replayed CUDA graphs")
+                   help="add plain_graphs, fixed_k5_graphs and the two gated loops (GRAPHED): this engine on a static "
+                        "cache with replayed CUDA graphs")
     p.add_argument("--gear-trials", type=_positive_int, default=None,
                    help="trials of the gear suite (default: --trials)")
     return p

@@ -88,16 +88,33 @@ def test_graphed_variants_get_speedups_against_eager_and_graphed_plain():
     from reproductions.decode_repro import decode_metrics
 
     tps = {"plain": 50.0, "fixed_k5": 80.0, "gated_production": 50.0, "gated_tuned": 50.0, "hf_assisted": 40.0,
-           "hf_generate": 45.0, "plain_graphs": 200.0, "fixed_k5_graphs": 500.0}
+           "hf_generate": 45.0, "plain_graphs": 200.0, "fixed_k5_graphs": 500.0, "gated_production_graphs": 198.0,
+           "gated_tuned_graphs": 204.0}
     runs = [Run(v, "code", t, [1, 2, 3, 4], 4 / rate, None, {"prompt": "p"})
             for t in range(3) for v, rate in tps.items()]
+    runs.append(Run("gated_tuned_graphs", "code", 3, [1, 2, 3, 5], 4 / 204.0, None, {"prompt": "p"}))
+    runs += [Run(v, "code", 3, [1, 2, 3, 4], 4 / tps[v], None, {"prompt": "p"}) for v in ("plain", "plain_graphs")]
     m = decode_metrics(runs)
     assert m["plain_graphs.code.speedup"] == pytest.approx(4.0)  # against eager plain
     assert m["fixed_k5_graphs.code.speedup"] == pytest.approx(10.0)
     assert m["fixed_k5_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(2.5)
+    assert m["gated_production_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(0.99)  # a 1% cost, resolved
+    assert m["gated_tuned_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(1.02)
     assert m["fixed_k5_graphs.fidelity_pct"] == 100.0 and m["plain_graphs.fidelity_pct"] == 100.0
+    assert m["gated_tuned_graphs.fidelity_pct"] == 75.0  # checked against plain_graphs of its own trial
     assert "fixed_k5_graphs.code.speedup_vs_plain_graphs" not in decode_metrics(
         [r for r in runs if not r.variant.endswith("_graphs")])
+
+
+def test_run_order_is_seeded_per_trial_and_prompt_and_covers_every_variant():
+    from reproductions.decode_repro import run_order
+
+    names = ["plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate"]
+    orders = [run_order(names, t, p) for t in range(5) for p in range(3)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert run_order(names, 2, 1) == run_order(names, 2, 1)  # repeatable
+    assert len({tuple(o) for o in orders}) > 5  # not one fixed order
+    assert {o[0] for o in orders} != {"plain"}  # plain no longer always runs first
 
 
 def _eager_runs(prompt: str) -> list[Run]:

@@ -24,7 +24,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
-from sdsie.kernels.int4_gemm import tuned_key, tuned_lookup
+from sdsie.kernels.int4_gemm import _plans_of, tuned_key, tuned_lookup
 from sdsie.quant.format import Int4Weight, pack_int4
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -130,9 +130,14 @@ def test_split_k_semaphore_resets_between_calls(kernel_device):
     gen = torch.Generator().manual_seed(7)
     cfg = next(c for c in candidate_configs() if c.block_m == 1 and c.split_k > 1)
     w = make_weight(64, 1024, 128, False, 0.02, kernel_device, gen)
+    workspaces = []
     for _ in range(3):
         x = torch.randn(1, 1024, generator=gen).to(kernel_device)
         assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
+        (plan,) = _plans_of(w).values()
+        workspaces.append(plan.workspace)
+    # the partials' workspace is allocated once per plan (host time per launch), and every call still correct
+    assert workspaces[0] is not None and all(ws is workspaces[0] for ws in workspaces)
 
 
 def test_leading_dims_and_non_contiguous_x(kernel_device):

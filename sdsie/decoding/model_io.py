@@ -96,10 +96,14 @@ class StaticKV:
         # On CUDA, HF initializes a layer lazily in its first forward, which the engine runs under
         # inference_mode: the counter is then an inference tensor, which only inference mode may update
         # (the H200 refused the next run's crop(0) without this).
-        with torch.inference_mode():
-            for layer in self.cache.layers:
-                if getattr(layer, "is_initialized", False):
-                    layer.cumulative_length.fill_(length)
+        # One multi-tensor kernel pair for all layers, not a fill per layer: every speculative cycle crops the
+        # target, and after the cycle's host read each launch here is time the GPU sits idle.
+        counters = [layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+        if counters:
+            with torch.inference_mode():
+                torch._foreach_zero_(counters)
+                if length:
+                    torch._foreach_add_(counters, length)
 
     def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
         """Warm up on a side stream, then capture; the cache's device length is restored after each, so

@@ -547,6 +547,7 @@ class _Plan:
     lock_slots: int
     sources: tuple  # (qweight, scales, zeros) it was built from: Int4Weight is mutable, so a call checks them
     compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
+    workspace: torch.Tensor | None = None  # split K: [SPLIT_K, M, N] fp32 partials, allocated once per plan
 
     def built_from(self, w: Int4Weight) -> bool:
         q, s, z = self.sources
@@ -616,7 +617,11 @@ def _plans_of(w: Int4Weight) -> dict:
 def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
     m, n = plan.ints[0], plan.ints[1]
     if plan.split_k > 1:
-        ws = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x2.device)
+        # Kept with the plan (launches on one weight share a stream, as the semaphore buffer already requires):
+        # an allocation per call is host time in front of every launch at batch 1.
+        ws = plan.workspace
+        if ws is None:
+            ws = plan.workspace = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x2.device)
         locks = _SCRATCH.lock_buffer(x2.device, plan.lock_slots)
     else:
         ws, locks = y, y  # unused by the kernel

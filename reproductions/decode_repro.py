@@ -230,8 +230,12 @@ BASELINE = {v: "plain_graphs" for v in GRAPHED[1:]}
 def plain_twin(runs: list[Run], r: Run) -> Run:
     """The baseline run (BASELINE, else plain) of the same prompt and trial as r: its greedy reference."""
     base = BASELINE.get(r.variant, "plain")
-    return next(p for p in runs if p.variant == base and p.trial == r.trial
-                and p.stats.get("prompt") == r.stats.get("prompt"))
+    twin = next((p for p in runs if p.variant == base and p.trial == r.trial
+                 and p.stats.get("prompt") == r.stats.get("prompt")), None)
+    if twin is None:
+        raise ValueError(f"no {base} run for prompt {r.stats.get('prompt')!r}, trial {r.trial}: {r.variant} has no "
+                         "baseline to be compared with")
+    return twin
 
 
 def identity(runs: list[Run]) -> dict[tuple[str, Any], list[float]]:
@@ -327,6 +331,49 @@ def _gap_at(target, ids: torch.Tensor, plain: list[int], i: int, other: int | No
             "variant_token_rank": int((row > row[other]).sum())}
 
 
+def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the median of values (seeded, so a record recomputes to the same)."""
+    if not values:
+        raise ValueError("bootstrap_median_ci needs at least one value")
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    return meds[int(tail * (resamples - 1))], meds[int(round((1.0 - tail) * (resamples - 1)))]
+
+
+def paired_ratios(samples: Mapping[str, list[float]], variant: str, baseline: str,
+                  prompts: Iterable[str]) -> list[float]:
+    """tokens/s of each run of `variant` over its `baseline` run of the same prompt and trial.
+
+    samples: a record's `<variant>|<prompt>|tokens_per_s` lists, in trial order (the suite appends trial by trial).
+    A ratio against the run beside it in the same trial cancels what drifts between trials (the host's speed
+    moved plain decoding between 32 and 63 tok/s within one record), which a ratio of medians does not."""
+    out: list[float] = []
+    for pr in prompts:
+        a, b = samples.get(f"{variant}|{pr}|tokens_per_s"), samples.get(f"{baseline}|{pr}|tokens_per_s")
+        if a and b:
+            if len(a) != len(b):
+                raise ValueError(f"{variant} and {baseline} on {pr}: {len(a)} and {len(b)} runs, cannot pair by trial")
+            out += [x / y for x, y in zip(a, b, strict=True)]
+    return out
+
+
+def paired_speedup(ratios: list[float]) -> tuple[float, float, float] | None:
+    """(median, 95% bootstrap interval low, high) of paired tokens/s ratios; None without any."""
+    if not ratios:
+        return None
+    low, high = bootstrap_median_ci(ratios)
+    return statistics.median(ratios), low, high
+
+
+def run_ratios(runs: list[Run], variant: str, family: str) -> list[float]:
+    """paired_ratios over Run objects: each run of `variant` in `family` against its BASELINE (else plain) run of
+    the same prompt and trial (`plain_twin`)."""
+    return [(len(r.tokens) / r.seconds) / (len(t.tokens) / t.seconds)
+            for r in _per_family(runs, variant, family) for t in [plain_twin(runs, r)]]
+
+
 def decode_metrics(runs: list[Run]) -> dict[str, float]:
     m: dict[str, float] = {}
     families = sorted({r.family for r in runs})
@@ -356,6 +403,12 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
                 m[f"{variant}.{label}.acceptance_pct"] = 100.0 * sum(s["accepted"] for s in stats) / drafted
             if stats:
                 m[f"{variant}.{label}.fallback_pct"] = 100.0 * statistics.mean(s["fallback_fraction"] for s in stats)
+        for variant in (*OUR_SPECULATIVE, *PEERS, *graphed):  # paired by prompt and trial, with an interval
+            base = BASELINE.get(variant, "plain")
+            paired = paired_speedup(run_ratios(runs, variant, fam))
+            if paired is not None:
+                key = f"{variant}.{label}.paired_speedup" + ("" if base == "plain" else f"_vs_{base}")
+                m[key], m[f"{key}_ci_low"], m[f"{key}_ci_high"] = paired
         if "plain_graphs" in graphed:  # speculation's gain when both loops replay graphs (speedup: against eager plain)
             for v in graphed[1:]:
                 m[f"{v}.{label}.speedup_vs_plain_graphs"] = (

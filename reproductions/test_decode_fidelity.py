@@ -174,7 +174,14 @@ def test_readme_graphs_line_reads_the_graph_variants_or_is_absent():
           "fixed_k5_graphs.code.tokens_per_s": 635.3, "fixed_k5_graphs.code.speedup_vs_plain_graphs": 1.191}
     line = graphs_line(SimpleNamespace(metrics=mt))
     assert "code 533 tok/s (6.0x the eager plain loop) and 635 tok/s (1.19x plain with graphs)" in line
-    assert "physics" not in line
+    assert "physics" not in line and "Gated speculation" not in line  # a record without the gated graph loops
+    gated = {**mt, "gated_production_graphs.code.speedup_vs_plain_graphs": 0.992,
+             "gated_tuned_graphs.code.speedup_vs_plain_graphs": 0.983}
+    assert "production code 0.992x; tuned code 0.983x" in graphs_line(SimpleNamespace(metrics=gated, samples={}))
+    samples = {f"{v}|{pr}|tokens_per_s": [100.0 * f, 110.0 * f] for pr in ("code-bst-module", "code-instruction")
+               for v, f in (("plain_graphs", 1.0), ("gated_production_graphs", 0.99))}
+    line = graphs_line(SimpleNamespace(metrics=gated, samples=samples))
+    assert "Paired with the graphed plain run" in line and "production code 0.990x (0.990-0.990)" in line
     assert graphs_line(SimpleNamespace(metrics={"plain_graphs.code.tokens_per_s": 533.4})) is None
 
 
@@ -195,3 +202,32 @@ def test_acceptance_counts_every_run_that_drafted_not_only_the_first():
     assert m["gated_tuned.code.acceptance_pct"] == 50.0 and m["tuned.code.acceptance_pct"] == 50.0
     assert m["fixed_k5.code.acceptance_pct"] == 40.0
     assert "gated_production.code.acceptance_pct" not in m  # nothing drafted: no rate, not 0%
+
+
+def test_paired_speedups_cancel_drift_between_trials_and_carry_an_interval():
+    """A variant 2% slower than plain in every trial while the host's speed doubles between trials: the paired
+    median says 0.98 exactly, where a ratio of medians would follow the drift."""
+    from reproductions.decode_repro import bootstrap_median_ci, decode_metrics, paired_ratios, run_ratios
+
+    host = [40.0, 80.0, 45.0, 60.0, 75.0]  # plain tok/s per trial
+    runs = []
+    for t, speed in enumerate(host):
+        runs += [Run("plain", "code", t, [1] * 10, 10 / speed, None, {"prompt": "p"}),
+                 Run("plain_graphs", "code", t, [1] * 10, 10 / (10 * speed), None, {"prompt": "p"}),
+                 Run("gated_tuned_graphs", "code", t, [1] * 10, 10 / (9.8 * speed), None, {"prompt": "p"})]
+    assert run_ratios(runs, "gated_tuned_graphs", "code") == pytest.approx([0.98] * 5)
+    m = decode_metrics([r for r in runs] + [Run(v, "code", t, [1] * 10, 1.0, None, {"prompt": "p"})
+                                             for t in range(5) for v in ("fixed_k5", "gated_production",
+                                                                         "gated_tuned", "hf_assisted", "hf_generate")])
+    key = "gated_tuned_graphs.code.paired_speedup_vs_plain_graphs"
+    assert m[key] == pytest.approx(0.98) and m[f"{key}_ci_low"] == pytest.approx(0.98)
+    assert m["plain_graphs.code.paired_speedup"] == pytest.approx(10.0)  # against eager plain
+    samples = {"a|p|tokens_per_s": [1.0, 2.0, 3.0], "b|p|tokens_per_s": [2.0, 2.0, 2.0]}
+    assert paired_ratios(samples, "a", "b", ["p"]) == [0.5, 1.0, 1.5]
+    with pytest.raises(ValueError, match="cannot pair by trial"):
+        paired_ratios({**samples, "b|p|tokens_per_s": [2.0]}, "a", "b", ["p"])
+    low, high = bootstrap_median_ci([0.9, 0.95, 1.0, 1.05, 1.1, 0.97, 1.02])
+    assert low <= 1.0 <= high and low >= 0.9 and high <= 1.1
+    assert (low, high) == bootstrap_median_ci([0.9, 0.95, 1.0, 1.05, 1.1, 0.97, 1.02])  # seeded
+    with pytest.raises(ValueError, match="at least one value"):
+        bootstrap_median_ci([])

@@ -154,8 +154,41 @@ def graphs_line(rec: RunRecord) -> str | None:
     per = "; ".join(f"{f} {mt[f'plain_graphs.{f}.tokens_per_s']:.0f} tok/s ({mt[f'plain_graphs.{f}.speedup']:.1f}x the "
                     f"eager plain loop) and {mt[f'fixed_k5_graphs.{f}.tokens_per_s']:.0f} tok/s "
                     f"({mt[f'fixed_k5_graphs.{f}.speedup_vs_plain_graphs']:.2f}x plain with graphs)" for f in fams)
-    return ("With a static KV cache and CUDA graphs (`DecodeConfig(kv_cache=\"static\", cuda_graphs=True)`), plain "
+    line = ("With a static KV cache and CUDA graphs (`DecodeConfig(kv_cache=\"static\", cuda_graphs=True)`), plain "
             f"decoding and fixed-K5: {per}.")
+    gated = []
+    for mode in ("production", "tuned"):
+        keys = {f: f"gated_{mode}_graphs.{f}.speedup_vs_plain_graphs" for f in fams}
+        if all(k in mt for k in keys.values()):
+            gated.append(f"{mode} " + ", ".join(f"{f} {mt[k]:.3f}x" for f, k in keys.items()))
+    if gated:
+        line += (" Gated speculation with graphs, tokens/s over plain with graphs (what the clutch costs where it "
+                 f"rarely engages, timed without the eager loop's host noise): {'; '.join(gated)}.")
+        paired = gated_paired_cells(rec)
+        if paired:
+            line += (" Paired with the graphed plain run of the same prompt and trial, median and 95% bootstrap "
+                     f"interval: {paired}.")
+    return line
+
+
+def gated_paired_cells(rec: RunRecord) -> str:
+    """Each gated graph loop's paired ratio to plain_graphs per family, with its interval, from raw samples."""
+    from reproductions.decode_repro import FAMILY_LABEL, paired_ratios, paired_speedup
+    from sdsie.standin import load_prompts
+
+    by_family: dict[str, list[str]] = {}
+    for pr in load_prompts():
+        by_family.setdefault(FAMILY_LABEL.get(pr.family, pr.family), []).append(pr.id)
+    cells = []
+    for mode in ("production", "tuned"):
+        parts = []
+        for fam in FAMILIES:
+            got = paired_speedup(paired_ratios(rec.samples, f"gated_{mode}_graphs", "plain_graphs", by_family[fam]))
+            if got is not None:
+                parts.append(f"{fam} {got[0]:.3f}x ({got[1]:.3f}-{got[2]:.3f})")
+        if parts:
+            cells.append(f"{mode} " + ", ".join(parts))
+    return "; ".join(cells)
 
 
 def per_prompt_lines(rec: RunRecord) -> list[str]:

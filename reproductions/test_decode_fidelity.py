@@ -89,7 +89,7 @@ def test_graphed_variants_get_speedups_against_eager_and_graphed_plain():
 
     tps = {"plain": 50.0, "fixed_k5": 80.0, "gated_production": 50.0, "gated_tuned": 50.0, "hf_assisted": 40.0,
            "hf_generate": 45.0, "plain_graphs": 200.0, "fixed_k5_graphs": 500.0, "gated_production_graphs": 198.0,
-           "gated_tuned_graphs": 204.0}
+           "gated_tuned_graphs": 204.0, "fixed_k2_graphs": 300.0}
     runs = [Run(v, "code", t, [1, 2, 3, 4], 4 / rate, None, {"prompt": "p"})
             for t in range(3) for v, rate in tps.items()]
     runs.append(Run("gated_tuned_graphs", "code", 3, [1, 2, 3, 5], 4 / 204.0, None, {"prompt": "p"}))
@@ -100,6 +100,8 @@ def test_graphed_variants_get_speedups_against_eager_and_graphed_plain():
     assert m["fixed_k5_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(2.5)
     assert m["gated_production_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(0.99)  # a 1% cost, resolved
     assert m["gated_tuned_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(1.02)
+    assert m["fixed_k2_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(1.5)  # a shorter fixed draft
+    assert "fixed_k3_graphs.code.tokens_per_s" not in m  # a variant that did not run is absent, not zero
     assert m["fixed_k5_graphs.fidelity_pct"] == 100.0 and m["plain_graphs.fidelity_pct"] == 100.0
     assert m["gated_tuned_graphs.fidelity_pct"] == 75.0  # checked against plain_graphs of its own trial
     assert "fixed_k5_graphs.code.speedup_vs_plain_graphs" not in decode_metrics(

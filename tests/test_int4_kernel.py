@@ -105,7 +105,7 @@ def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
     # bytes path (K % 8 != 0), masked words path, and the unmasked (EVEN) words path: N a multiple of
     # block_n, K a whole number of block_k tiles per split
     shapes = [(37, 300), (130, 1031)]
-    if config.block_m == 1:
+    if config.gemv:
         shapes += [(40, 296), (2 * config.block_n, 2 * config.block_k * config.split_k)]
     for n, k in shapes:
         w = make_weight(n, k, group, symmetric=False, scale_mag=0.02, device=kernel_device, gen=gen,
@@ -113,6 +113,35 @@ def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(kernel_device)
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=kernel_device)
         assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
+
+
+ROW_CONFIGS = (Int4KernelConfig(2, 32, 256, split_k=2, num_warps=2), Int4KernelConfig(4, 64, 128, num_warps=4),
+               Int4KernelConfig(4, 16, 256, split_k=4, num_warps=2, x_tile=False))
+
+
+@pytest.mark.parametrize("config", ROW_CONFIGS, ids=str)
+@pytest.mark.parametrize("group", [128, None])
+def test_gemv_programs_of_several_rows(kernel_device, config: Int4KernelConfig, group):
+    """A GEMV program of 2 or 4 rows shares each weight tile among them: every row is correct for M below, at and
+    above the row count (rows past M masked), on the words, bytes and unmasked (EVEN) paths, with split K."""
+    gen = torch.Generator().manual_seed(hash((config, group)) % 2**31)
+    rows = config.block_m
+    cases = [(rows + 1, 37, 300),  # bytes path; the second program has one row, the rest masked
+             (1, 40, 296),  # masked words path, one row in a program of several
+             (rows, 2 * config.block_n, 2 * config.block_k * config.split_k)]  # unmasked (EVEN) words path
+    for m, n, k in cases:
+        w = make_weight(n, k, group, symmetric=False, scale_mag=0.02, device=kernel_device, gen=gen,
+                        scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(kernel_device)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+        assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
+
+
+def test_gemv_rows_config_validation():
+    assert Int4KernelConfig(2, 32, 256).gemv and Int4KernelConfig(4, 64, 128).gemv
+    assert not Int4KernelConfig(16, 64, 128).gemv
+    with pytest.raises(ValueError, match="GEMV row count"):
+        Int4KernelConfig(8, 64, 128)
 
 
 @pytest.mark.parametrize("m", [2, 3])

@@ -44,3 +44,16 @@ def test_a_sweep_result_summarizes_and_keeps_its_per_config_graph_times_apart():
     assert s["m1_g128_geomean_speedup"] == 10.8 / 19.0
     assert not any(k.endswith("_graph") for k in s)  # no record-style graphed pair in a sweep
     assert best_configs([r], "GPU")["GPU"]["m1|1024|4096|128"] == asdict(B)
+
+
+def test_sweep_times_each_kernel_at_the_rows_it_serves():
+    from reproductions.kernels.int4_bench import SWEEP_M, fits, sweep_configs
+    from sdsie.kernels import Int4KernelConfig
+
+    def ms(cfg):
+        return [m for m in SWEEP_M if fits(cfg, m)]
+
+    assert ms(Int4KernelConfig(1, 128, 256)) == [1, 2]
+    assert ms(Int4KernelConfig(2, 128, 256)) == ms(Int4KernelConfig(4, 64, 256)) == [2, 4, 8]
+    assert ms(Int4KernelConfig(16, 64, 128)) == [2, 4, 8, 16]
+    assert {c.block_m for c in sweep_configs()} == {1, 2, 4, 16}  # multi-row GEMV programs are swept

@@ -53,9 +53,9 @@ def opcounts(lines: list[str]) -> collections.Counter:
 
 
 def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128,
-            x_tile: bool = True) -> dict[str, float]:
+            x_tile: bool = True, rows: int = 1) -> dict[str, float]:
     consts = {"GROUP": group, "PER_CHANNEL": False, "HAS_ZEROS": True, "BLOCK_N": block_n, "BLOCK_K": block_k,
-              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True, "X_TILE": x_tile}
+              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True, "X_TILE": x_tile, "ROWS": rows}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n in DIV16}
     sig = {**dict(zip(NAMES, TYPES, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(ASTSource(_int4_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -65,6 +65,7 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
     codes_per_thread = block_n * block_k / (32 * num_warps)
     return {
         "loop_per_code": sum(loop.values()) / codes_per_thread,
+        "loop_per_code_row": sum(loop.values()) / codes_per_thread / rows,  # per code and row of x it serves
         "loop_ld_global": sum(v for k, v in loop.items() if k.startswith("ld.global")),
         "loop_ld_shared": sum(v for k, v in loop.items() if k.startswith("ld.shared")),
         "loop_shfl": sum(v for k, v in loop.items() if k.startswith("shfl")),
@@ -76,30 +77,36 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
     }
 
 
-def _parse(spec: str) -> tuple[int, int, int, int, bool]:
-    """BNxBKxWARPS[xSPLIT][g]: a trailing g selects the x-gather variant."""
+def _parse(spec: str) -> tuple[int, int, int, int, bool, int]:
+    """[RrR]BNxBKxWARPS[xSPLIT][g]: a leading rR sets R rows per program, a trailing g the x-gather variant."""
+    rows = 1
+    if spec.startswith("r"):
+        head, spec = spec[1:].split("r", 1)
+        rows = int(head)
     gather = spec.endswith("g")
     bn, bk, w, *rest = (int(v) for v in spec.rstrip("g").split("x"))
-    return bn, bk, rest[0] if rest else 1, w, not gather
+    return bn, bk, rest[0] if rest else 1, w, not gather, rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="*", help="BNxBKxWARPS[xSPLIT] to inspect instead of the shipped ones")
+    p.add_argument("--configs", nargs="*",
+                   help="[rROWSr]BNxBKxWARPS[xSPLIT][g] to inspect instead of the shipped ones (r2r128x256x4)")
     a = p.parse_args(argv)
     if a.configs:
         cfgs = [_parse(c) for c in a.configs]
     else:
-        cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps, c.x_tile) for c in candidate_configs()
-                if c.block_m == 1]
-    print("| config | x | loop instr/code | codes/thread | loop ld.global | loop ld.shared | loop bar | loop shfl "
-          "| local (spills) | int->f32 cvt | shared B |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for bn, bk, split, w, x_tile in cfgs:
-        r = inspect(bn, bk, split, w, x_tile=x_tile)
-        print(f"| BN{bn} BK{bk} S{split} W{w} | {'tile' if x_tile else 'gather'} | {r['loop_per_code']:.2f} | "
-              f"{r['codes_per_thread']:.0f} | {r['loop_ld_global']} | {r['loop_ld_shared']} | {r['loop_bar']} | "
-              f"{r['loop_shfl']} | {r['local_mem']} | {r['cvt_to_f32']} | {r['shared_bytes']} |")
+        cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps, c.x_tile, c.block_m) for c in candidate_configs()
+                if c.gemv]
+    print("| config | x | rows | loop instr/code | per code and row | codes/thread | loop ld.global | loop ld.shared "
+          "| loop bar | loop shfl | local (spills) | int->f32 cvt | shared B |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bn, bk, split, w, x_tile, rows in cfgs:
+        r = inspect(bn, bk, split, w, x_tile=x_tile, rows=rows)
+        print(f"| BN{bn} BK{bk} S{split} W{w} | {'tile' if x_tile else 'gather'} | {rows} | {r['loop_per_code']:.2f} "
+              f"| {r['loop_per_code_row']:.2f} | {r['codes_per_thread']:.0f} | {r['loop_ld_global']} | "
+              f"{r['loop_ld_shared']} | {r['loop_bar']} | {r['loop_shfl']} | {r['local_mem']} | {r['cvt_to_f32']} | "
+              f"{r['shared_bytes']} |")
     return 0
 
 

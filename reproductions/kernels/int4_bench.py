@@ -257,7 +257,8 @@ def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window
 # Tuned buckets timed by --sweep. M = 8 joined after the session-3 suite timed it on the untuned heuristic at
 # 0.43-0.83x of bf16 (record 22f3a099); K+1 = 6-token verification forwards land in that bucket.
 SWEEP_M = (1, 2, 4, 8, 16)
-GEMV_SWEEP_M = (1, 2)  # the GEMV kernel is timed at these M; the tl.dot kernel at M >= 2
+GEMV_SWEEP_M = (1, 2)  # the one-row GEMV kernel is timed at these M; the tl.dot kernel at M >= 2
+MULTI_ROW_SWEEP_M = (2, 4, 8)  # GEMV programs of 2 or 4 rows
 
 
 def sweep_configs() -> list[Int4KernelConfig]:
@@ -273,12 +274,23 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(16, bn, bk, split_k=sk, num_warps=4)
              for bn in (64, 128) for bk in (64, 128) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(16, 32, 128, split_k=4, num_warps=4)]
+    # GEMV programs of 2 and 4 rows (session 5): offline PTX counts 3.24 and 2.44 loop instructions per code and
+    # row against 4.84 for one row, and one weight stream per program instead of one per row
+    cfgs += [Int4KernelConfig(rows, bn, bk, split_k=sk, num_warps=4)
+             for rows in (2, 4) for bn, bk in ((128, 256), (256, 128)) for sk in (1, 4)]
+    cfgs += [Int4KernelConfig(rows, 64, 256, split_k=sk, num_warps=2) for rows in (2, 4) for sk in (4, 8)]
+    cfgs += [Int4KernelConfig(4, 128, 256, split_k=sk, num_warps=4, x_tile=False) for sk in (1, 4)]
     return cfgs
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
-    """Whether a sweep times `cfg` at this M: GEMV configs at GEMV_SWEEP_M, tl.dot configs at M >= 2."""
-    return m in GEMV_SWEEP_M if cfg.block_m == 1 else m >= 2
+    """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
+    at M in MULTI_ROW_SWEEP_M, tl.dot configs at M >= 2."""
+    if cfg.block_m == 1:
+        return m in GEMV_SWEEP_M
+    if cfg.gemv:
+        return m in MULTI_ROW_SWEEP_M
+    return m >= 2
 
 
 def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_record: bool = True) -> dict:

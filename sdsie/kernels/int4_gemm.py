@@ -6,9 +6,9 @@ equals the activation dtype (fp16, bf16 or fp32).
 
 Two kernels, one launcher (`int4_matmul`):
 
-* `_int4_gemv_kernel` (M == 1, and very small M: one program per row and N tile): no `tl.dot`
-  (it would pad M to 16); multiply elementwise and reduce once with `tl.sum`. The zero-point is
-  folded out of the inner loop:
+* `_int4_gemv_kernel` (M == 1, and small M: one program per 1, 2 or 4 rows and N tile, the rows sharing each
+  loaded weight tile): no `tl.dot` (it would pad M to 16); multiply elementwise and reduce once with `tl.sum`.
+  The zero-point is folded out of the inner loop:
       sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k)      (per group)
   and codes become exact floats by bit tricks (no int->float conversion), so the inner loop is a
   shift per two codes, one LOP3 and one FMA per code (v3, reproductions/kernels/NOTES.md).
@@ -229,17 +229,72 @@ def _store_or_reduce(acc, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_
 
 
 @triton.jit
+def _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PER_COL: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """Scales s and s * z for a tile starting at column k0, shaped to multiply a [BN, BC] product tile:
+    [BN, 1] when the tile lies in one group, [BN, BC] when it spans BLOCK_K // GROUP groups."""
+    # one return for both shapes: Triton checks every return of a function against the others
+    if BLOCK_K <= GROUP:
+        s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
+        s_t = s[:, None]
+        sz_t = (s * z)[:, None]
+    else:
+        TG: tl.constexpr = BLOCK_K // GROUP
+        GC: tl.constexpr = GROUP // PER_COL
+        BLOCK_COLS: tl.constexpr = BLOCK_K // PER_COL
+        g = k0 // GROUP + tl.arange(0, TG)  # [TG]
+        gmask = n_mask[:, None] & (g[None, :] < G)
+        s, z = _load_group_params(s_ptr, z_ptr, g[None, :], offs_n[:, None], gmask, N, HAS_ZEROS)  # [BN, TG]
+        s_t = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
+        sz_t = tl.reshape(tl.broadcast_to((s * z)[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
+    return s_t, sz_t
+
+
+@triton.jit
+def _row_tile(raw, qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS: tl.constexpr,
+              PER_COL: tl.constexpr, EVEN: tl.constexpr, X_TILE: tl.constexpr):
+    """One row's product tile [BN, BC] and its x column sums [BC] (words: from the loaded tile raw; bytes: loads).
+
+    Called once per row of a program on the same raw tile: the codes' bit extraction is the same pure arithmetic on
+    the same values for every row, left to the compiler to compute once (reproductions/kernels/inspect_ptx.py
+    counts the instructions per code and row)."""
+    if PER_COL == 8:
+        return _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS, EVEN, X_TILE)
+    return _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS)
+
+
+@triton.jit
+def _accumulate(acc, xs, prod, xcol, s_t, sz_t, PER_CHANNEL: tl.constexpr):
+    """acc += s * (prod - z * xcol) per group (elementwise: a per-tile tl.sum(xcol) would cost a CTA-wide
+    reduction, with barriers, every tile); per channel the scale waits for the epilogue."""
+    if PER_CHANNEL:
+        return acc + prod, xs + xcol
+    return tl.fma(s_t, prod, tl.fma(-sz_t, xcol[None, :], acc)), xs
+
+
+@triton.jit
+def _row_out(acc, xs, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """A row's outputs [BN] from its accumulator (per channel: s * (sum q x - z sum x))."""
+    out = tl.sum(acc, axis=1)  # [BN]
+    if PER_CHANNEL:
+        s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)
+        out = s * (out - z * tl.sum(xs, axis=0))
+    return out
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, NCOLS, G, k_per_split,
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PER_COL: tl.constexpr,
-    EVEN: tl.constexpr, X_TILE: tl.constexpr,
+    EVEN: tl.constexpr, X_TILE: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # grid: (M, cdiv(N, BLOCK_N), SPLIT_K); one program = BLOCK_N outputs of one row over one K split.
-    # Rows are the fastest grid axis, so at small M > 1 the programs sharing a weight tile run together
-    # and all but the first read it from L2.
+    # grid: (cdiv(M, ROWS), cdiv(N, BLOCK_N), SPLIT_K); one program = BLOCK_N outputs of ROWS rows (1, 2 or 4) over
+    # one K split. Each weight tile is loaded and its codes extracted once for the program's rows. Row tiles are
+    # the fastest grid axis, so at small M the programs sharing a weight tile run together and all but the first
+    # read it from L2. Rows past M (M not a multiple of ROWS) read row M - 1's x and are masked at the store.
     # qw is viewed as int32 words (PER_COL = 8 codes per column) or bytes (PER_COL = 2).
     # EVEN: N % BLOCK_N == 0 and every split covers whole BLOCK_K tiles of K (no masks needed).
     pid_m = tl.program_id(0)
@@ -248,48 +303,71 @@ def _int4_gemv_kernel(
     BLOCK_COLS: tl.constexpr = BLOCK_K // PER_COL
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
-    x_row = x_ptr + pid_m * stride_xm
+    row0 = pid_m * ROWS
+    x0 = x_ptr + row0 * stride_xm
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
 
     # Per group, sum_k (q - z) s x = s * (sum_k q x - z sum_k x): the zero-point leaves the inner loop.
     # Accumulate elementwise and reduce across threads once at the end, not every iteration.
-    acc = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)  # scaled (or, per channel, raw) products
-    xs = tl.zeros([BLOCK_COLS], tl.float32)  # per channel only: sum of x
+    acc0 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)  # scaled (or, per channel, raw) products, row 0
+    xs0 = tl.zeros([BLOCK_COLS], tl.float32)  # per channel only: sum of x, row 0
+    if ROWS >= 2:
+        x1 = x_ptr + tl.minimum(row0 + 1, M - 1) * stride_xm
+        acc1 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
+        xs1 = tl.zeros([BLOCK_COLS], tl.float32)
+    if ROWS >= 4:
+        x2 = x_ptr + tl.minimum(row0 + 2, M - 1) * stride_xm
+        x3 = x_ptr + tl.minimum(row0 + 3, M - 1) * stride_xm
+        acc2 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
+        xs2 = tl.zeros([BLOCK_COLS], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
+        xs3 = tl.zeros([BLOCK_COLS], tl.float32)
+    raw = tl.zeros([BLOCK_N, BLOCK_COLS], tl.int32)  # the bytes path loads its own tiles
     if PER_COL == 8:  # prefetch: the next word tile is in flight while this one is multiplied
         raw = _load_words(qw_ptr, offs_n, n_mask, k_begin // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if PER_COL == 8:
             nxt = _load_words(qw_ptr, offs_n, n_mask & (k0 + BLOCK_K < k_end), (k0 + BLOCK_K) // 8, NCOLS,
                               stride_qn, BLOCK_COLS, False)
-            prod, xcol = _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS, EVEN, X_TILE)
+        s_t = 1.0
+        sz_t = 0.0
+        if not PER_CHANNEL:
+            s_t, sz_t = _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP, BLOCK_N, BLOCK_K, PER_COL,
+                                           HAS_ZEROS)
+        prod, xcol = _row_tile(raw, qw_ptr, x0, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
+                               PER_COL, EVEN, X_TILE)
+        acc0, xs0 = _accumulate(acc0, xs0, prod, xcol, s_t, sz_t, PER_CHANNEL)
+        if ROWS >= 2:
+            prod, xcol = _row_tile(raw, qw_ptr, x1, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
+                                   PER_COL, EVEN, X_TILE)
+            acc1, xs1 = _accumulate(acc1, xs1, prod, xcol, s_t, sz_t, PER_CHANNEL)
+        if ROWS >= 4:
+            prod, xcol = _row_tile(raw, qw_ptr, x2, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
+                                   PER_COL, EVEN, X_TILE)
+            acc2, xs2 = _accumulate(acc2, xs2, prod, xcol, s_t, sz_t, PER_CHANNEL)
+            prod, xcol = _row_tile(raw, qw_ptr, x3, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
+                                   PER_COL, EVEN, X_TILE)
+            acc3, xs3 = _accumulate(acc3, xs3, prod, xcol, s_t, sz_t, PER_CHANNEL)
+        if PER_COL == 8:
             raw = nxt
-        else:
-            prod, xcol = _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
-                                          BLOCK_COLS)
-        if PER_CHANNEL:
-            acc += prod
-            xs += xcol
-        elif BLOCK_K <= GROUP:  # the whole tile lies in one group: per-row scale and zero
-            s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)
-            # elementwise: a per-tile tl.sum(xcol) would cost a CTA-wide reduction (barriers) every tile
-            acc = tl.fma(s[:, None], prod, tl.fma(-(s * z)[:, None], xcol[None, :], acc))
-        else:  # the tile spans TG groups of GROUP // PER_COL columns each
-            TG: tl.constexpr = BLOCK_K // GROUP
-            GC: tl.constexpr = GROUP // PER_COL
-            g = k0 // GROUP + tl.arange(0, TG)  # [TG]
-            gmask = n_mask[:, None] & (g[None, :] < G)
-            s, z = _load_group_params(s_ptr, z_ptr, g[None, :], offs_n[:, None], gmask, N, HAS_ZEROS)  # [BN, TG]
-            s_c = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
-            sz_c = tl.reshape(tl.broadcast_to((s * z)[:, :, None], [BLOCK_N, TG, GC]), [BLOCK_N, BLOCK_COLS])
-            acc = tl.fma(s_c, prod, tl.fma(-sz_c, xcol[None, :], acc))
-    out = tl.sum(acc, axis=1)  # [BN]
-    if PER_CHANNEL:
-        s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)
-        out = s * (out - z * tl.sum(xs, axis=0))
 
-    offs_m = pid_m + tl.arange(0, 1)
-    _store_or_reduce(out[None, :], y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
+    out0 = _row_out(acc0, xs0, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL, HAS_ZEROS)  # [BN]
+    if ROWS == 1:
+        out = out0[None, :]  # [1, BN]
+    if ROWS == 2:
+        out1 = _row_out(acc1, xs1, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL, HAS_ZEROS)
+        out = tl.trans(tl.join(out0, out1))  # [2, BN]
+    if ROWS == 4:
+        out1 = _row_out(acc1, xs1, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL, HAS_ZEROS)
+        out2 = _row_out(acc2, xs2, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL, HAS_ZEROS)
+        out3 = _row_out(acc3, xs3, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL, HAS_ZEROS)
+        # join(join(r0, r2), join(r1, r3))[n, i, j] is row 2 i + j: row-major [BN, 4] holds rows 0..3 in order
+        both = tl.join(tl.join(out0, out2), tl.join(out1, out3))  # [BN, 2, 2]
+        out = tl.trans(tl.reshape(both, [BLOCK_N, 4]))  # [4, BN]
+
+    offs_m = row0 + tl.arange(0, ROWS)
+    _store_or_reduce(out, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
                      pid_m, pid_n, pid_k, tl.num_programs(1), SPLIT_K)
 
 
@@ -359,10 +437,14 @@ def _int4_gemm_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
+
+
 @dataclass(frozen=True)
 class Int4KernelConfig:
-    """Launch configuration. block_m == 1 selects the GEMV kernel (one program per row and N tile; it
-    suits M == 1 and, sharing weight tiles through L2, very small M), block_m >= 16 the tl.dot kernel."""
+    """Launch configuration. block_m in GEMV_ROWS selects the GEMV kernel with that many rows per program (each
+    weight tile loaded and its codes extracted once for them; 1 suits M == 1, 2 and 4 small M), block_m >= 16
+    the tl.dot kernel."""
 
     block_m: int
     block_n: int
@@ -381,8 +463,13 @@ class Int4KernelConfig:
                 raise ValueError(f"Int4KernelConfig.{name} must be a positive power of two, got {v}")
         if self.block_k < 2:
             raise ValueError(f"Int4KernelConfig.block_k must be >= 2 (two codes per byte), got {self.block_k}")
-        if self.block_m > 1 and (self.block_m < 16 or self.block_k < 32 or self.block_n < 16):
-            raise ValueError(f"GEMM configs need block_m >= 16, block_n >= 16, block_k >= 32 (tl.dot), got {self}")
+        if self.block_m not in GEMV_ROWS and (self.block_m < 16 or self.block_k < 32 or self.block_n < 16):
+            raise ValueError(f"block_m must be a GEMV row count {GEMV_ROWS} or a tl.dot tile (block_m >= 16, block_n "
+                             f">= 16, block_k >= 32), got {self}")
+
+    @property
+    def gemv(self) -> bool:
+        return self.block_m in GEMV_ROWS
 
 
 # Configurations the selector can return (tests run every one of them). Tuned on an H200;
@@ -566,7 +653,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     n = w.out_features
     per_channel = w.group_size >= k
     block_k = cfg.block_k
-    if cfg.block_m > 1 and not per_channel:
+    if not cfg.gemv and not per_channel:
         block_k = min(block_k, w.group_size)  # a GEMM tile never straddles two groups
     split_k = min(cfg.split_k, triton.next_power_of_2(triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -580,13 +667,13 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         SPLIT_K=split_k,
     )
     qw = w.qweight
-    if cfg.block_m == 1:
+    if cfg.gemv:
         # GEMV: read whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
         words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
         qw = qw.view(torch.int32) if words else qw
         even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
-        kernel, grid = _int4_gemv_kernel, (m, n_tiles, split_k)
-        consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile)
+        kernel, grid = _int4_gemv_kernel, (m_tiles, n_tiles, split_k)
+        consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m)
     else:
         # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
         # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use

@@ -182,10 +182,26 @@ def run_order(names: list[str], trial: int, prompt_index: int, seed: int = 0) ->
     return order
 
 
+def select_variants(fns: dict[str, Any], only: Iterable[str] | None) -> dict[str, Any]:
+    """The variants named in `only` (all when None). Every ratio needs its baseline, so plain must be among them,
+    and plain_graphs too when a graphed loop is; an unknown name is an error naming the known ones."""
+    if only is None:
+        return fns
+    only = list(dict.fromkeys(only))
+    unknown = [v for v in only if v not in fns]
+    if unknown:
+        raise ValueError(f"unknown decode variants {unknown}; this run has {sorted(fns)} (graph variants need "
+                         "--cuda-graphs)")
+    needed = {"plain"} | {BASELINE[v] for v in only if v in BASELINE}
+    if needed - set(only):
+        raise ValueError(f"variants {only} lack the baselines their ratios need: add {sorted(needed - set(only))}")
+    return {v: fns[v] for v in fns if v in only}
+
+
 def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]], trials: int, max_new: int,
-                     meter: EnergyMeter | None, graphs: bool = False) -> list[Run]:
+                     meter: EnergyMeter | None, graphs: bool = False, only: Iterable[str] | None = None) -> list[Run]:
     cfg = DecodeConfig(max_new_tokens=max_new)
-    fns = variants(target, scout, cfg, graphs)
+    fns = select_variants(variants(target, scout, cfg, graphs), only)
     runs: list[Run] = []
     start = time.perf_counter()
     warm_up(fns, prompts)
@@ -396,7 +412,7 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         if bits:  # where the clutch thresholds (bits, on an EMA of these) sit in this pair's distribution
             for q in (10, 50, 90):
                 m[f"{label}.entropy_bits_p{q}"] = bits[min(len(bits) - 1, len(bits) * q // 100)]
-        for variant in (*OUR_SPECULATIVE, *PEERS, *graphed):
+        for variant in (v for v in (*OUR_SPECULATIVE, *PEERS, *graphed) if v in present):
             rs = _per_family(runs, variant, fam)
             tps = _tps(rs)
             m[f"{variant}.{label}.tokens_per_s"] = tps
@@ -410,7 +426,7 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
                 m[f"{variant}.{label}.acceptance_pct"] = 100.0 * sum(s["accepted"] for s in stats) / drafted
             if stats:
                 m[f"{variant}.{label}.fallback_pct"] = 100.0 * statistics.mean(s["fallback_fraction"] for s in stats)
-        for variant in (*OUR_SPECULATIVE, *PEERS, *graphed):  # paired by prompt and trial, with an interval
+        for variant in (v for v in (*OUR_SPECULATIVE, *PEERS, *graphed) if v in present):  # paired, with intervals
             base = BASELINE.get(variant, "plain")
             paired = paired_speedup(run_ratios(runs, variant, fam))
             if paired is not None:
@@ -423,10 +439,11 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
         if base_jpt is not None and _jpt(_per_family(runs, "fixed_k5", fam)) is not None:  # report figure
             m[f"j_per_token.{label}"] = _jpt(_per_family(runs, "fixed_k5", fam))
             m[f"j_per_token_baseline.{label}"] = base_jpt
-        speedups[label] = m[f"fixed_k5.{label}.speedup"]
+        if "fixed_k5" in present:
+            speedups[label] = m[f"fixed_k5.{label}.speedup"]
         if f"fixed_k5.{label}.j_per_token_reduction_pct" in m:
             reductions[label] = m[f"fixed_k5.{label}.j_per_token_reduction_pct"]
-        for mode in ("tuned", "production"):
+        for mode in (mode for mode in ("tuned", "production") if f"gated_{mode}" in present):
             v = f"gated_{mode}"
             m[f"{mode}.{label}.throughput_change_pct"] = 100.0 * (m[f"{v}.{label}.speedup"] - 1)
             if f"{v}.{label}.j_per_token_reduction_pct" in m:
@@ -434,9 +451,10 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
             m[f"{mode}.{label}.fallback_pct"] = m.get(f"{v}.{label}.fallback_pct", float("nan"))
             if f"{v}.{label}.acceptance_pct" in m:
                 m[f"{mode}.{label}.acceptance_pct"] = m[f"{v}.{label}.acceptance_pct"]
-    best = max(speedups, key=speedups.get)
-    m["speedup_max"] = speedups[best]
-    m["acceptance_pct_at_max_speedup"] = m.get(f"fixed_k5.{best}.acceptance_pct", float("nan"))
+    if speedups:
+        best = max(speedups, key=speedups.get)
+        m["speedup_max"] = speedups[best]
+        m["acceptance_pct_at_max_speedup"] = m.get(f"fixed_k5.{best}.acceptance_pct", float("nan"))
     if reductions:
         m["j_per_token_reduction_pct_min"] = min(reductions.values())
         m["j_per_token_reduction_pct_max"] = max(reductions.values())
@@ -446,7 +464,8 @@ def decode_metrics(runs: list[Run]) -> dict[str, float]:
     for r in runs:
         if r.variant.startswith("gated"):
             dec.setdefault((r.variant, r.stats.get("prompt")), set()).add(r.decisions)
-    m["decisions_identical_across_trials"] = float(all(len(v) == 1 for v in dec.values()))
+    if dec:  # no gated run, no evidence: absent, never a vacuous 1.0
+        m["decisions_identical_across_trials"] = float(all(len(v) == 1 for v in dec.values()))
     m.update(zero_engagement_deficit(runs, m))
     return {k: float(v) for k, v in m.items() if math.isfinite(v)}  # records refuse NaN: absent, not NaN
 
@@ -728,9 +747,10 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30) 
 
 
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
-                  entropy_sync: bool = True, graphs: bool = False) -> RunRecord:
-    """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record."""
-    runs = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter, graphs)
+                  entropy_sync: bool = True, graphs: bool = False, only: Iterable[str] | None = None) -> RunRecord:
+    """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record (`only`: a
+    subset of the variants, their baselines included; the record then declares only the claims it holds)."""
+    runs = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter, graphs, only)
     metrics = decode_metrics(runs)
     if entropy_sync:
         metrics.update(entropy_sync_share(metrics["plain_tokens_per_s"], s.device))
@@ -838,6 +858,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="add plain_graphs, fixed-K (K = 5 and SHORTER_K) and the two gated loops (GRAPHED): this "
                         "engine on a static cache with replayed CUDA graphs")
+    p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                   help="decode only these variants (with their baselines: plain, and plain_graphs for graphed "
+                        "loops), e.g. a quick K sweep: plain plain_graphs fixed_k2_graphs fixed_k3_graphs "
+                        "fixed_k5_graphs")
     p.add_argument("--gear-trials", type=_positive_int, default=None,
                    help="trials of the gear suite (default: --trials)")
     return p
@@ -860,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"record: {write_record(rec, a.out)} ({suite} done at {time.perf_counter() - t0:.0f} s)", flush=True)
 
     rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip,
-                        a.cuda_graphs)
+                        a.cuda_graphs, a.variants)
     done("decode", rec)
     for k in sorted(rec.metrics):
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):

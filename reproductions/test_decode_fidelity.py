@@ -233,3 +233,26 @@ def test_paired_speedups_cancel_drift_between_trials_and_carry_an_interval():
     assert (low, high) == bootstrap_median_ci([0.9, 0.95, 1.0, 1.05, 1.1, 0.97, 1.02])  # seeded
     with pytest.raises(ValueError, match="at least one value"):
         bootstrap_median_ci([])
+
+
+def test_a_subset_of_variants_keeps_its_baselines_and_claims_only_what_it_measured():
+    """--variants: a quick graphed K sweep runs without the eager speculative loops; its metrics hold what ran and
+    nothing vacuous (no decision-determinism figure without a gated run)."""
+    from reproductions.decode_repro import decode_metrics, select_variants
+
+    fns = {v: None for v in ("plain", "fixed_k5", "gated_tuned", "plain_graphs", "fixed_k2_graphs")}
+    assert list(select_variants(fns, ["plain", "plain_graphs", "fixed_k2_graphs"])) == [
+        "plain", "plain_graphs", "fixed_k2_graphs"]
+    assert select_variants(fns, None) is fns
+    with pytest.raises(ValueError, match=r"lack the baselines their ratios need: add \['plain_graphs'\]"):
+        select_variants(fns, ["plain", "fixed_k2_graphs"])
+    with pytest.raises(ValueError, match=r"add \['plain'\]"):
+        select_variants(fns, ["fixed_k5"])
+    with pytest.raises(ValueError, match="unknown decode variants"):
+        select_variants(fns, ["plain", "fixed_k9"])
+    runs = [Run(v, "code", t, [1] * 8, 8 / rate, None, {"prompt": "p"})
+            for t in range(3) for v, rate in (("plain", 40.0), ("plain_graphs", 400.0), ("fixed_k2_graphs", 520.0))]
+    m = decode_metrics(runs)
+    assert m["fixed_k2_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(1.3)
+    assert "speedup_max" not in m and "decisions_identical_across_trials" not in m
+    assert not any(k.startswith(("fixed_k5.", "gated_", "hf_")) for k in m)

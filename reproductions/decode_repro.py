@@ -35,7 +35,7 @@ import torch
 from sdsie.claims import load_registry, missing_inputs
 from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
-from sdsie.decoding.model_io import crop_cache, forward, new_cache
+from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache
 from sdsie.decoding.near_tie import decode_logits
 from sdsie.telemetry.energy import EnergyMeter
 from sdsie.telemetry.env import host_launch_us
@@ -720,30 +720,48 @@ def entropy_sync_share(plain_tokens_per_s: float, device: str) -> dict[str, floa
     return {"entropy_sync_cost_us": sync, "sync_share_of_token_pct": 100.0 * sync * 1e-6 * plain_tokens_per_s}
 
 
-def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30) -> dict[str, float]:
+def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30,
+                  graphs: bool = False) -> dict[str, float]:
     """Median wall time (ms, synchronized) of the forwards a decode cycle is made of, on one prompt's cache:
     a target step (1 token), a target verification (k + 1 tokens) and a scout step (1 token), and
     scout_cost_ratio = scout step / target step. With them a fixed-K cycle's cost is predictable:
-    (verify + k * scout) against one target step per plain token."""
-    def step_ms(model, n_tokens: int) -> float:
-        cache = new_cache(model)
+    (verify + k * scout) against one target step per plain token.
+
+    graphs: the same on a static cache, its forwards replayed as CUDA graphs on a GPU, plus each forward's GPU
+    time between CUDA events there (`*_gpu_ms`): wall minus GPU is what the host adds to a replayed step."""
+    def step_ms(model, n_tokens: int) -> tuple[float, float | None]:
+        events = graphs and ids.is_cuda
+        cache = (StaticKV(model, ids.numel() + k + 1, cuda_graphs=events, graph_sizes=(1, k + 1)) if graphs
+                 else new_cache(model))
         with torch.inference_mode():
             forward(model, ids, cache, last_only=True)  # the prompt in the cache, as in decoding
-            base = cache.get_seq_length()
+            base = cache_length(cache)
             feed = ids[-1:].repeat(n_tokens)
-            times = []
-            for _ in range(reps + 3):  # the first 3 are warm-up
+            times, gpu = [], []
+            for _ in range(reps + 3):  # the first 3 are warm-up (and, with graphs, the capture)
                 _sync()
+                if events:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
                 t0 = time.perf_counter()
                 forward(model, feed, cache, last_only=n_tokens == 1)
+                if events:
+                    end.record()
                 _sync()
                 times.append(1e3 * (time.perf_counter() - t0))
+                if events:
+                    gpu.append(start.elapsed_time(end))
                 crop_cache(cache, base)
-        return statistics.median(times[3:])
+        return statistics.median(times[3:]), statistics.median(gpu[3:]) if gpu else None
 
-    target_ms, verify_ms, scout_ms = step_ms(target, 1), step_ms(target, k + 1), step_ms(scout, 1)
-    return {"target_step_ms": target_ms, "target_verify_ms": verify_ms, "scout_step_ms": scout_ms,
-            "scout_cost_ratio": scout_ms / target_ms, "k": float(k), "reps": float(reps)}
+    (target_ms, target_gpu), (verify_ms, verify_gpu), (scout_ms, scout_gpu) = (
+        step_ms(target, 1), step_ms(target, k + 1), step_ms(scout, 1))
+    out = {"target_step_ms": target_ms, "target_verify_ms": verify_ms, "scout_step_ms": scout_ms,
+           "scout_cost_ratio": scout_ms / target_ms, "k": float(k), "reps": float(reps)}
+    if target_gpu is not None:
+        out |= {"target_step_gpu_ms": target_gpu, "target_verify_gpu_ms": verify_gpu, "scout_step_gpu_ms": scout_gpu,
+                "scout_cost_ratio_gpu": scout_gpu / target_gpu}
+    return out
 
 
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
@@ -758,6 +776,11 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
     extra: dict[str, Any] = {"mismatches": mismatch_report(s.target, runs, s.prompts)}
     first_ids = next(iter(s.prompts.values()))[1]
     extra["forward_ms"] = forward_costs(s.target, s.scout, first_ids)
+    if graphs:  # first run on a GPU pending: a failure is reported in the record and loses none of the runs
+        try:
+            extra["forward_ms_graphs"] = forward_costs(s.target, s.scout, first_ids, graphs=True)
+        except Exception as err:  # reported, not hidden
+            extra["forward_ms_graphs_error"] = repr(err)
     if near_ties_check:
         try:
             extra["near_ties"] = near_ties(s.target, s.scout, s.prompts, max_new)

@@ -256,3 +256,17 @@ def test_a_subset_of_variants_keeps_its_baselines_and_claims_only_what_it_measur
     assert m["fixed_k2_graphs.code.speedup_vs_plain_graphs"] == pytest.approx(1.3)
     assert "speedup_max" not in m and "decisions_identical_across_trials" not in m
     assert not any(k.startswith(("fixed_k5.", "gated_", "hf_")) for k in m)
+
+
+def test_forward_costs_on_a_static_cache_time_the_same_three_forwards():
+    """forward_costs(graphs=True): the cycle's forwards on a static cache (replayed as CUDA graphs on a GPU, where
+    CUDA events add their GPU time); on CPU the static cache runs eagerly and reports wall times only."""
+    from reproductions.decode_repro import forward_costs
+
+    target, scout = tiny_llama(seed=5), tiny_llama(seed=6)
+    ids = torch.tensor([1, 5, 9, 4, 7])
+    for graphs in (False, True):
+        costs = forward_costs(target, scout, ids, k=3, reps=3, graphs=graphs)
+        assert costs["target_step_ms"] > 0 and costs["target_verify_ms"] > 0 and costs["scout_step_ms"] > 0
+        assert costs["scout_cost_ratio"] == pytest.approx(costs["scout_step_ms"] / costs["target_step_ms"])
+        assert "target_step_gpu_ms" not in costs  # no CUDA events on a CPU

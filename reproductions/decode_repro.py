@@ -120,11 +120,13 @@ def variants(target, scout, cfg: DecodeConfig,
     with replayed CUDA graphs (GRAPHED). Eager host dispatch makes the eager loops' times noisy (the same
     code path ran 5% apart between two variants of one record); graphed, a gated run that never engages is
     timed closely enough to tell its cost against plain_graphs."""
-    def ours(scout_=None, clutch: ClutchConfig | None = None):
+    def ours(config: DecodeConfig, scout_=None, clutch: ClutchConfig | None = None, keep_entropy: bool = False):
+        """This engine's loop under `config` (a scout: speculation; a clutch: gated); keep_entropy records the
+        entropy (bits) behind each token, what a clutch reads (the eager plain runs keep it)."""
         def fn(ids):
-            r = generate(target, ids, cfg, scout=scout_, clutch=EntropyClutch(clutch) if clutch else None)
+            r = generate(target, ids, config, scout=scout_, clutch=EntropyClutch(clutch) if clutch else None)
             stats = r.stats.to_dict()
-            if scout_ is None and clutch is None:  # plain: the entropy (bits) behind each token, what a clutch reads
+            if keep_entropy:
                 stats["entropy_bits"] = [r.prefill_entropy] + [c.entropy for c in r.cycles]
             return r.tokens, stats, r.decisions
         return fn
@@ -139,29 +141,22 @@ def variants(target, scout, cfg: DecodeConfig,
                               do_sample=False)
         return out[0, ids.numel():].tolist(), {}, ""
 
-    def graphed(scout_=None, clutch: ClutchConfig | None = None, k: int = K):  # this engine, static cache, graphs
-        fixed_k = k if scout_ is not None and clutch is None else None  # with a clutch, K is the clutch's
-        gcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=fixed_k, kv_cache="static", cuda_graphs=True)
+    def graphed(k: int | None = None) -> DecodeConfig:  # static cache, replayed graphs; a clutch brings its own K
+        return DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=k, kv_cache="static", cuda_graphs=True)
 
-        def fn(ids):
-            r = generate(target, ids, gcfg, scout=scout_, clutch=EntropyClutch(clutch) if clutch else None)
-            return r.tokens, r.stats.to_dict(), r.decisions
-        return fn
-
-    fixed = DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=K)
     fns = {
-        "plain": ours(),
-        "fixed_k5": lambda ids: (lambda r: (r.tokens, r.stats.to_dict(), r.decisions))(
-            generate(target, ids, fixed, scout=scout)),
-        "gated_production": ours(scout, PRODUCTION),
-        "gated_tuned": ours(scout, TUNED),
+        "plain": ours(cfg, keep_entropy=True),
+        "fixed_k5": ours(DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=K), scout),
+        "gated_production": ours(cfg, scout, PRODUCTION),
+        "gated_tuned": ours(cfg, scout, TUNED),
         "hf_assisted": hf_assisted,
         "hf_generate": hf_plain,
     }
     if graphs:
-        fns |= {"plain_graphs": graphed(), "fixed_k5_graphs": graphed(scout),
-                "gated_production_graphs": graphed(scout, PRODUCTION), "gated_tuned_graphs": graphed(scout, TUNED),
-                **{f"fixed_k{k}_graphs": graphed(scout, k=k) for k in SHORTER_K}}
+        fns |= {"plain_graphs": ours(graphed()), "fixed_k5_graphs": ours(graphed(K), scout),
+                "gated_production_graphs": ours(graphed(), scout, PRODUCTION),
+                "gated_tuned_graphs": ours(graphed(), scout, TUNED),
+                **{f"fixed_k{k}_graphs": ours(graphed(k), scout) for k in SHORTER_K}}
     return fns
 
 
@@ -662,8 +657,9 @@ class Setup:
 def pair_build_id(models: list[dict]) -> str:
     """8 hex digits naming one build of the pair: a hash over both models' weight hashes.
 
-    Training on a GPU is not bitwise reproducible (two builds of one recipe on two H200 leases gave
-    different pairs), so a record's conditions name the build: the claims gate then judges a record only
+    Two builds of the non-deterministic recipe on two H200 leases gave different pairs; the gpu recipe now
+    trains with deterministic kernels, which repeated bit for bit within one lease but is not yet checked
+    across leases. So a record's conditions name the build, and the claims gate judges a record only
     against references pinned on the same weights, never across builds.
     """
     digests = sorted(f"{m['name']}:{m['checkpoint_sha256']}" for m in models)

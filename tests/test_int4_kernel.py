@@ -137,6 +137,18 @@ def test_gemv_programs_of_several_rows(kernel_device, config: Int4KernelConfig, 
         assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
 
 
+def test_rows_per_program_set_the_grid_and_the_kernel(kernel_device):
+    """block_m 2 or 4 acts: the launch runs cdiv(M, rows) GEMV programs with ROWS = rows, not one per row."""
+    gen = torch.Generator().manual_seed(11)
+    w = make_weight(40, 296, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+    x = torch.randn(5, 296, generator=gen).to(torch.bfloat16).to(kernel_device)
+    for rows in (1, 2, 4):
+        cfg = Int4KernelConfig(rows, 32, 128)
+        assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
+        plan = next(p for key, p in _plans_of(w).items() if key[-1] == cfg)
+        assert plan.grid[0] == -(-5 // rows) and plan.consts["ROWS"] == rows
+
+
 def test_gemv_rows_config_validation():
     assert Int4KernelConfig(2, 32, 256).gemv and Int4KernelConfig(4, 64, 128).gemv
     assert not Int4KernelConfig(16, 64, 128).gemv

@@ -24,6 +24,17 @@ def test_deterministic_mode_is_strict_inside_and_restored_after(monkeypatch) -> 
         assert torch.are_deterministic_algorithms_enabled() == before
 
 
+def test_the_recipe_setting_decides_the_mode_training_runs_in(monkeypatch) -> None:
+    """train_reproducibly (what builds call) trains under deterministic kernels exactly when the recipe says so."""
+    seen = []
+    monkeypatch.setattr(S, "train_models", lambda *a: seen.append(torch.are_deterministic_algorithms_enabled()))
+    before = torch.are_deterministic_algorithms_enabled()
+    for det in (True, False):
+        cfg = shortened(S.PRESETS["cpu"], 2, 2, deterministic=det)
+        S.train_reproducibly(cfg, None, torch.device("cpu"))
+    assert seen == [True, before] and torch.are_deterministic_algorithms_enabled() == before
+
+
 def test_gather_nll_equals_nll_loss_with_its_gradient() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(12, 7, generator=gen, requires_grad=True)

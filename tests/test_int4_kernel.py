@@ -94,9 +94,10 @@ def test_kernel_matches_reference(kernel_device, m, n, k, group, symmetric, dtyp
 
 
 GATHER = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2, x_tile=False)  # the sweep's x-gather variant
+PIPELINED = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=4, num_stages=3)  # word tiles through cp.async
 
 
-@pytest.mark.parametrize("config", candidate_configs() + (GATHER,), ids=str)
+@pytest.mark.parametrize("config", candidate_configs() + (GATHER, PIPELINED), ids=str)
 @pytest.mark.parametrize("group", [32, 128, None])
 def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
     """Every configuration the selector can pick (split-K paths included) is correct."""
@@ -116,7 +117,8 @@ def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
 
 
 ROW_CONFIGS = (Int4KernelConfig(2, 32, 256, split_k=2, num_warps=2), Int4KernelConfig(4, 64, 128, num_warps=4),
-               Int4KernelConfig(4, 16, 256, split_k=4, num_warps=2, x_tile=False))
+               Int4KernelConfig(4, 16, 256, split_k=4, num_warps=2, x_tile=False),
+               Int4KernelConfig(2, 32, 128, split_k=2, num_warps=2, num_stages=4))
 
 
 @pytest.mark.parametrize("config", ROW_CONFIGS, ids=str)
@@ -367,6 +369,21 @@ def test_launch_plans_follow_reassigned_weight_tensors(kernel_device):
         assert_close_to_reference(int4_matmul(x, w), x, w)
     w.zeros = None  # now symmetric: the zero-point pointer changes meaning
     assert_close_to_reference(int4_matmul(x, w), x, w)
+
+
+def test_pipeline_stages_reach_the_gemv(kernel_device):
+    """Int4KernelConfig.num_stages sets the GEMV's STAGES (>= 3: loads left to Triton's cp.async pipeliner), and
+    both ways of keeping tiles in flight give the reference's result."""
+    from sdsie.kernels import int4_gemm
+
+    gen = torch.Generator().manual_seed(17)
+    w = make_weight(128, 1024, 128, False, 0.05, kernel_device, gen)
+    x = torch.randn(1, 1024, generator=gen).to(kernel_device)
+    by_hand = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2)
+    for cfg in (by_hand, PIPELINED):
+        assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
+    chosen = {key[-1]: plan.consts["STAGES"] for key, plan in int4_gemm._PLANS[id(w)].items()}
+    assert chosen == {by_hand: 2, PIPELINED: 3}
 
 
 def test_x_tile_choice_reaches_the_kernel(kernel_device):

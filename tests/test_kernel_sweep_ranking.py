@@ -57,3 +57,38 @@ def test_sweep_times_each_kernel_at_the_rows_it_serves():
     assert ms(Int4KernelConfig(2, 128, 256)) == ms(Int4KernelConfig(4, 64, 256)) == [2, 4, 8]
     assert ms(Int4KernelConfig(16, 64, 128)) == [2, 4, 8, 16]
     assert {c.block_m for c in sweep_configs()} == {1, 2, 4, 16}  # multi-row GEMV programs are swept
+
+
+def test_host_times_summarize_per_variant_over_the_m1_shapes():
+    """The record's host microseconds per eager call are the median over M = 1 shapes, per variant; a variant
+    timed on no shape (tinygemm absent) gets no metric rather than a made-up one."""
+    rows = []
+    for host in ({"bf16": 6.0, "int4": 18.0}, {"bf16": 8.0, "int4": 30.0}, {"bf16": 7.0, "int4": 20.0}):
+        r = _result({"bf16": 10.0, "int4": 12.0}, {"bf16": 0.0, "int4": 3e-3})
+        r.update(speedup_vs_bf16=10 / 12, int4_pct_of_copy=3.0, bytes_reduction_pct=73.4, host_us=host)
+        rows.append(r)
+    s = summarize(rows, [], copy_gbs=4200.0)
+    assert s["m1_g128_host_us_bf16_median"] == 7.0 and s["m1_g128_host_us_int4_median"] == 20.0
+    assert "m1_g128_host_us_tinygemm_median" not in s
+
+
+def test_sweep_names_keep_pipelined_and_register_prefetch_configs_apart():
+    """Each swept configuration has its own key (a collision would file one config's times under another's)."""
+    from reproductions.kernels.int4_bench import config_name, sweep_configs
+
+    cfgs = sweep_configs()
+    assert len({config_name(c) for c in cfgs}) == len(cfgs)
+    pipelined = [c for c in cfgs if c.gemv and c.num_stages >= 3]
+    assert pipelined and any(c.block_m > 1 for c in pipelined)
+    twin = Int4KernelConfig(1, 128, 256, split_k=1, num_warps=4)
+    assert twin in cfgs and config_name(twin) != config_name(Int4KernelConfig(1, 128, 256, num_stages=3))
+
+
+def test_inspect_ptx_config_specs():
+    """The offline PTX tool's config spec: [rRr]BNxBKxWARPS[xSPLIT][pSTAGES][g] -> (bn, bk, split, warps, x_tile,
+    rows, stages)."""
+    from reproductions.kernels.inspect_ptx import _parse
+
+    assert _parse("128x256x4") == (128, 256, 1, 4, True, 1, 2)
+    assert _parse("r4r64x256x2x8p3g") == (64, 256, 8, 2, False, 4, 3)
+    assert _parse("256x128x4p4") == (256, 128, 1, 4, True, 1, 4)

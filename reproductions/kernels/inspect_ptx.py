@@ -53,13 +53,13 @@ def opcounts(lines: list[str]) -> collections.Counter:
 
 
 def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128,
-            x_tile: bool = True, rows: int = 1) -> dict[str, float]:
+            x_tile: bool = True, rows: int = 1, stages: int = 2) -> dict[str, float]:
     consts = {"GROUP": group, "PER_CHANNEL": False, "HAS_ZEROS": True, "BLOCK_N": block_n, "BLOCK_K": block_k,
-              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True, "X_TILE": x_tile, "ROWS": rows}
+              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True, "X_TILE": x_tile, "ROWS": rows, "STAGES": stages}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n in DIV16}
     sig = {**dict(zip(NAMES, TYPES, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(ASTSource(_int4_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": num_warps})
+                     options={"num_warps": num_warps, "num_stages": stages})
     ptx = kernel.asm["ptx"]
     loop = opcounts(loop_body(ptx))
     codes_per_thread = block_n * block_k / (32 * num_warps)
@@ -70,6 +70,7 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
         "loop_ld_shared": sum(v for k, v in loop.items() if k.startswith("ld.shared")),
         "loop_shfl": sum(v for k, v in loop.items() if k.startswith("shfl")),
         "loop_bar": sum(v for k, v in loop.items() if k.startswith("bar.")),
+        "loop_cp_async": sum(v for k, v in loop.items() if k.startswith("cp.async.c")),
         "codes_per_thread": codes_per_thread,
         "local_mem": len(re.findall(r"(?:ld|st)\.local", ptx)),
         "cvt_to_f32": len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
@@ -77,35 +78,44 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
     }
 
 
-def _parse(spec: str) -> tuple[int, int, int, int, bool, int]:
-    """[RrR]BNxBKxWARPS[xSPLIT][g]: a leading rR sets R rows per program, a trailing g the x-gather variant."""
+def _parse(spec: str) -> tuple[int, int, int, int, bool, int, int]:
+    """[rRr]BNxBKxWARPS[xSPLIT][pSTAGES][g]: a leading rRr sets R rows per program, pS the pipeline stages (>= 3:
+    cp.async through shared memory), a trailing g the x-gather variant."""
     rows = 1
     if spec.startswith("r"):
         head, spec = spec[1:].split("r", 1)
         rows = int(head)
     gather = spec.endswith("g")
-    bn, bk, w, *rest = (int(v) for v in spec.rstrip("g").split("x"))
-    return bn, bk, rest[0] if rest else 1, w, not gather, rows
+    spec = spec.rstrip("g")
+    stages = 2
+    if "p" in spec:
+        spec, tail = spec.split("p", 1)
+        stages = int(tail)
+    bn, bk, w, *rest = (int(v) for v in spec.split("x"))
+    return bn, bk, rest[0] if rest else 1, w, not gather, rows, stages
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*",
-                   help="[rROWSr]BNxBKxWARPS[xSPLIT][g] to inspect instead of the shipped ones (r2r128x256x4)")
+                   help="[rROWSr]BNxBKxWARPS[xSPLIT][pSTAGES][g] to inspect instead of the shipped ones "
+                        "(r2r128x256x4, 128x256x4p4)")
     a = p.parse_args(argv)
     if a.configs:
         cfgs = [_parse(c) for c in a.configs]
     else:
-        cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps, c.x_tile, c.block_m) for c in candidate_configs()
-                if c.gemv]
+        cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps, c.x_tile, c.block_m, c.num_stages)
+                for c in candidate_configs() if c.gemv]
     print("| config | x | rows | loop instr/code | per code and row | codes/thread | loop ld.global | loop ld.shared "
-          "| loop bar | loop shfl | local (spills) | int->f32 cvt | shared B |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for bn, bk, split, w, x_tile, rows in cfgs:
-        r = inspect(bn, bk, split, w, x_tile=x_tile, rows=rows)
-        print(f"| BN{bn} BK{bk} S{split} W{w} | {'tile' if x_tile else 'gather'} | {rows} | {r['loop_per_code']:.2f} "
+          "| loop bar | loop cp.async | loop shfl | local (spills) | int->f32 cvt | shared B |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bn, bk, split, w, x_tile, rows, stages in cfgs:
+        r = inspect(bn, bk, split, w, x_tile=x_tile, rows=rows, stages=stages)
+        print(f"| BN{bn} BK{bk} S{split} W{w} P{stages} | {'tile' if x_tile else 'gather'} | {rows} | "
+              f"{r['loop_per_code']:.2f} "
               f"| {r['loop_per_code_row']:.2f} | {r['codes_per_thread']:.0f} | {r['loop_ld_global']} | "
-              f"{r['loop_ld_shared']} | {r['loop_bar']} | {r['loop_shfl']} | {r['local_mem']} | {r['cvt_to_f32']} | "
+              f"{r['loop_ld_shared']} | {r['loop_bar']} | {r['loop_cp_async']} | "
+              f"{r['loop_shfl']} | {r['local_mem']} | {r['cvt_to_f32']} | "
               f"{r['shared_bytes']} |")
     return 0
 

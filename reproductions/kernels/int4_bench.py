@@ -145,8 +145,7 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     for cfg in configs or []:
         if not fits(cfg, case.m):
             continue
-        name = (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
-                f"{'' if cfg.x_tile else ',gather'}]")
+        name = config_name(cfg)
         out["configs"][name] = asdict(cfg)
         record(name, lambda cfg=cfg: int4_matmul(x, w, config=cfg))
         if graphed:  # what a graphed decode step gets: the kernel alone, weights not in L2
@@ -165,6 +164,12 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     if "tinygemm" in med:
         out["speedup_vs_tinygemm"] = med["tinygemm"] / med["int4"]
     return out
+
+
+def config_name(cfg: Int4KernelConfig) -> str:
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)]."""
+    return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
+            f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}]")
 
 
 def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
@@ -218,6 +223,37 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
     return out
 
 
+def host_us_per_call(fn: Callable[[], object], calls: int = 200, reps: int = 5) -> float:
+    """Host time to enqueue one call: `calls` back-to-back launches with no synchronization inside, median over
+    `reps`. At batch 1 the kernels are shorter than this, so it is the rate a host-bound caller gets, and the
+    time do_bench counts whenever it exceeds the cache flush in front of the call (NOTES.md, v2)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_case(case: Case, gen: torch.Generator, device: str) -> dict[str, float]:
+    """Host microseconds per eager call: bf16 F.linear, tinygemm and int4_matmul on the same x."""
+    x = torch.randn(case.m, case.k, generator=gen).to(torch.bfloat16).to(device)
+    w = random_int4(case.n, case.k, case.group, device, gen)
+    wb = torch.randn(case.n, case.k, generator=gen).to(torch.bfloat16).to(device)
+    out = {"bf16": host_us_per_call(lambda: F.linear(x, wb)), "int4": host_us_per_call(lambda: int4_matmul(x, w))}
+    try:
+        tg = tinygemm_pack(w)
+        if tg is not None:
+            out["tinygemm"] = host_us_per_call(lambda: torch.ops.aten._weight_int4pack_mm(x, tg[0], case.group, tg[1]))
+    except RuntimeError:
+        pass  # latency_case already records why tinygemm cannot run here
+    return out
+
+
 def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window_s: float = 1.5) -> dict:
     """Power and energy per call for bf16 vs INT4 at M=1, interleaved, L2-busting weight rotation."""
     ws = [random_int4(n, k, 128, device, gen) for _ in range(l2_busting_copies(device, n * k // 2, lo=1))]
@@ -262,15 +298,21 @@ MULTI_ROW_SWEEP_M = (2, 4, 8)  # GEMV programs of 2 or 4 rows
 
 
 def sweep_configs() -> list[Int4KernelConfig]:
-    """A wider grid than the shipped candidates, for tuning runs (--sweep). Kept to ~50 configurations:
+    """A wider grid than the shipped candidates, for tuning runs (--sweep). Kept to ~70 configurations:
     every one is compiled per specialization, and compilation dominates a sweep."""
     cfgs = [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4)
             for bn, bk in ((64, 256), (128, 128), (128, 256), (256, 128), (256, 256)) for sk in (1, 2, 4, 8)]
     cfgs += [Int4KernelConfig(1, bn, 256, split_k=sk, num_warps=8) for bn in (128, 256) for sk in (1, 2, 4)]
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=2)
              for bn, bk in ((32, 256), (64, 128), (64, 256)) for sk in (2, 4, 8)]
-    cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, x_tile=False)
-             for bn, bk in ((128, 256), (256, 128)) for sk in (1, 2, 4)]
+    # Word tiles through Triton's cp.async pipeline, 2-3 tiles in flight (session 6): offline PTX 4.60-4.66 loop
+    # instructions per code and 2 barriers per tile, against 4.87 and 6 with the one-tile register prefetch.
+    # (The x-gather variant at M = 1 lost to the tile on every case of the session-3 sweep and left the grid.)
+    cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=3)
+             for bn, bk in ((64, 256), (128, 256), (256, 128)) for sk in (1, 2, 4, 8)]
+    cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=4)
+             for bn, bk, sk in ((128, 256, 1), (128, 256, 2), (256, 128, 1))]
+    cfgs += [Int4KernelConfig(1, 256, 256, split_k=1, num_warps=8, num_stages=3)]
     cfgs += [Int4KernelConfig(16, bn, bk, split_k=sk, num_warps=4)
              for bn in (64, 128) for bk in (64, 128) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(16, 32, 128, split_k=4, num_warps=4)]
@@ -280,6 +322,8 @@ def sweep_configs() -> list[Int4KernelConfig]:
              for rows in (2, 4) for bn, bk in ((128, 256), (256, 128)) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(rows, 64, 256, split_k=sk, num_warps=2) for rows in (2, 4) for sk in (4, 8)]
     cfgs += [Int4KernelConfig(4, 128, 256, split_k=sk, num_warps=4, x_tile=False) for sk in (1, 4)]
+    cfgs += [Int4KernelConfig(rows, 128, 256, split_k=sk, num_warps=4, num_stages=3)
+             for rows in (2, 4) for sk in (1, 4)]
     return cfgs
 
 
@@ -322,6 +366,10 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
                 r["graph_us"] = graph_case(c, gen, device)
                 times = " ".join(f"{k}={v:.1f}us" for k, v in r["graph_us"].items() if isinstance(v, float))
                 print(f"graph {c.shape:22s} m={c.m:2d} g={c.group} {times}", flush=True)
+            if c.m == 1:
+                r["host_us"] = host_case(c, gen, device)
+                times = " ".join(f"{k}={v:.1f}us" for k, v in r["host_us"].items())
+                print(f"host  {c.shape:22s} m={c.m:2d} g={c.group} {times}", flush=True)
     energy_results = []
     ok, why = EnergyMeter.available()
     if energy and ok:
@@ -424,6 +472,12 @@ def summarize(results: list[dict], energy: list[dict], copy_gbs: float) -> dict:
         graphed = [r["graph_us"] for r in pick(1, g) if "graph_us" in r]
         if graphed:
             s[f"m1_g{g}_geomean_speedup_graph"] = geomean([gu["bf16"] / gu["int4"] for gu in graphed])
+    for g in GROUPS:
+        hosts = [r["host_us"] for r in pick(1, g) if "host_us" in r]
+        for name in ("bf16", "tinygemm", "int4"):
+            vals = [h[name] for h in hosts if name in h]
+            if vals:
+                s[f"m1_g{g}_host_us_{name}_median"] = statistics.median(vals)
     for e in energy:
         s[f"power_change_pct_{e['shape']}"] = e["power_change_pct"]
         s[f"energy_per_call_change_pct_{e['shape']}"] = e["energy_per_call_change_pct"]

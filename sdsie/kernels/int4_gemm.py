@@ -289,7 +289,7 @@ def _int4_gemv_kernel(
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PER_COL: tl.constexpr,
-    EVEN: tl.constexpr, X_TILE: tl.constexpr, ROWS: tl.constexpr,
+    EVEN: tl.constexpr, X_TILE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # grid: (cdiv(M, ROWS), cdiv(N, BLOCK_N), SPLIT_K); one program = BLOCK_N outputs of ROWS rows (1, 2 or 4) over
     # one K split. Each weight tile is loaded and its codes extracted once for the program's rows. Row tiles are
@@ -323,11 +323,17 @@ def _int4_gemv_kernel(
         xs2 = tl.zeros([BLOCK_COLS], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
         xs3 = tl.zeros([BLOCK_COLS], tl.float32)
+    # Word tiles in flight: STAGES <= 2 keeps the next tile in registers (prefetched by hand while this one is
+    # multiplied); STAGES >= 3 leaves the loads in the loop for Triton's pipeliner, which keeps STAGES - 1 tiles in
+    # flight through shared memory (cp.async) without holding them in registers.
+    PIPELINED: tl.constexpr = PER_COL == 8 and STAGES >= 3
     raw = tl.zeros([BLOCK_N, BLOCK_COLS], tl.int32)  # the bytes path loads its own tiles
-    if PER_COL == 8:  # prefetch: the next word tile is in flight while this one is multiplied
+    if PER_COL == 8 and not PIPELINED:
         raw = _load_words(qw_ptr, offs_n, n_mask, k_begin // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if PER_COL == 8:
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES if PIPELINED else 1):
+        if PIPELINED:
+            raw = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
+        elif PER_COL == 8:
             nxt = _load_words(qw_ptr, offs_n, n_mask & (k0 + BLOCK_K < k_end), (k0 + BLOCK_K) // 8, NCOLS,
                               stride_qn, BLOCK_COLS, False)
         s_t = 1.0
@@ -349,7 +355,7 @@ def _int4_gemv_kernel(
             prod, xcol = _row_tile(raw, qw_ptr, x3, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
                                    PER_COL, EVEN, X_TILE)
             acc3, xs3 = _accumulate(acc3, xs3, prod, xcol, s_t, sz_t, PER_CHANNEL)
-        if PER_COL == 8:
+        if PER_COL == 8 and not PIPELINED:
             raw = nxt
 
     out0 = _row_out(acc0, xs0, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL, HAS_ZEROS)  # [BN]
@@ -451,7 +457,7 @@ class Int4KernelConfig:
     block_k: int
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 2  # GEMV: <= 2 prefetches the next weight tile in registers; >= 3 pipelines through cp.async
     x_tile: bool = True  # GEMV only: x as one contiguous tile split in registers, else eight gathers
 
     def __post_init__(self) -> None:
@@ -673,7 +679,8 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         qw = qw.view(torch.int32) if words else qw
         even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
         kernel, grid = _int4_gemv_kernel, (m_tiles, n_tiles, split_k)
-        consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m)
+        consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
+                      STAGES=cfg.num_stages)
     else:
         # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
         # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use

@@ -658,9 +658,9 @@ def pair_build_id(models: list[dict]) -> str:
     """8 hex digits naming one build of the pair: a hash over both models' weight hashes.
 
     Two builds of the non-deterministic recipe on two H200 leases gave different pairs; the gpu recipe now
-    trains with deterministic kernels, which repeated bit for bit within one lease but is not yet checked
-    across leases. So a record's conditions name the build, and the claims gate judges a record only
-    against references pinned on the same weights, never across builds.
+    trains with deterministic kernels, and its build repeated bit for bit on two H200 leases (37a43dbc, sessions 5
+    and 6). Another GPU, driver or library version may still train other weights, so a record's conditions name
+    the build, and the claims gate judges a record only against references pinned on the same weights.
     """
     digests = sorted(f"{m['name']}:{m['checkpoint_sha256']}" for m in models)
     return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:8]

@@ -22,10 +22,12 @@ from triton.compiler import ASTSource, compile
 from sdsie.kernels.int4_gemm import _int4_gemv_kernel, candidate_configs
 
 NAMES = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "lock_ptr", "M", "N", "K", "NCOLS", "G",
-         "k_per_split", "stride_xm", "stride_xk", "stride_qn", "stride_ym"]
-TYPES = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 10
+         "k_per_split", "stride_xm", "stride_xk", "stride_qn", "stride_ym", "magic_lo",
+         "magic_hi"]
+TYPES = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 12
 DIV16 = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "lock_ptr", "N", "K", "NCOLS", "k_per_split",
-         "stride_xm", "stride_qn", "stride_ym"}
+         "stride_xm", "stride_qn", "stride_ym", "magic_lo",
+         "magic_hi"}
 
 
 def loop_body(ptx: str) -> list[str]:

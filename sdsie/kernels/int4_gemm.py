@@ -86,7 +86,7 @@ def _load_bytes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB: tl.constexpr):
 
 
 @triton.jit
-def _code_pair_f32(w, SHIFT: tl.constexpr):
+def _code_pair_f32(w, SHIFT: tl.constexpr, magic_lo, magic_hi):
     """The two codes at bits [SHIFT, SHIFT + 8) of int32 words w as exact fp32 (256 + q_lo, 16 + q_hi).
 
     One shift puts the pair at bits 15..22; one and-or per code then drops each nibble into a float's
@@ -98,8 +98,8 @@ def _code_pair_f32(w, SHIFT: tl.constexpr):
         t = w << (15 - SHIFT)
     else:
         t = w >> (SHIFT - 15)
-    lo = ((t & 0x00078000) | 0x43800000).to(tl.float32, bitcast=True)
-    hi = ((t & 0x00780000) | 0x41800000).to(tl.float32, bitcast=True)
+    lo = ((t & 0x00078000) | magic_lo).to(tl.float32, bitcast=True)
+    hi = ((t & 0x00780000) | magic_hi).to(tl.float32, bitcast=True)
     return lo, hi
 
 
@@ -139,8 +139,8 @@ def _x_gather(x_row, kc, i: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS: tl.constexpr, EVEN: tl.constexpr,
-                     X_TILE: tl.constexpr):
+def _gemv_words_tile(raw, x_row, k0, K, stride_xk, magic_lo, magic_hi, BLOCK_COLS: tl.constexpr,
+                     EVEN: tl.constexpr, X_TILE: tl.constexpr):
     """sum_j q_j x_j over each word's 8 codes for one word tile raw [BN, BC].
 
     X_TILE: x is read as one contiguous [BC, 8] tile and split in registers (vector loads; the split
@@ -166,19 +166,20 @@ def _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS: tl.constexpr, EVE
     x_even = x0 + x2 + x4 + x6  # [BC]
     x_odd = x1 + x3 + x5 + x7
     prod = tl.broadcast_to(-(256.0 * x_even + 16.0 * x_odd)[None, :], raw.shape)  # the codes' offsets
-    c0, c1 = _code_pair_f32(raw, 0)
+    c0, c1 = _code_pair_f32(raw, 0, magic_lo, magic_hi)
     prod = tl.fma(c1, x1[None, :], tl.fma(c0, x0[None, :], prod))
-    c2, c3 = _code_pair_f32(raw, 8)
+    c2, c3 = _code_pair_f32(raw, 8, magic_lo, magic_hi)
     prod = tl.fma(c3, x3[None, :], tl.fma(c2, x2[None, :], prod))
-    c4, c5 = _code_pair_f32(raw, 16)
+    c4, c5 = _code_pair_f32(raw, 16, magic_lo, magic_hi)
     prod = tl.fma(c5, x5[None, :], tl.fma(c4, x4[None, :], prod))
-    c6, c7 = _code_pair_f32(raw, 24)
+    c6, c7 = _code_pair_f32(raw, 24, magic_lo, magic_hi)
     prod = tl.fma(c7, x7[None, :], tl.fma(c6, x6[None, :], prod))
     return prod, x_even + x_odd
 
 
 @triton.jit
-def _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS: tl.constexpr):
+def _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo, magic_hi,
+                     BLOCK_COLS: tl.constexpr):
     """Bytes path (K not a multiple of 8): sum_j q_j x_j over each byte's two codes, prod [BN, BC], and
     xcol [BC]."""
     offs_c = k0 // 2 + tl.arange(0, BLOCK_COLS)  # [BC]
@@ -188,7 +189,7 @@ def _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, str
     kc = offs_c * 2  # [BC] first k of each byte
     xe = tl.load(x_row + kc * stride_xk, mask=kc < K, other=0.0).to(tl.float32)  # [BC]
     xo = tl.load(x_row + (kc + 1) * stride_xk, mask=kc + 1 < K, other=0.0).to(tl.float32)
-    lo, hi = _code_pair_f32(raw, 0)
+    lo, hi = _code_pair_f32(raw, 0, magic_lo, magic_hi)
     prod = tl.fma(hi, xo[None, :], tl.fma(lo, xe[None, :], -(256.0 * xe + 16.0 * xo)[None, :]))
     return prod, xe + xo
 
@@ -251,7 +252,8 @@ def _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP: tl.constex
 
 
 @triton.jit
-def _row_tile(raw, qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS: tl.constexpr,
+def _row_tile(raw, qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo, magic_hi,
+              BLOCK_COLS: tl.constexpr,
               PER_COL: tl.constexpr, EVEN: tl.constexpr, X_TILE: tl.constexpr):
     """One row's product tile [BN, BC] and its x column sums [BC] (words: from the loaded tile raw; bytes: loads).
 
@@ -259,8 +261,9 @@ def _row_tile(raw, qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, strid
     the same values for every row, left to the compiler to compute once (reproductions/kernels/inspect_ptx.py
     counts the instructions per code and row)."""
     if PER_COL == 8:
-        return _gemv_words_tile(raw, x_row, k0, K, stride_xk, BLOCK_COLS, EVEN, X_TILE)
-    return _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS)
+        return _gemv_words_tile(raw, x_row, k0, K, stride_xk, magic_lo, magic_hi, BLOCK_COLS, EVEN, X_TILE)
+    return _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo, magic_hi,
+                            BLOCK_COLS)
 
 
 @triton.jit
@@ -286,7 +289,7 @@ def _row_out(acc, xs, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL: tl.constexpr
 def _int4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, NCOLS, G, k_per_split,
-    stride_xm, stride_xk, stride_qn, stride_ym,
+    stride_xm, stride_xk, stride_qn, stride_ym, magic_lo, magic_hi,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PER_COL: tl.constexpr,
     EVEN: tl.constexpr, X_TILE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
@@ -307,6 +310,10 @@ def _int4_gemv_kernel(
     x0 = x_ptr + row0 * stride_xm
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
+    # magic_lo, magic_hi: the float bit patterns codes are OR-ed into (256.0 and 16.0, CODE_MAGIC; see
+    # _code_pair_f32), passed as run-time arguments. As compile-time constants ptxas split every and-or into two
+    # LOP3s (one LOP3 takes one immediate); held in registers, and + or is one LOP3 per code (sm_90 SASS,
+    # reproductions/kernels/NOTES.md). Both are arguments: one derived from the other was rematerialized per use.
 
     # Per group, sum_k (q - z) s x = s * (sum_k q x - z sum_k x): the zero-point leaves the inner loop.
     # Accumulate elementwise and reduce across threads once at the end, not every iteration.
@@ -341,19 +348,19 @@ def _int4_gemv_kernel(
         if not PER_CHANNEL:
             s_t, sz_t = _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP, BLOCK_N, BLOCK_K, PER_COL,
                                            HAS_ZEROS)
-        prod, xcol = _row_tile(raw, qw_ptr, x0, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
-                               PER_COL, EVEN, X_TILE)
+        prod, xcol = _row_tile(raw, qw_ptr, x0, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo,
+                               magic_hi, BLOCK_COLS, PER_COL, EVEN, X_TILE)
         acc0, xs0 = _accumulate(acc0, xs0, prod, xcol, s_t, sz_t, PER_CHANNEL)
         if ROWS >= 2:
-            prod, xcol = _row_tile(raw, qw_ptr, x1, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
-                                   PER_COL, EVEN, X_TILE)
+            prod, xcol = _row_tile(raw, qw_ptr, x1, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
+                                   magic_lo, magic_hi, BLOCK_COLS, PER_COL, EVEN, X_TILE)
             acc1, xs1 = _accumulate(acc1, xs1, prod, xcol, s_t, sz_t, PER_CHANNEL)
         if ROWS >= 4:
-            prod, xcol = _row_tile(raw, qw_ptr, x2, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
-                                   PER_COL, EVEN, X_TILE)
+            prod, xcol = _row_tile(raw, qw_ptr, x2, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
+                                   magic_lo, magic_hi, BLOCK_COLS, PER_COL, EVEN, X_TILE)
             acc2, xs2 = _accumulate(acc2, xs2, prod, xcol, s_t, sz_t, PER_CHANNEL)
-            prod, xcol = _row_tile(raw, qw_ptr, x3, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, BLOCK_COLS,
-                                   PER_COL, EVEN, X_TILE)
+            prod, xcol = _row_tile(raw, qw_ptr, x3, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk,
+                                   magic_lo, magic_hi, BLOCK_COLS, PER_COL, EVEN, X_TILE)
             acc3, xs3 = _accumulate(acc3, xs3, prod, xcol, s_t, sz_t, PER_CHANNEL)
         if PER_COL == 8 and not PIPELINED:
             raw = nxt
@@ -444,6 +451,7 @@ def _int4_gemm_kernel(
 
 
 GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
+CODE_MAGIC = (0x43800000, 0x41800000)  # 256.0 and 16.0 in fp32: the GEMV's magic_lo, magic_hi arguments
 
 
 @dataclass(frozen=True)
@@ -639,6 +647,7 @@ class _Plan:
     split_k: int
     lock_slots: int
     sources: tuple  # (qweight, scales, zeros) it was built from: Int4Weight is mutable, so a call checks them
+    extra: tuple[int, ...] = ()  # GEMV: CODE_MAGIC
     compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
     workspace: torch.Tensor | None = None  # split K: [SPLIT_K, M, N] fp32 partials, allocated once per plan
 
@@ -681,6 +690,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         kernel, grid = _int4_gemv_kernel, (m_tiles, n_tiles, split_k)
         consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
                       STAGES=cfg.num_stages)
+        extra = CODE_MAGIC
     else:
         # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
         # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use
@@ -688,11 +698,12 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         kernel, grid = _int4_gemm_kernel, (n_tiles, split_k, m_tiles)
         consts.update(BLOCK_M=cfg.block_m, DOT_IEEE=x2.dtype == torch.float32 or _interpreting(),
                       IS_FP32=x2.dtype == torch.float32)
+        extra = ()
     order = _constexpr_names(kernel)
     return _Plan(kernel, grid, qw, w.zeros if w.zeros is not None else w.scales,
                  (m, n, k, qw.shape[1], w.n_groups, k_per_split), {name: consts[name] for name in order},
                  dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), split_k, n_tiles * m_tiles,
-                 (w.qweight, w.scales, w.zeros))
+                 (w.qweight, w.scales, w.zeros), extra)
 
 
 _PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan}; an entry leaves with its weight
@@ -720,7 +731,7 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
     else:
         ws, locks = y, y  # unused by the kernel
     args = (x2, plan.qw, w.scales, plan.zeros, y, ws, locks, *plan.ints,
-            x2.stride(0), x2.stride(1), plan.qw.stride(0), y.stride(0))
+            x2.stride(0), x2.stride(1), plan.qw.stride(0), y.stride(0), *plan.extra)
     compiled = plan.compiled
     if compiled is not None and y.data_ptr() % 16 == 0:  # y is the one pointer the plan key does not pin
         stream = triton.runtime.driver.active.get_current_stream(x2.device.index)

@@ -1,0 +1,119 @@
+"""This tree's INT4 kernel against another version of it, side by side in one run on one GPU.
+
+    git show REV:sdsie/kernels/int4_gemm.py > .ab/base_int4_gemm.py
+    python -m reproductions.kernels.ab_bench --baseline .ab/base_int4_gemm.py --out OUT.json
+
+Both versions launch the configuration this tree selects for each case (the installed tuned table), on the
+same weights and x. Per case: the time under CUDA graphs (a rotation of L2-cold weight copies, no host time),
+the eager do_bench median (L2 flushed), and each version's relative error against the float64 reference, with
+bf16 F.linear beside them for scale. The versions alternate in every measurement, so drift hits both.
+A kernel change is kept on this evidence only; the claims' numbers come from the suite (int4_bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from reproductions.kernels.int4_bench import (
+    LLAMA_SHAPES,
+    Case,
+    bench,
+    graph_us,
+    l2_busting_copies,
+    random_int4,
+    rel_error,
+)
+from sdsie.kernels import int4_matmul, int4_matmul_reference, select_config
+
+AB_CASES = [(m, g) for m, g in ((1, 128), (1, None), (2, 128))]  # (M, group): batch 1 both layouts, and M = 2
+
+
+def load_baseline(path: Path) -> ModuleType:
+    """Import a copy of sdsie/kernels/int4_gemm.py from another revision under its own module name."""
+    if not path.is_file():
+        raise FileNotFoundError(f"baseline kernel module {path} does not exist (git show REV:sdsie/kernels/...)")
+    spec = importlib.util.spec_from_file_location("sdsie_int4_gemm_baseline", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path} as a module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "int4_matmul"):
+        raise ImportError(f"{path} has no int4_matmul: not a version of sdsie/kernels/int4_gemm.py")
+    return mod
+
+
+def ab_case(case: Case, base: ModuleType, gen: torch.Generator, device: str) -> dict:
+    w = random_int4(case.n, case.k, case.group, device, gen)
+    x = torch.randn(case.m, case.k, generator=gen).to(torch.bfloat16).to(device)
+    cfg = select_config(case.m, case.n, case.k, torch.device(device), w.group_size)
+    new = lambda w_: int4_matmul(x, w_, config=cfg)  # noqa: E731
+    old = lambda w_: base.int4_matmul(x, w_, config=base.Int4KernelConfig(**asdict(cfg)))  # noqa: E731
+    ref = int4_matmul_reference(x, w)
+    out: dict = {"case": asdict(case), "config": asdict(cfg),
+                 "errors": {"new": rel_error(new(w), ref), "base": rel_error(old(w), ref)}}
+    copies = l2_busting_copies(device, case.n * case.k // 2)
+    ws = [w] + [random_int4(case.n, case.k, case.group, device, gen) for _ in range(copies - 1)]
+    wb = [w.dequantize(torch.float32).to(torch.bfloat16)]
+    wb += [torch.randn(case.n, case.k, generator=gen).to(torch.bfloat16).to(device)
+           for _ in range(min(copies, 4) - 1)]
+    graph: dict[str, list[float]] = {"new": [], "base": [], "bf16": []}
+    eager: dict[str, list[float]] = {"new": [], "base": [], "bf16": []}
+    for _ in range(3):  # alternate the versions: new, base, bf16, new, base, bf16, ...
+        graph["new"].append(graph_us(lambda i: (lambda: new(ws[i % len(ws)])), case.n * case.k // 2, device))
+        graph["base"].append(graph_us(lambda i: (lambda: old(ws[i % len(ws)])), case.n * case.k // 2, device))
+        graph["bf16"].append(graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * case.n * case.k,
+                                      device))
+        eager["new"].append(statistics.median(bench(lambda: new(w), rep_ms=50)))
+        eager["base"].append(statistics.median(bench(lambda: old(w), rep_ms=50)))
+        eager["bf16"].append(statistics.median(bench(lambda: F.linear(x, wb[0]), rep_ms=50)))
+    out["graph_us"] = graph
+    out["eager_us"] = eager
+    med = {k: statistics.median(v) for k, v in graph.items()}
+    out["graph_new_over_base"] = med["base"] / med["new"]  # > 1: the new kernel is faster
+    out["graph_speedup_vs_bf16"] = {"new": med["bf16"] / med["new"], "base": med["bf16"] / med["base"]}
+    emed = {k: statistics.median(v) for k, v in eager.items()}
+    out["eager_new_over_base"] = emed["base"] / emed["new"]
+    out["eager_speedup_vs_bf16"] = {"new": emed["bf16"] / emed["new"], "base": emed["bf16"] / emed["base"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", type=Path, required=True, help="a copy of sdsie/kernels/int4_gemm.py to compare")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", nargs="*", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ab_bench needs a CUDA GPU; torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    base = load_baseline(a.baseline)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for shape in a.shapes:
+        n, k = LLAMA_SHAPES[shape]
+        for m, g in AB_CASES:
+            r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda")
+            results.append(r)
+            gm = {v: statistics.median(t) for v, t in r["graph_us"].items()}
+            print(f"{shape:22s} m={m} g={g} graph new={gm['new']:.1f} base={gm['base']:.1f} bf16={gm['bf16']:.1f}us "
+                  f"x{r['graph_new_over_base']:.3f} | eager x{r['eager_new_over_base']:.3f} | err new "
+                  f"{r['errors']['new']:.2e} base {r['errors']['base']:.2e}", flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"baseline": str(a.baseline), "device": torch.cuda.get_device_name(),
+                                 "torch": torch.__version__, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

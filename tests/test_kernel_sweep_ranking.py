@@ -92,3 +92,25 @@ def test_inspect_ptx_config_specs():
     assert _parse("128x256x4") == (128, 256, 1, 4, True, 1, 2)
     assert _parse("r4r64x256x2x8p3g") == (64, 256, 8, 2, False, 4, 3)
     assert _parse("256x128x4p4") == (256, 128, 1, 4, True, 1, 4)
+
+
+def test_ab_bench_loads_another_kernel_version_beside_this_one(tmp_path):
+    """The A/B bench imports a copy of int4_gemm.py under its own name (its dataclasses and plans apart from this
+    tree's), and names the problem when the file is missing or is not a kernel module."""
+    from pathlib import Path
+
+    import pytest
+
+    from reproductions.kernels.ab_bench import load_baseline
+    from sdsie.kernels import int4_gemm
+
+    copy = tmp_path / "base_int4_gemm.py"
+    copy.write_text(Path(int4_gemm.__file__).read_text())
+    base = load_baseline(copy)
+    assert base.int4_matmul is not int4_gemm.int4_matmul and base._PLANS is not int4_gemm._PLANS
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_baseline(tmp_path / "missing.py")
+    other = tmp_path / "other.py"
+    other.write_text("x = 1\n")
+    with pytest.raises(ImportError, match="no int4_matmul"):
+        load_baseline(other)

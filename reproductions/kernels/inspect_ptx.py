@@ -1,4 +1,4 @@
-"""Compile the GEMV kernel for sm_90 on any host (no GPU needed) and count what its PTX does.
+"""Compile the GEMV kernel for sm_90 on any host (no GPU needed) and count what its PTX and SASS do.
 
     python -m reproductions.kernels.inspect_ptx [--configs BNxBKxW ...]
 
@@ -7,7 +7,8 @@ Llama shapes (N, K, strides multiples of 16), so vectorization matches a real la
 masks) is set as it is for those shapes. Reports the main loop's PTX instructions per INT4 code a
 thread handles (the issue-rate budget: at 4.2 TB/s an H200 SM must retire ~30 codes per clock, i.e.
 ~4 lane-instructions per code), its global/shared loads, local-memory (spill) accesses and
-int->float conversions.
+int->float conversions; and the loop's SASS (ptxas and nvdisasm ship with Triton) per code, which is what
+issues: PTX and-or pairs, for one, became one or two LOP3s depending on where the constants lived.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
@@ -45,6 +50,32 @@ def loop_body(ptx: str) -> list[str]:
     return best
 
 
+def sass_loop(cubin: bytes) -> list[str]:
+    """The K loop's SASS instructions (opcode and operands), disassembled with the nvdisasm Triton ships: the
+    longest span between a label and a backward branch to it, as `loop_body` does for PTX."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    lines = text.splitlines()
+    labels: dict[str, int] = {}
+    best: tuple[int, int] = (0, 0)
+    for i, line in enumerate(lines):
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    body = []
+    for line in lines[best[0]:best[1] + 1]:
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m:
+            body.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).strip())
+    return body
+
+
 def opcounts(lines: list[str]) -> collections.Counter:
     c: collections.Counter = collections.Counter()
     for line in lines:
@@ -65,7 +96,11 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
     ptx = kernel.asm["ptx"]
     loop = opcounts(loop_body(ptx))
     codes_per_thread = block_n * block_k / (32 * num_warps)
+    sass = sass_loop(kernel.asm["cubin"])
+    sass_ops = collections.Counter(op.split()[0].split(".")[0] for op in sass)
     return {
+        "sass_loop_per_code": len(sass) / codes_per_thread,
+        "sass_lop3_per_code": sass_ops["LOP3"] / codes_per_thread,
         "loop_per_code": sum(loop.values()) / codes_per_thread,
         "loop_per_code_row": sum(loop.values()) / codes_per_thread / rows,  # per code and row of x it serves
         "loop_ld_global": sum(v for k, v in loop.items() if k.startswith("ld.global")),
@@ -108,14 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps, c.x_tile, c.block_m, c.num_stages)
                 for c in candidate_configs() if c.gemv]
-    print("| config | x | rows | loop instr/code | per code and row | codes/thread | loop ld.global | loop ld.shared "
-          "| loop bar | loop cp.async | loop shfl | local (spills) | int->f32 cvt | shared B |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | x | rows | loop instr/code | per code and row | SASS/code | SASS LOP3/code | codes/thread "
+          "| loop ld.global | loop ld.shared | loop bar | loop cp.async | loop shfl | local (spills) | int->f32 cvt "
+          "| shared B |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bn, bk, split, w, x_tile, rows, stages in cfgs:
         r = inspect(bn, bk, split, w, x_tile=x_tile, rows=rows, stages=stages)
         print(f"| BN{bn} BK{bk} S{split} W{w} P{stages} | {'tile' if x_tile else 'gather'} | {rows} | "
               f"{r['loop_per_code']:.2f} "
-              f"| {r['loop_per_code_row']:.2f} | {r['codes_per_thread']:.0f} | {r['loop_ld_global']} | "
+              f"| {r['loop_per_code_row']:.2f} | {r['sass_loop_per_code']:.2f} | {r['sass_lop3_per_code']:.2f} | "
+              f"{r['codes_per_thread']:.0f} | {r['loop_ld_global']} | "
               f"{r['loop_ld_shared']} | {r['loop_bar']} | {r['loop_cp_async']} | "
               f"{r['loop_shfl']} | {r['local_mem']} | {r['cvt_to_f32']} | "
               f"{r['shared_bytes']} |")

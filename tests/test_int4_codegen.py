@@ -1,0 +1,39 @@
+"""What the INT4 GEMV compiles to for sm_90, checked offline (Triton's bundled ptxas and nvdisasm; no GPU).
+
+A loop-instruction budget is the GEMV's speed at batch 1 (reproductions/kernels/NOTES.md): these tests pin
+the code-generation decisions that the H200 measurements rest on, so a refactor that undoes one fails here
+rather than on the next GPU lease. The compile runs in a subprocess: the test session interprets kernels
+(TRITON_INTERPRET=1), which has nothing to compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def inspect_in_subprocess(**kwargs) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; from reproductions.kernels.inspect_ptx import inspect; "
+            f"print(json.dumps(inspect(**{kwargs!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"compiling the GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_each_code_costs_one_lop3_and_the_pipelined_loop_stays_lean():
+    """The codes' float bit patterns arrive as run-time arguments: with them as compile-time constants ptxas split
+    every and-or into two LOP3s (4.6 SASS instructions per code in the loop instead of 3.5)."""
+    r = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=4)  # H200 LM-head config
+    assert r["sass_lop3_per_code"] == pytest.approx(1.0)
+    assert r["sass_loop_per_code"] < 3.8
+    assert r["local_mem"] == 0 and r["cvt_to_f32"] == 0  # no spills, no int->float conversions
+    assert r["loop_cp_async"] > 0 and r["loop_bar"] <= 2  # stages >= 3: weight tiles through cp.async

@@ -270,3 +270,27 @@ def test_forward_costs_on_a_static_cache_time_the_same_three_forwards():
         assert costs["target_step_ms"] > 0 and costs["target_verify_ms"] > 0 and costs["scout_step_ms"] > 0
         assert costs["scout_cost_ratio"] == pytest.approx(costs["scout_step_ms"] / costs["target_step_ms"])
         assert "target_step_gpu_ms" not in costs  # no CUDA events on a CPU
+
+
+def test_readme_keeps_the_full_decode_table_and_adds_the_graphed_k_sweep_from_a_subset_run():
+    """A `--variants` run (K = 2/3/5 under graphs) is newer than the full record: the main table stays on the newest
+    record that decoded every main variant, and the K-sweep table comes from the newest record that has one."""
+    from types import SimpleNamespace
+
+    from reproductions.readme_results import K_SWEEP, MAIN_DECODE, k_sweep_section, newest
+
+    full = SimpleNamespace(suite="decode_standin", created="2026-11-30T11:00", config={"variants": list(MAIN_DECODE)})
+    subset = SimpleNamespace(suite="decode_standin", created="2026-11-30T13:00", config={"variants": list(K_SWEEP)})
+    older = SimpleNamespace(suite="decode_standin", created="2026-11-30T06:00", config={})  # before 'variants'
+    assert newest([full, subset, older], "decode_standin", MAIN_DECODE) is full
+    assert newest([full, subset, older], "decode_standin", K_SWEEP) is subset
+    assert newest([full, subset, older], "decode_standin") is subset
+    mt = {"plain_graphs.code.tokens_per_s": 520.0, "fixed_k2_graphs.code.acceptance_pct": 28.8,
+          "fixed_k2_graphs.code.paired_speedup_vs_plain_graphs": 0.938,
+          "fixed_k2_graphs.code.paired_speedup_vs_plain_graphs_ci_low": 0.852,
+          "fixed_k2_graphs.code.paired_speedup_vs_plain_graphs_ci_high": 1.026}
+    rec = SimpleNamespace(metrics=mt, config={"trials": 3}, conditions={"model": "pair"},
+                          source=SimpleNamespace(name="r.json"))
+    table = "\n".join(k_sweep_section(rec))
+    assert "| code | 520 | 0.94x (0.85-1.03) | - | - | 29%/-/- |" in table and "physics" not in table
+    assert "GPU time" not in table  # no forward_ms_graphs in this record

@@ -398,3 +398,60 @@ def test_x_tile_choice_reaches_the_kernel(kernel_device):
         assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
     chosen = {key[-1]: plan.consts["X_TILE"] for key, plan in int4_gemm._PLANS[id(w)].items()}
     assert chosen == {tile: True, GATHER: False}
+
+
+class _RecordingKernel:
+    """Stands in for a compiled Triton kernel on CPU: the first launch runs the interpreter and returns a fake
+    CompiledKernel whose `run` (the launcher `int4_matmul` calls from then on) binds the flat argument tuple it
+    gets to the kernel's parameters by position and runs the interpreter again. So the GPU-only fast path, which
+    hands Triton's launcher one positional tuple per call, is checked for argument order and content."""
+
+    def __init__(self, kernel):
+        self.kernel, self.fn, self.fast_launches = kernel, kernel.fn, 0
+
+    def __getitem__(self, grid):
+        def first_launch(*args, num_warps=None, num_stages=None, **consts):
+            self.kernel[grid](*args, **consts)
+            return self
+
+        return first_launch
+
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, gx, gy, gz, stream, function, packed_metadata, meta, enter, exit, *values):
+        from sdsie.kernels.int4_gemm import _constexpr_names
+
+        names = _constexpr_names(self.kernel)
+        n_runtime = len(values) - len(names)
+        self.kernel[(gx, gy, gz)](*values[:n_runtime], **dict(zip(names, values[n_runtime:], strict=True)))
+        self.fast_launches += 1
+
+
+@pytest.mark.parametrize("config", [Int4KernelConfig(1, 32, 128, split_k=2, num_stages=3),
+                                    Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2)], ids=str)
+def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, monkeypatch, config):
+    import types
+
+    import triton
+
+    from sdsie.kernels import int4_gemm
+
+    gen = torch.Generator().manual_seed(19)
+    w = make_weight(64, 512, 128, False, 0.05, kernel_device, gen)
+    recorders = {name: _RecordingKernel(getattr(int4_gemm, name))
+                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel")}
+    for name, rec in recorders.items():
+        monkeypatch.setattr(int4_gemm, name, rec)
+    monkeypatch.setattr(int4_gemm, "_interpreting", lambda: False)  # keep the "compiled" kernel, as on a GPU
+    # no GPU driver here: the fast path only asks the active driver for the current stream
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda index: 0))
+    m = 3 if config.block_m > 1 else 1
+    for trial in range(3):  # the first call compiles (interprets); the others take the fast path
+        x = torch.randn(m, 512, generator=gen).to(kernel_device)
+        out = torch.full((m, 64), float("nan"), device=kernel_device) if trial == 2 else None
+        assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
+    kernel = recorders["_int4_gemv_kernel" if config.gemv else "_int4_gemm_kernel"]
+    assert kernel.fast_launches == 2

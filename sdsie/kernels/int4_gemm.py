@@ -650,6 +650,8 @@ class _Plan:
     extra: tuple[int, ...] = ()  # GEMV: CODE_MAGIC
     compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
     workspace: torch.Tensor | None = None  # split K: [SPLIT_K, M, N] fp32 partials, allocated once per plan
+    before_y: tuple = ()  # after the first launch: the compiled kernel's arguments between x and y ...
+    after_y: tuple = ()  # ... and after y (constexpr values included), fixed for the plan
 
     def built_from(self, w: Int4Weight) -> bool:
         q, s, z = self.sources
@@ -720,6 +722,17 @@ def _plans_of(w: Int4Weight) -> dict:
 
 
 def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
+    compiled = plan.compiled
+    if compiled is not None and y.data_ptr() % 16 == 0:  # y is the one pointer the plan key does not pin
+        # Every argument but x and y is fixed for the plan (its key pins x's strides; y is contiguous [M, N]):
+        # one tuple per call, no per-call stride reads, buffer lookups or constexpr packing.
+        stream = triton.runtime.driver.active.get_current_stream(x2.device.index)
+        values = (x2, *plan.before_y, y, *plan.after_y)
+        hook = triton.knobs.runtime.launch_enter_hook
+        meta = None if hook is None else compiled.launch_metadata(plan.grid, stream, *values)
+        compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata, meta, hook,
+                     triton.knobs.runtime.launch_exit_hook, *values)
+        return
     m, n = plan.ints[0], plan.ints[1]
     if plan.split_k > 1:
         # Kept with the plan (launches on one weight share a stream, as the semaphore buffer already requires):
@@ -729,19 +742,13 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
             ws = plan.workspace = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x2.device)
         locks = _SCRATCH.lock_buffer(x2.device, plan.lock_slots)
     else:
-        ws, locks = y, y  # unused by the kernel
-    args = (x2, plan.qw, w.scales, plan.zeros, y, ws, locks, *plan.ints,
-            x2.stride(0), x2.stride(1), plan.qw.stride(0), y.stride(0), *plan.extra)
-    compiled = plan.compiled
-    if compiled is not None and y.data_ptr() % 16 == 0:  # y is the one pointer the plan key does not pin
-        stream = triton.runtime.driver.active.get_current_stream(x2.device.index)
-        values = (*args, *plan.consts.values())
-        compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(plan.grid, stream, *values),
-                     triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook, *values)
-        return
-    result = plan.kernel[plan.grid](*args, **plan.consts, **plan.options)
+        ws = locks = plan.qw  # unused by the kernel without split K: any fixed pointer
+    # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
+    after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
+    result = plan.kernel[plan.grid](x2, plan.qw, w.scales, plan.zeros, y, *after_y, **plan.consts, **plan.options)
     if not _interpreting() and y.data_ptr() % 16 == 0 and hasattr(result, "run"):
+        plan.before_y = (plan.qw, w.scales, plan.zeros)
+        plan.after_y = (*after_y, *plan.consts.values())
         plan.compiled = result
 
 
@@ -757,8 +764,8 @@ def int4_matmul(
     """
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)  # [M, K]; copies only when x cannot be viewed so (strides handled)
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, k)  # [M, K]; copies only when x cannot be viewed so (strides handled)
     m = x2.shape[0]
     if out is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -767,18 +774,18 @@ def int4_matmul(
     else:
         y = out
     if m == 0 or n == 0:
-        return y.reshape(*lead, n)
-    cfg = config or select_config(m, n, k, x.device, w.group_size)
-    # Everything Triton specializes on: M (value), x's dtype, strides and 16-byte alignment, the config;
-    # the weight's tensors, N, K and the group are fixed for the object the plans live on.
-    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, cfg)
+        return y if flat else y.reshape(*x.shape[:-1], n)
+    # Everything Triton specializes on: M (value), x's dtype, strides and 16-byte alignment, the config (None:
+    # the one select_config picks, fixed for M on this weight); the weight's tensors, N, K and the group are
+    # fixed for the object the plans live on.
+    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config)
     plans = _plans_of(w)
     plan = plans.get(key)
     if plan is None or not plan.built_from(w):
-        plan = plans[key] = _plan(x2, w, cfg)
+        plan = plans[key] = _plan(x2, w, config or select_config(m, n, k, x.device, w.group_size))
     _launch(plan, x2, w, y)
     _CALLS["n"] += 1
-    return y.reshape(*lead, n)
+    return y if flat else y.reshape(*x.shape[:-1], n)
 
 
 assert SYMMETRIC_ZERO == 8  # the kernels hard-code the symmetric zero-point

@@ -371,33 +371,24 @@ def test_launch_plans_follow_reassigned_weight_tensors(kernel_device):
     assert_close_to_reference(int4_matmul(x, w), x, w)
 
 
-def test_pipeline_stages_reach_the_gemv(kernel_device):
-    """Int4KernelConfig.num_stages sets the GEMV's STAGES (>= 3: loads left to Triton's cp.async pipeliner), and
-    both ways of keeping tiles in flight give the reference's result."""
+BY_HAND = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2)  # x tile, next weight tile prefetched in registers
+
+
+@pytest.mark.parametrize(("const", "expected"), [
+    ("X_TILE", {BY_HAND: True, GATHER: False}),  # x as one tile split in registers, or eight gathers
+    ("STAGES", {BY_HAND: 2, PIPELINED: 3}),  # >= 3: weight loads left to Triton's cp.async pipeliner
+])
+def test_config_choices_reach_the_gemv(kernel_device, const, expected):
+    """Int4KernelConfig.x_tile and .num_stages set the GEMV's X_TILE and STAGES constexprs, and every choice gives
+    the reference's result."""
     from sdsie.kernels import int4_gemm
 
     gen = torch.Generator().manual_seed(17)
     w = make_weight(128, 1024, 128, False, 0.05, kernel_device, gen)
     x = torch.randn(1, 1024, generator=gen).to(kernel_device)
-    by_hand = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2)
-    for cfg in (by_hand, PIPELINED):
+    for cfg in expected:
         assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
-    chosen = {key[-1]: plan.consts["STAGES"] for key, plan in int4_gemm._PLANS[id(w)].items()}
-    assert chosen == {by_hand: 2, PIPELINED: 3}
-
-
-def test_x_tile_choice_reaches_the_kernel(kernel_device):
-    """Int4KernelConfig.x_tile selects the kernel's X_TILE constexpr (tile + split vs eight gathers)."""
-    from sdsie.kernels import int4_gemm
-
-    gen = torch.Generator().manual_seed(13)
-    w = make_weight(128, 512, 128, False, 0.05, kernel_device, gen)
-    x = torch.randn(1, 512, generator=gen).to(kernel_device)
-    tile = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2)
-    for cfg in (tile, GATHER):
-        assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
-    chosen = {key[-1]: plan.consts["X_TILE"] for key, plan in int4_gemm._PLANS[id(w)].items()}
-    assert chosen == {tile: True, GATHER: False}
+    assert {key[-1]: plan.consts[const] for key, plan in int4_gemm._PLANS[id(w)].items()} == expected
 
 
 class _RecordingKernel:

@@ -307,7 +307,7 @@ def sweep_configs() -> list[Int4KernelConfig]:
              for bn, bk in ((32, 256), (64, 128), (64, 256)) for sk in (2, 4, 8)]
     # Word tiles through Triton's cp.async pipeline, 2-3 tiles in flight (session 6): offline PTX 4.60-4.66 loop
     # instructions per code and 2 barriers per tile, against 4.87 and 6 with the one-tile register prefetch.
-    # (The x-gather variant at M = 1 lost to the tile on every case of the session-3 sweep and left the grid.)
+    # (The x-gather variant at M = 1 lost to the tile on all 10 M = 1 cases of kernel_sweep_v3_h200.json: out.)
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=3)
              for bn, bk in ((64, 256), (128, 256), (256, 128)) for sk in (1, 2, 4, 8)]
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=4)

@@ -114,3 +114,35 @@ def test_ab_bench_loads_another_kernel_version_beside_this_one(tmp_path):
     other.write_text("x = 1\n")
     with pytest.raises(ImportError, match="no int4_matmul"):
         load_baseline(other)
+
+
+def test_host_overhead_stubs_reach_the_compiled_fast_path(tmp_path, monkeypatch):
+    """The host-time tool times the kernel module's own launch path: with its kernels stubbed, the first call
+    builds the plan and keeps the stub as the compiled kernel, and later calls go through the fast path (the stub's
+    run), launching nothing."""
+    import types
+    from pathlib import Path
+
+    import torch
+    import triton
+
+    from reproductions.kernels import host_overhead
+    from reproductions.kernels.ab_bench import load_baseline
+    from reproductions.kernels.int4_bench import random_int4
+    from sdsie.kernels import int4_gemm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a GPU host: the module keeps compiled kernels
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda i: 0))
+    copy = tmp_path / "int4_gemm_copy.py"
+    copy.write_text(Path(int4_gemm.__file__).read_text())
+    mod = load_baseline(copy)
+    host_overhead.stub_kernels(mod)
+    runs = []
+    monkeypatch.setattr(host_overhead._StubCompiled, "run", lambda self, *args: runs.append(len(args)))
+    w = random_int4(64, 512, 128, "cpu", torch.Generator().manual_seed(0))
+    x = torch.randn(1, 512).to(torch.bfloat16)
+    cfg = mod.Int4KernelConfig(1, 32, 256, split_k=2)
+    for _ in range(3):
+        mod.int4_matmul(x, w, config=cfg)
+    (plan,) = mod._plans_of(w).values()
+    assert isinstance(plan.compiled, host_overhead._StubCompiled) and len(runs) == 2

@@ -235,3 +235,11 @@ def test_host_launch_cost_is_a_positive_ordered_spread() -> None:
     assert (cost["launches"], cost["trials"]) == (200.0, 3.0)
     with pytest.raises(ValueError, match="launches and trials must be >= 1"):
         host_launch_us("cpu", launches=0)
+
+
+def test_write_raw_creates_its_folder_and_round_trips(tmp_path):
+    from sdsie.telemetry.records import write_raw
+
+    path = write_raw(tmp_path / "raw" / "probe.json", {"median_us": {"this": 7.9}, "samples": [1, 2]})
+    assert path == tmp_path / "raw" / "probe.json"
+    assert json.loads(path.read_text()) == {"median_us": {"this": 7.9}, "samples": [1, 2]}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from reproductions.kernels.int4_bench import (
     rel_error,
 )
 from sdsie.kernels import int4_matmul, int4_matmul_reference, select_config
+from sdsie.telemetry.records import write_raw
 
 AB_CASES = [(m, g) for m, g in ((1, 128), (1, None), (2, 128))]  # (M, group): batch 1 both layouts, and M = 2
 
@@ -111,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape:22s} m={m} g={g} graph new={gm['new']:.1f} base={gm['base']:.1f} bf16={gm['bf16']:.1f}us "
                   f"x{r['graph_new_over_base']:.3f} | eager x{r['eager_new_over_base']:.3f} | err new "
                   f"{r['errors']['new']:.2e} base {r['errors']['base']:.2e}", flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"baseline": str(a.baseline), "device": torch.cuda.get_device_name(),
-                                 "torch": torch.__version__, "results": results}, indent=1))
+    write_raw(a.out, {"baseline": str(a.baseline), "device": torch.cuda.get_device_name(),
+                      "torch": torch.__version__, "results": results})
     return 0
 
 

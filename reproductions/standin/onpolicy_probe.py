@@ -44,6 +44,7 @@ from sdsie.standin import (
     pair_losses,
     scout_from_target,
 )
+from sdsie.telemetry.records import write_raw
 
 PREFIX = 32  # corpus tokens each generated window continues
 
@@ -142,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     results["summary"] = summary
     print(json.dumps(summary, indent=1))
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(results, indent=1))
+        write_raw(a.out, results)
     return 0
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "module_hash",
     "text_hash",
     "write_record",
+    "write_raw",
     "load_record",
     "load_records",
     "records_for_claim",
@@ -255,6 +256,15 @@ def write_record(record: RunRecord, directory: str | os.PathLike[str] = "telemet
         if tmp.exists():
             tmp.unlink()
     return final
+
+
+def write_raw(path: str | os.PathLike[str], payload: Any) -> Path:
+    """Write a raw companion file (a sweep, an A/B run, a probe: not a RunRecord) as indented JSON at `path`,
+    creating its folder. Raw files sit under telemetry/raw beside the records that cite them."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    return path
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -37,3 +37,12 @@ def test_each_code_costs_one_lop3_and_the_pipelined_loop_stays_lean():
     assert r["sass_loop_per_code"] < 3.8
     assert r["local_mem"] == 0 and r["cvt_to_f32"] == 0  # no spills, no int->float conversions
     assert r["loop_cp_async"] > 0 and r["loop_bar"] <= 2  # stages >= 3: weight tiles through cp.async
+
+
+def test_pipeline_stages_decide_how_weight_tiles_arrive():
+    """num_stages acts in the compiled loop: 2 keeps the hand-written register prefetch (plain vector loads, no
+    cp.async), 3 hands the loads to Triton's pipeliner (cp.async into shared memory)."""
+    by_hand = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=2)
+    piped = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=3)
+    assert by_hand["loop_cp_async"] == 0 and by_hand["shared_bytes"] < 4096
+    assert piped["loop_cp_async"] > 0 and piped["shared_bytes"] > 16384

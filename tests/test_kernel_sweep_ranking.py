@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import pytest
+
 from reproductions.kernels.int4_bench import best_configs, summarize
 from sdsie.kernels import Int4KernelConfig
 
@@ -92,6 +94,9 @@ def test_inspect_ptx_config_specs():
     assert _parse("128x256x4") == (128, 256, 1, 4, True, 1, 2)
     assert _parse("r4r64x256x2x8p3g") == (64, 256, 8, 2, False, 4, 3)
     assert _parse("256x128x4p4") == (256, 128, 1, 4, True, 1, 4)
+    for bad in ("128x256", "128x256x4q", "r2128x256x4"):
+        with pytest.raises(ValueError, match="is not"):
+            _parse(bad)
 
 
 def test_ab_bench_loads_another_kernel_version_beside_this_one(tmp_path):

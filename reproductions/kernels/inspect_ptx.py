@@ -35,41 +35,36 @@ DIV16 = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "lock_ptr", "N"
          "magic_hi"}
 
 
-def loop_body(ptx: str) -> list[str]:
-    """The longest span between a label and a backward branch to it: the K loop."""
-    lines = ptx.splitlines()
+def longest_loop(lines: list[str], label: str, branch: str) -> list[str]:
+    """The longest span of `lines` between a label and a backward branch to it (the K loop). `label` and `branch`
+    are regexes whose group 1 is the label's name, on its defining line and on a branch line."""
     labels: dict[str, int] = {}
-    best: list[str] = []
+    best = (0, -1)
     for i, line in enumerate(lines):
-        m = re.match(r"^\$(\w+):", line.strip())
+        m = re.match(label, line)
         if m:
             labels[m.group(1)] = i
-        m = re.search(r"bra(?:\.uni)?\s+\$(\w+);", line)
-        if m and m.group(1) in labels and labels[m.group(1)] < i and i - labels[m.group(1)] > len(best):
-            best = lines[labels[m.group(1)]:i + 1]
-    return best
+        m = re.search(branch, line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    return lines[best[0]:best[1] + 1]
+
+
+def loop_body(ptx: str) -> list[str]:
+    """The PTX K loop."""
+    return longest_loop(ptx.splitlines(), r"^\s*\$(\w+):", r"bra(?:\.uni)?\s+\$(\w+);")
 
 
 def sass_loop(cubin: bytes) -> list[str]:
-    """The K loop's SASS instructions (opcode and operands), disassembled with the nvdisasm Triton ships: the
-    longest span between a label and a backward branch to it, as `loop_body` does for PTX."""
+    """The K loop's SASS instructions (opcode and operands), disassembled with the nvdisasm Triton ships."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    lines = text.splitlines()
-    labels: dict[str, int] = {}
-    best: tuple[int, int] = (0, 0)
-    for i, line in enumerate(lines):
-        m = re.match(r"^\s*(\.L_x_\d+):", line)
-        if m:
-            labels[m.group(1)] = i
-        m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)
-        if m and m.group(1) in labels and labels[m.group(1)] < i and i - labels[m.group(1)] > best[1] - best[0]:
-            best = (labels[m.group(1)], i)
+    loop = longest_loop(text.splitlines(), r"^\s*(\.L_x_\d+):", r"\bBRA\b.*?(\.L_x_\d+)")
     body = []
-    for line in lines[best[0]:best[1] + 1]:
+    for line in loop:
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
         if m:
             body.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).strip())
@@ -118,18 +113,11 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
 def _parse(spec: str) -> tuple[int, int, int, int, bool, int, int]:
     """[rRr]BNxBKxWARPS[xSPLIT][pSTAGES][g]: a leading rRr sets R rows per program, pS the pipeline stages (>= 3:
     cp.async through shared memory), a trailing g the x-gather variant."""
-    rows = 1
-    if spec.startswith("r"):
-        head, spec = spec[1:].split("r", 1)
-        rows = int(head)
-    gather = spec.endswith("g")
-    spec = spec.rstrip("g")
-    stages = 2
-    if "p" in spec:
-        spec, tail = spec.split("p", 1)
-        stages = int(tail)
-    bn, bk, w, *rest = (int(v) for v in spec.split("x"))
-    return bn, bk, rest[0] if rest else 1, w, not gather, rows, stages
+    m = re.fullmatch(r"(?:r(\d+)r)?(\d+)x(\d+)x(\d+)(?:x(\d+))?(?:p(\d+))?(g?)", spec)
+    if m is None:
+        raise ValueError(f"config spec {spec!r} is not [rROWSr]BNxBKxWARPS[xSPLIT][pSTAGES][g], e.g. r2r128x256x4p3")
+    rows, bn, bk, w, split, stages, gather = m.groups()
+    return int(bn), int(bk), int(split or 1), int(w), not gather, int(rows or 1), int(stages or 2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,17 +204,25 @@ def graph_us(make_call: Callable[[int], Callable[[], object]], bytes_per_call: i
     return statistics.median(times)
 
 
+def weight_rotation(case: Case, gen: torch.Generator, device: str) -> tuple[list[Int4Weight], list[torch.Tensor]]:
+    """INT4 weight copies covering > 4x L2 (graph_us cycles through them so none is read from L2), and bf16
+    copies of the same shape (as many, at most 16: each is 4x the bytes)."""
+    n, k = case.n, case.k
+    copies = l2_busting_copies(device, n * k // 2)
+    ws = [random_int4(n, k, case.group, device, gen) for _ in range(copies)]
+    wb = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(min(copies, 16))]
+    return ws, wb
+
+
 def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
     """bf16, tinygemm and INT4 per-call times under CUDA graphs (no host overhead), L2-cold weights."""
     n, k, m = case.n, case.k, case.m
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
-    copies = l2_busting_copies(device, n * k // 2)
-    ws = [random_int4(n, k, case.group, device, gen) for _ in range(copies)]
+    ws, wb = weight_rotation(case, gen, device)
     out = {"int4": graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, device)}
-    wb = [torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device) for _ in range(min(copies, 16))]
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, device)
     try:
-        packs = [tinygemm_pack(w) for w in ws[: min(copies, 32)]]
+        packs = [tinygemm_pack(w) for w in ws[:32]]
         if packs[0] is not None:
             out["tinygemm"] = graph_us(lambda i: (lambda: torch.ops.aten._weight_int4pack_mm(
                 x, packs[i % len(packs)][0], case.group, packs[i % len(packs)][1])), n * k // 2, device)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ import sys
 import sysconfig
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -603,15 +604,18 @@ class _Phase:
     losses: object  # window [B, S+1] -> dict of 0-d losses with a "total"
 
 
-def _run_phase(phase: _Phase, stream: torch.Tensor, config: StandinConfig, deadline: float) -> TrainResult:
+def _run_phase(phase: _Phase, windows: Iterable[torch.Tensor], config: StandinConfig, deadline: float) -> TrainResult:
+    """Train on `windows` ([B, S+1] each, phase.steps of them) until they run out or the deadline passes."""
     cfg = config.train
     for model, _, _ in phase.learners:
         model.train()
     history: list[dict] = []
     start = time.perf_counter()
     guard_hit = False
-    step = 0
-    for step, window in enumerate(batches(stream, config.context, cfg.batch_size, phase.steps, phase.seed)):
+    done = 0
+    device = None
+    for step, window in enumerate(itertools.islice(windows, phase.steps)):
+        device = window.device
         losses = phase.losses(window)
         losses["total"].backward()
         for model, opt, peak in phase.learners:
@@ -631,12 +635,16 @@ def _run_phase(phase: _Phase, stream: torch.Tensor, config: StandinConfig, deadl
                 RuntimeWarning,
                 stacklevel=3,
             )
+            done = step + 1
             break
-    if stream.device.type == "cuda":
-        torch.cuda.synchronize(stream.device)
+        done = step + 1
+    if not guard_hit and done < phase.steps:
+        raise ValueError(f"stand-in {config.name}: {phase.name} got {done} batches for {phase.steps} steps")
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     for model, _, _ in phase.learners:
         model.eval()
-    return TrainResult(phase.steps, step + 1, guard_hit, time.perf_counter() - start, history)
+    return TrainResult(phase.steps, done, guard_hit, time.perf_counter() - start, history)
 
 
 def train_pair(
@@ -658,13 +666,18 @@ def train_pair(
         losses=lambda w: pair_losses(fwd_t, fwd_s, w, cfg.bf16_autocast, cfg.distill_weight),
     )
     deadline = deadline if deadline is not None else time.perf_counter() + cfg.time_budget_s
-    return _run_phase(phase, stream.to(device), config, deadline)
+    windows = batches(stream.to(device), config.context, cfg.batch_size, phase.steps, phase.seed)
+    return _run_phase(phase, windows, config, deadline)
 
 
 def distill_scout(
-    target, scout, stream: torch.Tensor, config: StandinConfig, device: torch.device, deadline: float | None = None
+    target, scout, stream: torch.Tensor, config: StandinConfig, device: torch.device, deadline: float | None = None,
+    windows: Iterable[torch.Tensor] | None = None,
 ) -> TrainResult:
-    """Train the scout against the frozen, trained target (config.scout_phase)."""
+    """Train the scout against the frozen, trained target (config.scout_phase).
+
+    windows: the [B, S+1] batches to distill on, config.scout_phase.steps of them (say, text the target wrote);
+    by default random windows of `stream`, as the recipe does."""
     sp = config.scout_phase
     if sp is None:
         raise ValueError(f"stand-in {config.name}: distill_scout needs config.scout_phase")
@@ -682,7 +695,9 @@ def distill_scout(
     )
     try:
         deadline = deadline if deadline is not None else time.perf_counter() + cfg.time_budget_s
-        return _run_phase(phase, stream.to(device), config, deadline)
+        if windows is None:
+            windows = batches(stream.to(device), config.context, cfg.batch_size, phase.steps, phase.seed)
+        return _run_phase(phase, windows, config, deadline)
     finally:
         target.requires_grad_(True)
 

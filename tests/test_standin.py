@@ -405,3 +405,32 @@ def test_two_phase_recipe_trains_target_then_distills_an_early_exit_scout(tmp_pa
     assert "scout_ce" not in phases["target"]["loss_history"][0]  # the target phase trains the target alone
     target, scout, _ = S.load_pair(tmp_path / "pair")
     assert scout.config.num_hidden_layers == 1 and target.config.num_hidden_layers == 2
+
+
+def _early_exit_config(steps: int):
+    cpu = S.PRESETS["cpu"]
+    return dataclasses.replace(
+        cpu, train=dataclasses.replace(cpu.train, batch_size=2),
+        scout=dataclasses.replace(cpu.target, n_layers=1),
+        scout_phase=S.ScoutPhaseConfig(steps=steps, lr=1e-3, warmup_steps=0, init_from_target=True),
+    )
+
+
+def test_distill_scout_trains_on_the_windows_it_is_given_and_names_a_shortfall(pair) -> None:
+    """`windows` replaces the recipe's random corpus windows (a probe distills on text the target wrote): given
+    windows change what the scout learns; fewer windows than steps is an error, not a shorter phase."""
+    target, _, tok = pair
+    cfg = _early_exit_config(steps=3)
+    stream = torch.randint(0, cfg.vocab_size, (4096,), generator=torch.Generator().manual_seed(0))
+    mine = [torch.randint(0, cfg.vocab_size, (2, cfg.context + 1), generator=torch.Generator().manual_seed(i))
+            for i in range(3)]
+    scouts = {}
+    for name, windows in (("recipe", None), ("given", mine)):
+        scouts[name] = S.scout_from_target(target, cfg, tok)
+        res = S.distill_scout(target, scouts[name], stream, cfg, torch.device("cpu"), windows=windows)
+        assert res.steps_completed == 3 and not res.time_guard_hit
+    recipe, given = (dict(scouts[n].named_parameters()) for n in ("recipe", "given"))
+    assert any(not torch.equal(recipe[k], given[k]) for k in recipe)
+    with pytest.raises(ValueError, match="got 2 batches for 3 steps"):
+        S.distill_scout(target, S.scout_from_target(target, cfg, tok), stream, cfg, torch.device("cpu"),
+                        windows=mine[:2])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 from pathlib import Path
@@ -31,17 +32,14 @@ from sdsie.decoding import DecodeConfig, generate
 from sdsie.standin import (
     ModelShape,
     ScoutPhaseConfig,
-    _optimizer_step,
     batches,
+    distill_scout,
     encode_documents,
     get_preset,
     greedy_agreement,
     load_corpus,
     load_prompts,
     load_standin,
-    lr_at,
-    make_optimizer,
-    pair_losses,
     scout_from_target,
 )
 from sdsie.telemetry.records import write_raw
@@ -65,23 +63,6 @@ def target_windows(target, stream: torch.Tensor, context: int, batch: int, n: in
     return out
 
 
-def distill(target, scout, windows, config, steps: int, lr: float) -> list[float]:
-    """The recipe's scout phase (pure KL against the frozen target), on the given windows in order."""
-    opt = make_optimizer(scout, lr, config.train, torch.device("cpu"))
-    target.requires_grad_(False)
-    scout.train()
-    kl = []
-    for step in range(steps):
-        losses = pair_losses(target, scout, windows[step % len(windows)], False, 1.0, train_target=False)
-        losses["total"].backward()
-        _optimizer_step(scout, opt, lr_at(step, lr, steps, steps // 20, config.train.min_lr_ratio),
-                        config.train.grad_clip)
-        if step % 50 == 0 or step == steps - 1:
-            kl.append(round(losses["scout_kl"].item(), 4))
-    scout.eval()
-    return kl
-
-
 def acceptance(target, scout, tokenizer, prompts, n_new: int) -> dict[str, float]:
     """Fixed-K (K = 4) acceptance per family: drafted tokens accepted, pooled over the family's prompts."""
     acc: dict[str, list[int]] = {}
@@ -100,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
+    if a.steps < 2 or a.lr <= 0:
+        p.error(f"--steps must be >= 2 (the target writes steps // 2 batches) and --lr > 0, got {a.steps}, {a.lr}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = get_preset("cpu")
@@ -129,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         t_data = time.perf_counter() - t0
         torch.manual_seed(0)
         scout = scout_from_target(target, config, tokenizer)
-        kl = distill(target, scout, windows, config, a.steps, a.lr)
+        # the recipe's scout phase (pure KL against the frozen target) on these windows, cycled to a.steps batches
+        phase = distill_scout(target, scout, stream, config, torch.device("cpu"),
+                              windows=itertools.islice(itertools.cycle(windows), a.steps))
         results[name] = {"data_seconds": round(t_data, 1), "train_seconds": round(time.perf_counter() - t0 - t_data, 1),
-                         "kl_history": kl,
+                         "kl_history": [(h["step"], h["scout_kl"]) for h in phase.loss_history],
                          "greedy_agreement": greedy_agreement(target, scout, tokenizer, prompts, n_new),
                          "acceptance_k4": acceptance(target, scout, tokenizer, prompts, n_new)}
         print(name, json.dumps({k: results[name][k] for k in ("greedy_agreement", "acceptance_k4")})[:400],

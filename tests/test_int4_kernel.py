@@ -106,7 +106,7 @@ def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
     # bytes path (K % 8 != 0), masked words path, and the unmasked (EVEN) words path: N a multiple of
     # block_n, K a whole number of block_k tiles per split
     shapes = [(37, 300), (130, 1031)]
-    if config.gemv:
+    if config.gemv or config.swap_ab:  # the words paths, masked and unmasked
         shapes += [(40, 296), (2 * config.block_n, 2 * config.block_k * config.split_k)]
     for n, k in shapes:
         w = make_weight(n, k, group, symmetric=False, scale_mag=0.02, device=kernel_device, gen=gen,
@@ -149,6 +149,26 @@ def test_rows_per_program_set_the_grid_and_the_kernel(kernel_device):
         assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
         plan = next(p for key, p in _plans_of(w).items() if key[-1] == cfg)
         assert plan.grid[0] == -(-5 // rows) and plan.consts["ROWS"] == rows
+
+
+SWAP = Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kernel_device, dtype):
+    """swap_ab takes int32 words in tiles of >= 128 codes inside one group: K % 8 == 0 with group 128 or per
+    channel. K % 8 != 0 or a group of 32 run the bytes tl.dot kernel with the same tiles. Every activation dtype
+    (each builds its codes with its own magic; fp32 through bf16 codes), M below, at and above 16, all correct."""
+    gen = torch.Generator().manual_seed(23)
+    cases = [((40, 296, 128), "_int4_gemm_swap_kernel"), ((64, 512, None), "_int4_gemm_swap_kernel"),
+             ((48, 300, 128), "_int4_gemm_kernel"), ((64, 512, 32), "_int4_gemm_kernel")]
+    for (n, k, group), kernel in cases:
+        w = make_weight(n, k, group, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+        for m in (3, 16, 17):
+            x = torch.randn(m, k, generator=gen).to(dtype).to(kernel_device)
+            assert_close_to_reference(int4_matmul(x, w, config=SWAP), x, w)
+        plan = next(p for key, p in _plans_of(w).items() if key[-1] == SWAP)
+        assert getattr(plan.kernel, "fn", plan.kernel).__name__ == kernel, (n, k, group)
 
 
 def test_gemv_rows_config_validation():
@@ -286,6 +306,12 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
         Int4KernelConfig(1, 24, 256)
     with pytest.raises(ValueError, match="x_tile must be a bool"):
         Int4KernelConfig(1, 32, 256, x_tile=1)
+    with pytest.raises(ValueError, match="swap_ab must be a bool"):
+        Int4KernelConfig(16, 32, 256, swap_ab=1)
+    with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):
+        Int4KernelConfig(2, 32, 256, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):
+        Int4KernelConfig(16, 32, 64, swap_ab=True)
     with pytest.raises(ValueError, match="M=17 is outside the tuned buckets"):
         tuned_key(17, 8, 64, 32)
     with pytest.raises(ValueError, match="M=0 is outside"):
@@ -422,7 +448,8 @@ class _RecordingKernel:
 
 
 @pytest.mark.parametrize("config", [Int4KernelConfig(1, 32, 128, split_k=2, num_stages=3),
-                                    Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2)], ids=str)
+                                    Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2),
+                                    Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True)], ids=str)
 def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, monkeypatch, config):
     import types
 
@@ -433,7 +460,7 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
     gen = torch.Generator().manual_seed(19)
     w = make_weight(64, 512, 128, False, 0.05, kernel_device, gen)
     recorders = {name: _RecordingKernel(getattr(int4_gemm, name))
-                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel")}
+                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel", "_int4_gemm_swap_kernel")}
     for name, rec in recorders.items():
         monkeypatch.setattr(int4_gemm, name, rec)
     monkeypatch.setattr(int4_gemm, "_interpreting", lambda: False)  # keep the "compiled" kernel, as on a GPU
@@ -444,5 +471,6 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
         x = torch.randn(m, 512, generator=gen).to(kernel_device)
         out = torch.full((m, 64), float("nan"), device=kernel_device) if trial == 2 else None
         assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
-    kernel = recorders["_int4_gemv_kernel" if config.gemv else "_int4_gemm_kernel"]
+    kernel = recorders["_int4_gemv_kernel" if config.gemv else
+                       "_int4_gemm_swap_kernel" if config.swap_ab else "_int4_gemm_kernel"]
     assert kernel.fast_launches == 2

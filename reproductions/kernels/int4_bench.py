@@ -167,9 +167,10 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)]."""
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)]."""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
-            f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}]")
+            f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
+            f"{',swap' if cfg.swap_ab else ''}]")
 
 
 def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
@@ -332,6 +333,12 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(4, 128, 256, split_k=sk, num_warps=4, x_tile=False) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(rows, 128, 256, split_k=sk, num_warps=4, num_stages=3)
              for rows in (2, 4) for sk in (1, 4)]
+    # Weights as the tl.dot's left operand (swap_ab, session 7): offline SASS 3.5-3.8 instructions per code at
+    # BN 256 and 4.3-4.9 at BN 128 for all 16 rows, against 6.1-7.5 for the bytes tl.dot kernel above
+    cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True)
+             for bn in (64, 128, 256) for sk in (1, 2, 4, 8)]
+    cfgs += [Int4KernelConfig(16, 256, 128, split_k=sk, num_warps=8, num_stages=3, swap_ab=True) for sk in (1, 4)]
+    cfgs += [Int4KernelConfig(16, 128, 128, split_k=sk, num_warps=4, num_stages=4, swap_ab=True) for sk in (1, 4)]
     return cfgs
 
 

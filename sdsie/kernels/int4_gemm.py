@@ -445,6 +445,100 @@ def _int4_gemm_kernel(
                      pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
 
 
+@triton.jit
+def _code_pairs_16(w, i: tl.constexpr, magic, CODE_DTYPE: tl.constexpr):
+    """Nibbles i and i + 4 of int32 words w (codes k = 8c + i and 8c + i + 4) as 16 + q in fp16/bf16: two tensors
+    shaped like w, built with one shift and one and-or (LOP3, magic a run-time argument) per two codes.
+
+    The shift drops nibble i into the mantissa of 16.0 in the low 16-bit half and nibble i + 4 into the high half
+    (bf16: bits 3..6 of 0x4180, fp16: bits 6..9 of 0x4C00); the halves are then split off (PRMT in SASS). The
+    caller folds the +16 out with the sum of x, as `_codes_16` does for bytes."""
+    BASE: tl.constexpr = 6 if CODE_DTYPE == tl.float16 else 3  # mantissa bit where a code starts
+    MASK: tl.constexpr = 0x03C003C0 if CODE_DTYPE == tl.float16 else 0x00780078
+    if 4 * i <= BASE:
+        t = w << (BASE - 4 * i)
+    else:
+        t = w >> (4 * i - BASE)
+    pair = (t & MASK) | magic
+    lo = pair.to(tl.int16).to(CODE_DTYPE, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(CODE_DTYPE, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _x_codes_tile(x_tile, kc, m_mask, i: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
+    """x^T at k = kc + i, [BC, BM] (rows past M read as 0; columns past K too unless EVEN)."""
+    if EVEN:
+        return tl.load(x_tile + i * stride_xk, mask=m_mask[None, :], other=0.0)
+    return tl.load(x_tile + i * stride_xk, mask=m_mask[None, :] & (kc[:, None] + i < K), other=0.0)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DOT_IEEE: tl.constexpr):
+    """acc + a @ b on the tensor cores, or (fp32 activations, the interpreter) as an fp32 IEEE dot."""
+    if DOT_IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _int4_gemm_swap_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K, NCOLS, G, k_per_split,
+    stride_xm, stride_xk, stride_qn, stride_ym, magic,
+    GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr,
+):
+    # Small M on the tensor cores with the operands swapped: y^T [BN, BM] = dequant(W) [BN, BK] @ x^T [BK, BM].
+    # The weight tile is the dot's left operand, so it fills the 64-row side of a Hopper wgmma and stays in
+    # registers (dequantized where it was loaded, no shared-memory round trip); x pads only to BLOCK_M = 16 columns
+    # and is the operand that goes through shared memory. qw is viewed as int32 words (8 codes, k = 8c + j in
+    # nibble j); a tile's codes are taken four pairs at a time, nibbles (i, i + 4), each pair a K = BLOCK_K / 8 dot
+    # against x gathered at k = 8c + i and 8c + i + 4 (reproductions/kernels/NOTES.md, session 7).
+    # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL; BLOCK_K >= 128.
+    # EVEN: N % BLOCK_N == 0 and every split covers whole BLOCK_K tiles of K (no masks on the weights).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    BC: tl.constexpr = BLOCK_K // 8  # word columns per tile
+    CODE_DTYPE: tl.constexpr = tl.float16 if x_ptr.dtype.element_ty == tl.float16 else tl.bfloat16
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = offs_n < N
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # scaled products (per channel: raw, 16 + q)
+    xs = tl.zeros([BLOCK_M], tl.float32)  # per channel only: sum of x
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+        w = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BC, EVEN)  # [BN, BC] int32
+        kc = k0 + tl.arange(0, BC) * 8  # [BC] first k of each word
+        x_tile = x_ptr + offs_m[None, :] * stride_xm + kc[:, None] * stride_xk  # [BC, BM]
+        part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # sum (16 + q) x over the tile
+        xsum = tl.zeros([BLOCK_M], tl.float32)
+        for i in tl.static_range(4):
+            lo, hi = _code_pairs_16(w, i, magic, CODE_DTYPE)  # [BN, BC] codes at k = 8c + i and 8c + i + 4
+            xl = _x_codes_tile(x_tile, kc, m_mask, i, K, stride_xk, EVEN)  # [BC, BM]
+            xh = _x_codes_tile(x_tile, kc, m_mask, i + 4, K, stride_xk, EVEN)
+            part = _dot_acc(lo, xl, part, DOT_IEEE)
+            part = _dot_acc(hi, xh, part, DOT_IEEE)  # [BN, BM]
+            xsum += tl.sum(xl.to(tl.float32) + xh.to(tl.float32), axis=0)
+        if PER_CHANNEL:
+            acc += part
+            xs += xsum
+        else:
+            s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
+            acc += s[:, None] * (part - (16.0 + z)[:, None] * xsum[None, :])
+    if PER_CHANNEL:
+        s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)
+        acc = s[:, None] * (acc - (16.0 + z)[:, None] * xs[None, :])
+
+    _store_or_reduce(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
+                     pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host code
 # ----------------------------------------------------------------------------------------------
@@ -452,6 +546,8 @@ def _int4_gemm_kernel(
 
 GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
 CODE_MAGIC = (0x43800000, 0x41800000)  # 256.0 and 16.0 in fp32: the GEMV's magic_lo, magic_hi arguments
+# 16.0 in both 16-bit halves: the swap kernel's magic argument, by the dtype its codes are built in
+CODE_PAIR_MAGIC = {torch.float16: 0x4C004C00, torch.bfloat16: 0x41804180}
 
 
 @dataclass(frozen=True)
@@ -467,10 +563,12 @@ class Int4KernelConfig:
     num_warps: int = 4
     num_stages: int = 2  # GEMV: <= 2 prefetches the next weight tile in registers; >= 3 pipelines through cp.async
     x_tile: bool = True  # GEMV only: x as one contiguous tile split in registers, else eight gathers
+    swap_ab: bool = False  # tl.dot only: dequantized weights as the dot's left operand (_int4_gemm_swap_kernel)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.x_tile, bool):
-            raise ValueError(f"Int4KernelConfig.x_tile must be a bool, got {self.x_tile!r}")
+        for flag in ("x_tile", "swap_ab"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -480,6 +578,9 @@ class Int4KernelConfig:
         if self.block_m not in GEMV_ROWS and (self.block_m < 16 or self.block_k < 32 or self.block_n < 16):
             raise ValueError(f"block_m must be a GEMV row count {GEMV_ROWS} or a tl.dot tile (block_m >= 16, block_n "
                              f">= 16, block_k >= 32), got {self}")
+        if self.swap_ab and (self.block_m in GEMV_ROWS or self.block_k < 128):
+            raise ValueError(f"swap_ab is a tl.dot layout whose dots take block_k / 8 >= 16 codes (block_m >= 16, "
+                             f"block_k >= 128), got {self}")
 
     @property
     def gemv(self) -> bool:
@@ -495,9 +596,9 @@ _GEMV_CONFIGS = (  # v3: many rows per program so each x value serves several we
     Int4KernelConfig(1, 64, 256, split_k=8, num_warps=2),
     Int4KernelConfig(1, 32, 256, split_k=8, num_warps=2),
 )
-_GEMM_CONFIGS = (
-    Int4KernelConfig(16, 64, 128, split_k=1, num_warps=4),
-    Int4KernelConfig(16, 32, 128, split_k=4, num_warps=4),
+_GEMM_CONFIGS = (  # M <= 16: weights as the dot's left operand (session 7); larger M: the bytes tl.dot kernel
+    Int4KernelConfig(16, 128, 128, split_k=1, num_warps=4, num_stages=3, swap_ab=True),
+    Int4KernelConfig(16, 64, 128, split_k=4, num_warps=4, num_stages=3, swap_ab=True),
     Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4),
 )
 
@@ -684,22 +785,29 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         SPLIT_K=split_k,
     )
     qw = w.qweight
+    # Whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
+    words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
+    even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
+    # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so under
+    # TRITON_INTERPRET the tl.dot kernels' operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use the
+    # tensor cores. Everything else in the kernels is the same code on both.
+    dot_ieee = x2.dtype == torch.float32 or _interpreting()
     if cfg.gemv:
-        # GEMV: read whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
-        words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
         qw = qw.view(torch.int32) if words else qw
-        even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
         kernel, grid = _int4_gemv_kernel, (m_tiles, n_tiles, split_k)
         consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
                       STAGES=cfg.num_stages)
         extra = CODE_MAGIC
+    elif cfg.swap_ab and words and block_k >= 128:
+        # Bytes rows, or groups of fewer than 128 codes (a tile lies in one group, and each of its dots takes
+        # block_k / 8 >= 16 codes), run the bytes tl.dot kernel below with the same tiles.
+        qw = qw.view(torch.int32)
+        kernel, grid = _int4_gemm_swap_kernel, (n_tiles, split_k, m_tiles)
+        consts.update(BLOCK_M=cfg.block_m, EVEN=even, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages)
+        extra = (CODE_PAIR_MAGIC[torch.float16 if x2.dtype == torch.float16 else torch.bfloat16],)
     else:
-        # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so
-        # under TRITON_INTERPRET the operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use
-        # the tensor cores. Everything else in the kernel is the same code on both.
         kernel, grid = _int4_gemm_kernel, (n_tiles, split_k, m_tiles)
-        consts.update(BLOCK_M=cfg.block_m, DOT_IEEE=x2.dtype == torch.float32 or _interpreting(),
-                      IS_FP32=x2.dtype == torch.float32)
+        consts.update(BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, IS_FP32=x2.dtype == torch.float32)
         extra = ()
     order = _constexpr_names(kernel)
     return _Plan(kernel, grid, qw, w.zeros if w.zeros is not None else w.scales,

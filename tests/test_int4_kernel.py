@@ -158,7 +158,8 @@ SWAP = Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True)
 def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kernel_device, dtype):
     """swap_ab takes int32 words in tiles of >= 128 codes inside one group: K % 8 == 0 with group 128 or per
     channel. K % 8 != 0 or a group of 32 run the bytes tl.dot kernel with the same tiles. Every activation dtype
-    (each builds its codes with its own magic; fp32 through bf16 codes), M below, at and above 16, all correct."""
+    (each builds its codes with its own magic; fp32 through bf16 codes under the interpreter, the bytes kernel on a
+    GPU), M below, at and above 16, all correct."""
     gen = torch.Generator().manual_seed(23)
     cases = [((40, 296, 128), "_int4_gemm_swap_kernel"), ((64, 512, None), "_int4_gemm_swap_kernel"),
              ((48, 300, 128), "_int4_gemm_kernel"), ((64, 512, 32), "_int4_gemm_kernel")]
@@ -168,6 +169,8 @@ def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kerne
             x = torch.randn(m, k, generator=gen).to(dtype).to(kernel_device)
             assert_close_to_reference(int4_matmul(x, w, config=SWAP), x, w)
         plan = next(p for key, p in _plans_of(w).items() if key[-1] == SWAP)
+        if dtype == torch.float32 and kernel_device.type == "cuda":  # no fp32 register-operand dot on sm_90
+            kernel = "_int4_gemm_kernel"
         assert getattr(plan.kernel, "fn", plan.kernel).__name__ == kernel, (n, k, group)
 
 
@@ -451,6 +454,8 @@ class _RecordingKernel:
                                     Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2),
                                     Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True)], ids=str)
 def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, monkeypatch, config):
+    if kernel_device.type == "cuda":  # it replaces the GPU driver with a stub; on a GPU every other test runs the path
+        pytest.skip("a CPU stand-in for the compiled launch path: on a GPU every kernel test takes the real one")
     import types
 
     import triton

@@ -124,8 +124,10 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
         if keep_samples:
             out["samples_us"][name] = samples
         else:  # a sweep keeps the spread, not thousands of raw samples per configuration
-            q = statistics.quantiles(samples, n=10)
+            q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9  # a call longer than rep
             out["spread_us"][name] = {"min": min(samples), "p10": q[0], "p90": q[-1], "n": len(samples)}
+        if name != "bf16" and out["median_us"][name] > 4 * out["median_us"].get("bf16", float("inf")):
+            print(f"slow: {name} {out['median_us'][name]:.1f} us on {case}", flush=True)
 
     record("bf16", lambda: F.linear(x, w_bf16))
     try:

@@ -798,7 +798,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
                       STAGES=cfg.num_stages)
         extra = CODE_MAGIC
-    elif cfg.swap_ab and words and block_k >= 128 and (x2.dtype != torch.float32 or _interpreting()):
+    elif cfg.swap_ab and words and block_k >= 128 and (x2.dtype != torch.float32 or x2.device.type != "cuda"):
         # Bytes rows, groups of fewer than 128 codes (a tile lies in one group, and each of its dots takes
         # block_k / 8 >= 16 codes) and fp32 activations on a GPU (an fp32 dot with a register left operand does
         # not compile for sm_90 in Triton 3.6) run the bytes tl.dot kernel below with the same tiles.

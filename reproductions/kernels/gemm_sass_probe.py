@@ -8,11 +8,17 @@
   i + 4, `_code_pairs_16`), eight K = BK/8 dots against x gathered at k = 8c + i, x still the left operand. It
   exists to count instructions and has never run on a GPU.
 * package swap_ab: `_int4_gemm_swap_kernel`, the same words and dots with the operands swapped, so the weight
-  tile is the left operand of a Hopper wgmma and stays in registers (session 7).
+  tile is the left operand of a Hopper wgmma, which takes it from registers (session 7). Triton still converts each
+  dequantized tile's layout through shared memory on the way: one word feeds eight dots, and it hoists the dot
+  operand's layout up to the load only along a chain that feeds a single dot.
+* swap one-dot variant (not in the package): swap_ab with the eight code tensors joined into natural k order, one
+  K = BK dot per tile against one contiguous x tile (one wgmma wait per tile instead of eight). Never run on a GPU.
 
-All compute the same group-wise dequantized product (the +16 folded out with the sum of x). Prints, per kernel,
-SASS instructions per code a thread handles in the K loop, barriers, shared stores and MMA instructions per tile,
-and whether the weight operand reaches the dot from registers (TTGIR).
+All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
+whether Triton 3.6 keeps a dequantized tile out of shared memory when one loaded tile feeds one wgmma, and when it
+feeds two. Then, per kernel: SASS instructions per code a thread handles in the K loop, barriers, shared stores and
+MMA instructions per tile, whether a wgmma takes its left operand from registers, and how many dequantized weight
+tiles go through shared memory per K tile (TTGIR).
 """
 
 from __future__ import annotations
@@ -70,6 +76,62 @@ def _gemm_words_variant(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, NCOLS, stri
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(tl.bfloat16), mask=m_mask)
 
 
+@triton.jit
+def _swap_one_dot_variant(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, NCOLS, stride_xm, stride_xk, stride_qn,
+                          stride_ym, magic, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """swap_ab with one K = BLOCK_K dot per tile: the eight code tensors joined into natural k order (k = 8c + j)."""
+    pid_n = tl.program_id(0)
+    BC: tl.constexpr = BLOCK_K // 8
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=3):
+        w = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + tl.arange(0, BC))[None, :])  # [BN, BC]
+        lo0, hi0 = _code_pairs_16(w, 0, magic, tl.bfloat16)
+        lo1, hi1 = _code_pairs_16(w, 1, magic, tl.bfloat16)
+        lo2, hi2 = _code_pairs_16(w, 2, magic, tl.bfloat16)
+        lo3, hi3 = _code_pairs_16(w, 3, magic, tl.bfloat16)
+        # join appends the fastest dim: [.., a, b, c] holds code j = 4a + 2b + c
+        a = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)), tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
+        a = tl.reshape(a, [BLOCK_N, BLOCK_K])
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=m_mask[None, :], other=0.0)
+        part = tl.dot(a, xt)
+        xsum = tl.sum(xt.to(tl.float32), axis=0)
+        s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, True)
+        acc += s[:, None] * (part - (16.0 + z)[:, None] * xsum[None, :])
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(tl.bfloat16),
+             mask=m_mask[None, :] & n_mask[:, None])
+
+
+@triton.jit
+def _hoist_probe(x_ptr, w_ptr, y_ptr, magic, DOTS: tl.constexpr):
+    """One pipelined int32 tile dequantized to bf16 codes for DOTS (1 or 2) wgmmas of [128, 64] x [64, 16]."""
+    offs_n = tl.arange(0, 128)
+    offs_k = tl.arange(0, 64)
+    offs_m = tl.arange(0, 16)
+    acc = tl.zeros([128, 16], tl.float32)
+    for k0 in tl.range(0, 4096, 64, num_stages=3):
+        xt = tl.load(x_ptr + (k0 + offs_k)[:, None] * 16 + offs_m[None, :])
+        w = tl.load(w_ptr + offs_n[:, None] * 4096 + k0 + offs_k[None, :])
+        lo = (((w << 3) & 0x78) | magic).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        acc = tl.dot(lo, xt, acc)
+        if DOTS == 2:
+            hi = (((w >> 1) & 0x78) | magic).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            acc = tl.dot(hi, xt, acc)
+    tl.store(y_ptr + offs_n[:, None] * 16 + offs_m[None, :], acc)
+
+
+def hoist_check() -> dict[int, int]:
+    """Dequantized weight tiles through shared memory per K tile when one loaded tile feeds 1 or 2 wgmmas."""
+    names = ["x_ptr", "w_ptr", "y_ptr", "magic"]
+    return {dots: counts(_compile(_hoist_probe, names, ["*bf16", "*i32", "*fp32", "i32"], {"x_ptr", "w_ptr", "y_ptr"},
+                                  {"DOTS": dots}, 4), 1.0, 128)["weight_tiles_through_shared"] for dots in (1, 2)}
+
+
 def _compile(fn, names, types, div16, consts, num_warps):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in div16}
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
@@ -77,17 +139,22 @@ def _compile(fn, names, types, div16, consts, num_warps):
                    options={"num_warps": num_warps, "num_stages": 3})
 
 
-def counts(kernel, codes_per_thread: float) -> dict[str, float]:
+def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
     body = sass_loop(kernel.asm["cubin"])
     ops = collections.Counter(op.split()[0].split(".")[0] for op in body)
+    ttgir = kernel.asm["ttgir"]
     # a wgmma whose left operand is a register tensor (dot_op layout), not a shared-memory descriptor
     a_regs = re.search(r"ttng\.warp_group_dot %\S+, %\S+, %\S+ .*: tensor<[^>]*#ttg\.dot_op<\{opIdx = 0",
-                       kernel.asm["ttgir"]) is not None
+                       ttgir) is not None
+    # dequantized 16-bit weight tiles ([BN, ...]) stored to shared memory, a layout conversion on their way to a dot.
+    # TTGIR names values after the Python variables: the kernels here call their x tiles x*, so those are left out.
+    via_shared = len(re.findall(rf"%(?!x)\w+ = ttg\.local_alloc %\S+ : \(tensor<{block_n}x\d+x(?:bf16|f16)", ttgir))
     return {"sass_per_code": len(body) / codes_per_thread, "bar": ops["BAR"], "sts": ops["STS"],
-            "hmma": ops["HMMA"], "hgmma": ops["HGMMA"], "left_operand_in_registers": a_regs}
+            "hmma": ops["HMMA"], "hgmma": ops["HGMMA"], "left_operand_in_registers": a_regs,
+            "weight_tiles_through_shared": via_shared}
 
 
-KERNELS = ("package bytes", "words variant", "package swap_ab")
+KERNELS = ("package bytes", "words variant", "package swap_ab", "swap one-dot variant")
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
@@ -103,12 +170,12 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
                      + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
                      {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4,
                       "DOT_IEEE": False, "IS_FP32": False}, warps)
-        out["package bytes"] = counts(k, codes)
+        out["package bytes"] = counts(k, codes, bn)
     if "words variant" in kernels:
         names = _COMMON + ["M", "N", "K", "NCOLS", "stride_xm", "stride_xk", "stride_qn", "stride_ym", "magic"]
         k = _compile(_gemm_words_variant, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 9,
                      set(names) - {"M", "stride_xk", "magic"}, {"GROUP": 128, **tiles}, warps)
-        out["words variant"] = counts(k, codes)
+        out["words variant"] = counts(k, codes, bn)
     if "package swap_ab" in kernels:
         names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "NCOLS", "G", "k_per_split", "stride_xm",
                            "stride_xk", "stride_qn", "stride_ym", "magic"]
@@ -116,7 +183,12 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
                      + ["i32"] * 11, set(names) - {"M", "G", "stride_xk", "magic"},
                      {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
                       "DOT_IEEE": False, "STAGES": 3}, warps)
-        out["package swap_ab"] = counts(k, codes)
+        out["package swap_ab"] = counts(k, codes, bn)
+    if "swap one-dot variant" in kernels:
+        names = _COMMON + ["M", "N", "K", "NCOLS", "stride_xm", "stride_xk", "stride_qn", "stride_ym", "magic"]
+        k = _compile(_swap_one_dot_variant, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 9,
+                     set(names) - {"M", "stride_xk", "magic"}, {"GROUP": 128, **tiles}, warps)
+        out["swap one-dot variant"] = counts(k, codes, bn)
     return out
 
 
@@ -127,10 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)", a.config)
     if m is None:
         p.error(f"--config {a.config!r} is not BMxBNxBKxWARPS, e.g. 16x128x128x4")
+    tiles = hoist_check()
+    print(f"one loaded int32 tile dequantized for 1 wgmma: {tiles[1]} dequantized tiles through shared memory; "
+          f"for 2 wgmmas: {tiles[2]}")
     for name, c in probe(*(int(v) for v in m.groups())).items():
         print(f"{name}: {c['sass_per_code']:.2f} SASS per code, {c['bar']} barriers, {c['sts']} shared stores, "
               f"{c['hmma']} HMMA + {c['hgmma']} HGMMA per tile"
-              f"{', weights a wgmma left operand in registers' if c['left_operand_in_registers'] else ''}")
+              f"{', wgmma left operand from registers' if c['left_operand_in_registers'] else ''}, "
+              f"{c['weight_tiles_through_shared']} dequantized weight tiles through shared memory per tile")
     return 0
 
 

@@ -491,11 +491,12 @@ def _int4_gemm_swap_kernel(
     EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Small M on the tensor cores with the operands swapped: y^T [BN, BM] = dequant(W) [BN, BK] @ x^T [BK, BM].
-    # The weight tile is the dot's left operand, so it fills the 64-row side of a Hopper wgmma and stays in
-    # registers (dequantized where it was loaded, no shared-memory round trip); x pads only to BLOCK_M = 16 columns
-    # and is the operand that goes through shared memory. qw is viewed as int32 words (8 codes, k = 8c + j in
-    # nibble j); a tile's codes are taken four pairs at a time, nibbles (i, i + 4), each pair a K = BLOCK_K / 8 dot
-    # against x gathered at k = 8c + i and 8c + i + 4 (reproductions/kernels/NOTES.md, session 7).
+    # The weight tile is the dot's left operand, so it fills the 64-row side of a Hopper wgmma, which reads it from
+    # registers; x pads only to BLOCK_M = 16 columns. (Triton 3.6 still converts each dequantized [BN, BK/8] tile's
+    # layout through shared memory before its dot: gemm_sass_probe counts 8 per K tile.) qw is viewed as int32
+    # words (8 codes, k = 8c + j in nibble j); a tile's codes are taken four pairs at a time, nibbles (i, i + 4),
+    # each pair a K = BLOCK_K / 8 dot against x gathered at k = 8c + i and 8c + i + 4
+    # (reproductions/kernels/NOTES.md, session 7).
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL; BLOCK_K >= 128.
     # EVEN: N % BLOCK_N == 0 and every split covers whole BLOCK_K tiles of K (no masks on the weights).
     pid_n = tl.program_id(0)

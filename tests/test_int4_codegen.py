@@ -52,10 +52,10 @@ def test_swap_ab_puts_the_weight_tile_on_the_wgmma_left_side_with_fewer_instruct
     """At M <= 16 the swap_ab kernel's dequantized weight tile is the left operand of a Hopper wgmma, which takes it
     from registers, and its loop costs fewer instructions per code than the bytes tl.dot kernel's (offline at the
     sweep's BN 256 tile: 3.8 against 6.4). Each of its eight dequantized tiles per K tile still passes through shared
-    memory on the way (gemm_sass_probe reports how many): that is measured, not pinned."""
+    memory on the way; the one_dot form joins them into one tile and one round trip per K tile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.gemm_sass_probe import probe; "
-            "print(json.dumps(probe(16, 256, 128, 4, ('package bytes', 'package swap_ab'))))")
+    code = ("import json; from reproductions.kernels.gemm_sass_probe import probe, KERNELS; "
+            "print(json.dumps(probe(16, 256, 128, 4, tuple(k for k in KERNELS if k.startswith('package')))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     if out.returncode != 0:
@@ -65,3 +65,6 @@ def test_swap_ab_puts_the_weight_tile_on_the_wgmma_left_side_with_fewer_instruct
     assert swap["left_operand_in_registers"] and swap["hgmma"] > 0
     assert not bytes_["left_operand_in_registers"]
     assert swap["sass_per_code"] < 4.2 < bytes_["sass_per_code"]
+    one_dot = r["package swap_ab one_dot"]  # one wgmma per tile: one round trip of its codes, not eight
+    assert one_dot["left_operand_in_registers"] and one_dot["weight_tiles_through_shared"] == 1
+    assert swap["weight_tiles_through_shared"] == 8

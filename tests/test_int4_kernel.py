@@ -152,14 +152,16 @@ def test_rows_per_program_set_the_grid_and_the_kernel(kernel_device):
 
 
 SWAP = Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True)
+SWAP_ONE_DOT = Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True, one_dot=True)
 
 
+@pytest.mark.parametrize("config", [SWAP, SWAP_ONE_DOT], ids=["eight_dots", "one_dot"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kernel_device, dtype):
-    """swap_ab takes int32 words in tiles of >= 128 codes inside one group: K % 8 == 0 with group 128 or per
-    channel. K % 8 != 0 or a group of 32 run the bytes tl.dot kernel with the same tiles. Every activation dtype
-    (each builds its codes with its own magic; fp32 through bf16 codes under the interpreter, the bytes kernel on a
-    GPU), M below, at and above 16, all correct."""
+def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kernel_device, dtype, config):
+    """swap_ab (eight dots per tile or one_dot) takes int32 words in tiles of >= 128 codes inside one group:
+    K % 8 == 0 with group 128 or per channel. K % 8 != 0 or a group of 32 run the bytes tl.dot kernel with the same
+    tiles. Every activation dtype (each builds its codes with its own magic; fp32 through bf16 codes under the
+    interpreter, the bytes kernel on a GPU), M below, at and above 16, all correct."""
     gen = torch.Generator().manual_seed(23)
     cases = [((40, 296, 128), "_int4_gemm_swap_kernel"), ((64, 512, None), "_int4_gemm_swap_kernel"),
              ((48, 300, 128), "_int4_gemm_kernel"), ((64, 512, 32), "_int4_gemm_kernel")]
@@ -167,8 +169,8 @@ def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kerne
         w = make_weight(n, k, group, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
         for m in (3, 16, 17):
             x = torch.randn(m, k, generator=gen).to(dtype).to(kernel_device)
-            assert_close_to_reference(int4_matmul(x, w, config=SWAP), x, w)
-        plan = next(p for key, p in _plans_of(w).items() if key[-1] == SWAP)
+            assert_close_to_reference(int4_matmul(x, w, config=config), x, w)
+        plan = next(p for key, p in _plans_of(w).items() if key[-1] == config)
         if dtype == torch.float32 and kernel_device.type == "cuda":  # no fp32 register-operand dot on sm_90
             kernel = "_int4_gemm_kernel"
         assert getattr(plan.kernel, "fn", plan.kernel).__name__ == kernel, (n, k, group)
@@ -315,6 +317,8 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
         Int4KernelConfig(2, 32, 256, swap_ab=True)
     with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):
         Int4KernelConfig(16, 32, 64, swap_ab=True)
+    with pytest.raises(ValueError, match="one_dot is a form of the swap_ab kernel"):
+        Int4KernelConfig(16, 32, 128, one_dot=True)
     with pytest.raises(ValueError, match="M=17 is outside the tuned buckets"):
         tuned_key(17, 8, 64, 32)
     with pytest.raises(ValueError, match="M=0 is outside"):
@@ -452,7 +456,8 @@ class _RecordingKernel:
 
 @pytest.mark.parametrize("config", [Int4KernelConfig(1, 32, 128, split_k=2, num_stages=3),
                                     Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2),
-                                    Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True)], ids=str)
+                                    Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True),
+                                    Int4KernelConfig(16, 32, 128, swap_ab=True, one_dot=True)], ids=str)
 def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, monkeypatch, config):
     if kernel_device.type == "cuda":  # it replaces the GPU driver with a stub; on a GPU every other test runs the path
         pytest.skip("a CPU stand-in for the compiled launch path: on a GPU every kernel test takes the real one")

@@ -11,8 +11,8 @@
   tile is the left operand of a Hopper wgmma, which takes it from registers (session 7). Triton still converts each
   dequantized tile's layout through shared memory on the way: one word feeds eight dots, and it hoists the dot
   operand's layout up to the load only along a chain that feeds a single dot.
-* swap one-dot variant (not in the package): swap_ab with the eight code tensors joined into natural k order, one
-  K = BK dot per tile against one contiguous x tile (one wgmma wait per tile instead of eight). Never run on a GPU.
+* package swap_ab one_dot: the same kernel with `Int4KernelConfig.one_dot`, the eight code tensors joined into
+  natural k order for one K = BK dot per tile against one contiguous x tile (one wgmma wait per tile, not eight).
 
 All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
 whether Triton 3.6 keeps a dequantized tile out of shared memory when one loaded tile feeds one wgmma, and when it
@@ -77,37 +77,6 @@ def _gemm_words_variant(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, NCOLS, stri
 
 
 @triton.jit
-def _swap_one_dot_variant(x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, NCOLS, stride_xm, stride_xk, stride_qn,
-                          stride_ym, magic, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    """swap_ab with one K = BLOCK_K dot per tile: the eight code tensors joined into natural k order (k = 8c + j)."""
-    pid_n = tl.program_id(0)
-    BC: tl.constexpr = BLOCK_K // 8
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=3):
-        w = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 8 + tl.arange(0, BC))[None, :])  # [BN, BC]
-        lo0, hi0 = _code_pairs_16(w, 0, magic, tl.bfloat16)
-        lo1, hi1 = _code_pairs_16(w, 1, magic, tl.bfloat16)
-        lo2, hi2 = _code_pairs_16(w, 2, magic, tl.bfloat16)
-        lo3, hi3 = _code_pairs_16(w, 3, magic, tl.bfloat16)
-        # join appends the fastest dim: [.., a, b, c] holds code j = 4a + 2b + c
-        a = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)), tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
-        a = tl.reshape(a, [BLOCK_N, BLOCK_K])
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=m_mask[None, :], other=0.0)
-        part = tl.dot(a, xt)
-        xsum = tl.sum(xt.to(tl.float32), axis=0)
-        s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, True)
-        acc += s[:, None] * (part - (16.0 + z)[:, None] * xsum[None, :])
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(tl.bfloat16),
-             mask=m_mask[None, :] & n_mask[:, None])
-
-
-@triton.jit
 def _hoist_probe(x_ptr, w_ptr, y_ptr, magic, DOTS: tl.constexpr):
     """One pipelined int32 tile dequantized to bf16 codes for DOTS (1 or 2) wgmmas of [128, 64] x [64, 16]."""
     offs_n = tl.arange(0, 128)
@@ -154,7 +123,7 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
             "weight_tiles_through_shared": via_shared}
 
 
-KERNELS = ("package bytes", "words variant", "package swap_ab", "swap one-dot variant")
+KERNELS = ("package bytes", "words variant", "package swap_ab", "package swap_ab one_dot")
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
@@ -176,19 +145,15 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
         k = _compile(_gemm_words_variant, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 9,
                      set(names) - {"M", "stride_xk", "magic"}, {"GROUP": 128, **tiles}, warps)
         out["words variant"] = counts(k, codes, bn)
-    if "package swap_ab" in kernels:
-        names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "NCOLS", "G", "k_per_split", "stride_xm",
-                           "stride_xk", "stride_qn", "stride_ym", "magic"]
-        k = _compile(_int4_gemm_swap_kernel, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
-                     + ["i32"] * 11, set(names) - {"M", "G", "stride_xk", "magic"},
-                     {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
-                      "DOT_IEEE": False, "STAGES": 3}, warps)
-        out["package swap_ab"] = counts(k, codes, bn)
-    if "swap one-dot variant" in kernels:
-        names = _COMMON + ["M", "N", "K", "NCOLS", "stride_xm", "stride_xk", "stride_qn", "stride_ym", "magic"]
-        k = _compile(_swap_one_dot_variant, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 9,
-                     set(names) - {"M", "stride_xk", "magic"}, {"GROUP": 128, **tiles}, warps)
-        out["swap one-dot variant"] = counts(k, codes, bn)
+    names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "NCOLS", "G", "k_per_split", "stride_xm", "stride_xk",
+                       "stride_qn", "stride_ym", "magic"]
+    for name, one_dot in (("package swap_ab", False), ("package swap_ab one_dot", True)):
+        if name in kernels:
+            k = _compile(_int4_gemm_swap_kernel, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
+                         + ["i32"] * 11, set(names) - {"M", "G", "stride_xk", "magic"},
+                         {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
+                          "DOT_IEEE": False, "STAGES": 3, "ONE_DOT": one_dot}, warps)
+            out[name] = counts(k, codes, bn)
     return out
 
 

@@ -466,8 +466,20 @@ def _code_pairs_16(w, i: tl.constexpr, magic, CODE_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _codes_natural_16(w, magic, CODE_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """All eight codes of int32 words w [BN, BK/8] as 16 + q in fp16/bf16, [BN, BK] in natural k order (k = 8c + j)."""
+    lo0, hi0 = _code_pairs_16(w, 0, magic, CODE_DTYPE)
+    lo1, hi1 = _code_pairs_16(w, 1, magic, CODE_DTYPE)
+    lo2, hi2 = _code_pairs_16(w, 2, magic, CODE_DTYPE)
+    lo3, hi3 = _code_pairs_16(w, 3, magic, CODE_DTYPE)
+    # join appends the fastest dim: [BN, BC, a, b, c] holds nibble j = 4a + 2b + c (lo_i is nibble i, hi_i nibble i + 4)
+    codes = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)), tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
+    return tl.reshape(codes, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
 def _x_codes_tile(x_tile, kc, m_mask, i: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
-    """x^T at k = kc + i, [BC, BM] (rows past M read as 0; columns past K too unless EVEN)."""
+    """x^T at k = kc + i, [len(kc), BM] (rows past M read as 0; columns past K too unless EVEN)."""
     if EVEN:
         return tl.load(x_tile + i * stride_xk, mask=m_mask[None, :], other=0.0)
     return tl.load(x_tile + i * stride_xk, mask=m_mask[None, :] & (kc[:, None] + i < K), other=0.0)
@@ -488,7 +500,7 @@ def _int4_gemm_swap_kernel(
     stride_xm, stride_xk, stride_qn, stride_ym, magic,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr,
+    EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     # Small M on the tensor cores with the operands swapped: y^T [BN, BM] = dequant(W) [BN, BK] @ x^T [BK, BM].
     # The weight tile is the dot's left operand, so it fills the 64-row side of a Hopper wgmma, which reads it from
@@ -496,7 +508,8 @@ def _int4_gemm_swap_kernel(
     # layout through shared memory before its dot: gemm_sass_probe counts 8 per K tile.) qw is viewed as int32
     # words (8 codes, k = 8c + j in nibble j); a tile's codes are taken four pairs at a time, nibbles (i, i + 4),
     # each pair a K = BLOCK_K / 8 dot against x gathered at k = 8c + i and 8c + i + 4
-    # (reproductions/kernels/NOTES.md, session 7).
+    # (reproductions/kernels/NOTES.md, session 7). ONE_DOT: the eight code tensors joined into natural k order for one
+    # K = BLOCK_K dot against one contiguous x tile (one wgmma wait and one shared-memory round trip per tile, not 8).
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL; BLOCK_K >= 128.
     # EVEN: N % BLOCK_N == 0 and every split covers whole BLOCK_K tiles of K (no masks on the weights).
     pid_n = tl.program_id(0)
@@ -515,17 +528,25 @@ def _int4_gemm_swap_kernel(
     xs = tl.zeros([BLOCK_M], tl.float32)  # per channel only: sum of x
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         w = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BC, EVEN)  # [BN, BC] int32
-        kc = k0 + tl.arange(0, BC) * 8  # [BC] first k of each word
-        x_tile = x_ptr + offs_m[None, :] * stride_xm + kc[:, None] * stride_xk  # [BC, BM]
         part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # sum (16 + q) x over the tile
-        xsum = tl.zeros([BLOCK_M], tl.float32)
-        for i in tl.static_range(4):
-            lo, hi = _code_pairs_16(w, i, magic, CODE_DTYPE)  # [BN, BC] codes at k = 8c + i and 8c + i + 4
-            xl = _x_codes_tile(x_tile, kc, m_mask, i, K, stride_xk, EVEN)  # [BC, BM]
-            xh = _x_codes_tile(x_tile, kc, m_mask, i + 4, K, stride_xk, EVEN)
-            part = _dot_acc(lo, xl, part, DOT_IEEE)
-            part = _dot_acc(hi, xh, part, DOT_IEEE)  # [BN, BM]
-            xsum += tl.sum(xl.to(tl.float32) + xh.to(tl.float32), axis=0)
+        if ONE_DOT:
+            codes = _codes_natural_16(w, magic, CODE_DTYPE, BLOCK_N, BLOCK_K)  # [BN, BK]
+            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            xt = _x_codes_tile(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, offs_k, m_mask, 0,
+                               K, stride_xk, EVEN)  # [BK, BM]
+            part = _dot_acc(codes, xt, part, DOT_IEEE)
+            xsum = tl.sum(xt.to(tl.float32), axis=0)  # [BM]
+        else:
+            kc = k0 + tl.arange(0, BC) * 8  # [BC] first k of each word
+            x_tile = x_ptr + offs_m[None, :] * stride_xm + kc[:, None] * stride_xk  # [BC, BM]
+            xsum = tl.zeros([BLOCK_M], tl.float32)
+            for i in tl.static_range(4):
+                lo, hi = _code_pairs_16(w, i, magic, CODE_DTYPE)  # [BN, BC] codes at k = 8c + i and 8c + i + 4
+                xl = _x_codes_tile(x_tile, kc, m_mask, i, K, stride_xk, EVEN)  # [BC, BM]
+                xh = _x_codes_tile(x_tile, kc, m_mask, i + 4, K, stride_xk, EVEN)
+                part = _dot_acc(lo, xl, part, DOT_IEEE)
+                part = _dot_acc(hi, xh, part, DOT_IEEE)  # [BN, BM]
+                xsum += tl.sum(xl.to(tl.float32) + xh.to(tl.float32), axis=0)
         if PER_CHANNEL:
             acc += part
             xs += xsum
@@ -565,9 +586,10 @@ class Int4KernelConfig:
     num_stages: int = 2  # GEMV: <= 2 prefetches the next weight tile in registers; >= 3 pipelines through cp.async
     x_tile: bool = True  # GEMV only: x as one contiguous tile split in registers, else eight gathers
     swap_ab: bool = False  # tl.dot only: dequantized weights as the dot's left operand (_int4_gemm_swap_kernel)
+    one_dot: bool = False  # swap_ab only: one K = block_k dot per tile in natural k order, not eight of block_k / 8
 
     def __post_init__(self) -> None:
-        for flag in ("x_tile", "swap_ab"):
+        for flag in ("x_tile", "swap_ab", "one_dot"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
@@ -582,6 +604,8 @@ class Int4KernelConfig:
         if self.swap_ab and (self.block_m in GEMV_ROWS or self.block_k < 128):
             raise ValueError(f"swap_ab is a tl.dot layout whose dots take block_k / 8 >= 16 codes (block_m >= 16, "
                              f"block_k >= 128), got {self}")
+        if self.one_dot and not self.swap_ab:
+            raise ValueError(f"one_dot is a form of the swap_ab kernel: it needs swap_ab=True, got {self}")
 
     @property
     def gemv(self) -> bool:
@@ -805,7 +829,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         # not compile for sm_90 in Triton 3.6) run the bytes tl.dot kernel below with the same tiles.
         qw = qw.view(torch.int32)
         kernel, grid = _int4_gemm_swap_kernel, (n_tiles, split_k, m_tiles)
-        consts.update(BLOCK_M=cfg.block_m, EVEN=even, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages)
+        consts.update(BLOCK_M=cfg.block_m, EVEN=even, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages, ONE_DOT=cfg.one_dot)
         extra = (CODE_PAIR_MAGIC[torch.float16 if x2.dtype == torch.float16 else torch.bfloat16],)
     else:
         kernel, grid = _int4_gemm_kernel, (n_tiles, split_k, m_tiles)

@@ -62,7 +62,7 @@ def packed_weight(n: int, k: int, group: int | None, zeros: bool = True) -> Int4
     n_groups = -(-k // g)
     scales = torch.empty(n_groups, n, dtype=torch.bfloat16)
     return Int4Weight(torch.empty(n, (k + 1) // 2, dtype=torch.uint8), scales,
-                      torch.empty_like(scales) if zeros else None, k, g)
+                      torch.zeros_like(scales) if zeros else None, k, g)
 
 
 def gemv_reduction_pct(n: int, k: int, group: int | None, zeros: bool = True, with_activations: bool = True,

@@ -342,7 +342,8 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(16, 256, 128, split_k=sk, num_warps=8, num_stages=3, swap_ab=True) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(16, 128, 128, split_k=sk, num_warps=4, num_stages=4, swap_ab=True) for sk in (1, 4)]
     # swap_ab with one K = BK dot per tile (one_dot, session 7, not yet on a GPU): one wgmma wait and one
-    # shared-memory round trip of the codes per tile instead of eight, at 3.95 / 5.27 SASS per code (BN 256 / 128)
+    # shared-memory round trip of the codes per tile instead of eight, and the codes less their zero-point (no sum of
+    # x): 3.73 / 4.12 SASS per code at BN 256 / 128 with 2 / 6 barriers, against 3.77 / 4.94 with 10 / 14
     cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True, one_dot=True)
              for bn in (128, 256) for sk in (1, 4, 8)]
     return cfgs

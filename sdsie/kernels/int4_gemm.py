@@ -524,21 +524,34 @@ def _int4_gemm_swap_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
 
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # scaled products (per channel: raw, 16 + q)
-    xs = tl.zeros([BLOCK_M], tl.float32)  # per channel only: sum of x
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # scaled products (per channel: raw, 16 + q or q - z)
+    xs = tl.zeros([BLOCK_M], tl.float32)  # per channel, eight dots: sum of x
+    if PER_CHANNEL:
+        s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         w = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BC, EVEN)  # [BN, BC] int32
-        part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # sum (16 + q) x over the tile
         if ONE_DOT:
+            if not PER_CHANNEL:
+                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
+            # The codes less their zero-point, (16 + q) - (16 + z) = q - z: exact in 16 bits for the integer
+            # zero-points of the format (sdsie.quant.format), so the dot gives sum (q - z) x and no sum of x is needed.
             codes = _codes_natural_16(w, magic, CODE_DTYPE, BLOCK_N, BLOCK_K)  # [BN, BK]
+            if DOT_IEEE:  # the same exact values in fp32: Triton 3.6's interpreter gets bf16 subtraction wrong too
+                codes = codes.to(tl.float32) - (16.0 + z)[:, None]
+            else:
+                codes = codes - (16.0 + z).to(CODE_DTYPE)[:, None]
             offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
             xt = _x_codes_tile(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, offs_k, m_mask, 0,
                                K, stride_xk, EVEN)  # [BK, BM]
-            part = _dot_acc(codes, xt, part, DOT_IEEE)
-            xsum = tl.sum(xt.to(tl.float32), axis=0)  # [BM]
+            part = _dot_acc(codes, xt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_IEEE)  # [BN, BM]
+            if PER_CHANNEL:
+                acc += part
+            else:
+                acc += s[:, None] * part
         else:
             kc = k0 + tl.arange(0, BC) * 8  # [BC] first k of each word
             x_tile = x_ptr + offs_m[None, :] * stride_xm + kc[:, None] * stride_xk  # [BC, BM]
+            part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # sum (16 + q) x over the tile
             xsum = tl.zeros([BLOCK_M], tl.float32)
             for i in tl.static_range(4):
                 lo, hi = _code_pairs_16(w, i, magic, CODE_DTYPE)  # [BN, BC] codes at k = 8c + i and 8c + i + 4
@@ -547,15 +560,17 @@ def _int4_gemm_swap_kernel(
                 part = _dot_acc(lo, xl, part, DOT_IEEE)
                 part = _dot_acc(hi, xh, part, DOT_IEEE)  # [BN, BM]
                 xsum += tl.sum(xl.to(tl.float32) + xh.to(tl.float32), axis=0)
-        if PER_CHANNEL:
-            acc += part
-            xs += xsum
-        else:
-            s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
-            acc += s[:, None] * (part - (16.0 + z)[:, None] * xsum[None, :])
+            if PER_CHANNEL:
+                acc += part
+                xs += xsum
+            else:
+                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
+                acc += s[:, None] * (part - (16.0 + z)[:, None] * xsum[None, :])
     if PER_CHANNEL:
-        s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)
-        acc = s[:, None] * (acc - (16.0 + z)[:, None] * xs[None, :])
+        if ONE_DOT:
+            acc = s[:, None] * acc
+        else:
+            acc = s[:, None] * (acc - (16.0 + z)[:, None] * xs[None, :])
 
     _store_or_reduce(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
                      pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)

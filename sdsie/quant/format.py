@@ -108,6 +108,10 @@ class Int4Weight:
                     f"zeros must match scales ({self.scales.dtype} {tuple(self.scales.shape)}), "
                     f"got {self.zeros.dtype} {tuple(self.zeros.shape)}"
                 )
+            # the kernels rely on it: the swap_ab one_dot GEMM subtracts 16 + z from 16-bit codes, exact for these only
+            z = self.zeros
+            if z.device.type != "meta" and not bool(((z == z.round()) & (z >= 0) & (z <= 15)).all()):
+                raise ValueError("zeros must be integer-valued zero-points in [0, 15]")
         devices = {t.device for t in (self.qweight, self.scales, self.zeros) if t is not None}
         if len(devices) != 1:
             raise ValueError(f"qweight, scales and zeros must share one device, got {devices}")

@@ -174,6 +174,23 @@ def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kerne
         if dtype == torch.float32 and kernel_device.type == "cuda":  # no fp32 register-operand dot on sm_90
             kernel = "_int4_gemm_kernel"
         assert getattr(plan.kernel, "fn", plan.kernel).__name__ == kernel, (n, k, group)
+        if kernel == "_int4_gemm_swap_kernel":  # the config's form reaches the kernel
+            assert plan.consts["ONE_DOT"] is config.one_dot
+
+
+def test_the_heuristic_takes_swap_ab_up_to_m16_and_the_launch_runs_it(kernel_device):
+    """Without a tuned entry, M in 3..16 gets a swap_ab configuration, M = 17 the bytes tl.dot kernel; an automatic
+    call at M = 5 on a words shape launches the swap kernel and is correct."""
+    from sdsie.kernels import select_config
+
+    cpu = torch.device("cpu")
+    assert [select_config(m, 4096, 4096, cpu, 128).swap_ab for m in (3, 16, 17)] == [True, True, False]
+    gen = torch.Generator().manual_seed(29)
+    w = make_weight(64, 256, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+    x = torch.randn(5, 256, generator=gen).to(torch.bfloat16).to(kernel_device)
+    assert_close_to_reference(int4_matmul(x, w), x, w)
+    (plan,) = _plans_of(w).values()
+    assert getattr(plan.kernel, "fn", plan.kernel).__name__ == "_int4_gemm_swap_kernel"
 
 
 def test_gemv_rows_config_validation():

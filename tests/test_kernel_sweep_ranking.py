@@ -151,3 +151,15 @@ def test_host_overhead_stubs_reach_the_compiled_fast_path(tmp_path, monkeypatch)
         mod.int4_matmul(x, w, config=cfg)
     (plan,) = mod._plans_of(w).values()
     assert isinstance(plan.compiled, host_overhead._StubCompiled) and len(runs) == 2
+
+
+def test_a_sweep_keeps_a_configuration_slower_than_its_timing_window():
+    """A call longer than the sweep's window gives do_bench one sample; the spread takes it (the H200 sweep of
+    session 7 crashed there), and no samples at all is an error."""
+    from reproductions.kernels.int4_bench import spread
+
+    assert spread([7484.4]) == {"min": 7484.4, "p10": 7484.4, "p90": 7484.4, "n": 1}
+    many = spread([float(v) for v in range(1, 101)])
+    assert many["min"] == 1.0 and 10.0 <= many["p10"] <= 11.0 and 90.0 <= many["p90"] <= 91.0 and many["n"] == 100
+    with pytest.raises(ValueError, match="no timing samples"):
+        spread([])

@@ -100,6 +100,15 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9  # read + write
 
 
+def spread(samples: list[float]) -> dict:
+    """min, p10, p90 and count of timing samples. One sample (a call longer than the timing window) is its own p10
+    and p90: a sweep keeps that configuration's figures rather than failing on it."""
+    if not samples:
+        raise ValueError("spread: no timing samples")
+    q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
+    return {"min": min(samples), "p10": q[0], "p90": q[-1], "n": len(samples)}
+
+
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -124,8 +133,7 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
         if keep_samples:
             out["samples_us"][name] = samples
         else:  # a sweep keeps the spread, not thousands of raw samples per configuration
-            q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9  # a call longer than rep
-            out["spread_us"][name] = {"min": min(samples), "p10": q[0], "p90": q[-1], "n": len(samples)}
+            out["spread_us"][name] = spread(samples)
         if name != "bf16" and out["median_us"][name] > 4 * out["median_us"].get("bf16", float("inf")):
             print(f"slow: {name} {out['median_us'][name]:.1f} us on {case}", flush=True)
 

@@ -483,8 +483,9 @@ def zero_engagement_deficit(runs: list[Run], m: Mapping[str, float]) -> dict[str
             "zero_engagement_cells": float(len(deficits))}
 
 
-def run_grid(target, scout, prompts, max_new: int, trials: int = 3) -> dict[str, float]:
+def run_grid(target, scout, prompts, max_new: int, trials: int = 3, graphs: bool = False) -> dict[str, float]:
     """The seed's grid (6 threshold pairs x 3 alphas, N=3) on one prompt per family; throughput vs plain.
+    With `graphs`, every loop (plain, fixed-K and gated) runs on a static cache with replayed CUDA graphs.
 
     grid.production.*: the seed's production point; grid.tuned.*: the seed's "best found" point
     (0.15/0.70, alpha 0.65); grid.best.*: the best point for that family alone (a deficit there means
@@ -499,8 +500,9 @@ def run_grid(target, scout, prompts, max_new: int, trials: int = 3) -> dict[str,
     for _pid, (fam, ids) in prompts.items():
         fam_prompts.setdefault(fam, ids)
     order = list(fam_prompts)
-    res = sweep(target, scout, [fam_prompts[f] for f in order], clutches, trials=trials,
-                config=DecodeConfig(max_new_tokens=max_new, k_draft=K))
+    config = DecodeConfig(max_new_tokens=max_new, k_draft=K, kv_cache="static" if graphs else "dynamic",
+                          cuda_graphs=graphs)
+    res = sweep(target, scout, [fam_prompts[f] for f in order], clutches, trials=trials, config=config)
     data = res.to_dict()
     m: dict[str, float] = {"grid.trials": float(len(clutches) * len(order) * trials),
                            "grid.trials_per_cell": float(trials), "grid.configs": float(len(clutches))}
@@ -793,10 +795,11 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
                      conditions={**s.conditions, "trials": trials})
 
 
-def grid_record(s: Setup, max_new: int = 96, trials: int = 3) -> RunRecord:
-    metrics = run_grid(s.target, s.scout, s.prompts, max_new, trials)
+def grid_record(s: Setup, max_new: int = 96, trials: int = 3, graphs: bool = False) -> RunRecord:
+    metrics = run_grid(s.target, s.scout, s.prompts, max_new, trials, graphs)
     return RunRecord(claim_ids=declared_claims(GRID_TESTS, metrics, {}), suite="threshold_grid",
-                     config={"k": K, "max_new_tokens": max_new, "trials_per_cell": trials}, samples={},
+                     config={"k": K, "max_new_tokens": max_new, "trials_per_cell": trials, "cuda_graphs": graphs},
+                     samples={},
                      metrics=metrics, environment=s.environment, conditions={**s.conditions, "trials": trials})
 
 
@@ -872,6 +875,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-trials", type=_positive_int, default=3, help="trials per grid cell (the seed's N=3)")
     p.add_argument("--grid-tokens", type=_positive_int, default=None,
                    help="tokens per grid run (default: --max-new-tokens, at most 96)")
+    p.add_argument("--grid-graphs", action="store_true",
+                   help="run the threshold grid's loops on a static cache with replayed CUDA graphs")
     p.add_argument("--fidelity-tokens", type=_positive_int, default=SEED_FIDELITY_TOKENS,
                    help="tokens per fidelity run")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -892,8 +897,8 @@ def main(argv: list[str] | None = None) -> int:
         print("decode_repro needs a CUDA GPU (torch.cuda.is_available() is False); the CPU-reproducible "
               "claims run in `nox -s claims`.")
         return 2
-    if a.cuda_graphs and a.device != "cuda":  # refused before anything loads
-        raise SystemExit("--cuda-graphs needs --device cuda")
+    if (a.cuda_graphs or a.grid_graphs) and a.device != "cuda":  # refused before anything loads
+        raise SystemExit("--cuda-graphs and --grid-graphs need --device cuda")
     if a.device == "cpu":  # the dry run: Triton kernels (the gear's INT4 matmul) need the interpreter on a CPU
         os.environ.setdefault("TRITON_INTERPRET", "1")
     t0 = time.perf_counter()
@@ -909,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):
             print(f"  {k} = {rec.metrics[k]:.3f}")
     if "grid" not in a.skip:
-        rec = grid_record(s, a.grid_tokens or min(a.max_new_tokens, 96), a.grid_trials)
+        rec = grid_record(s, a.grid_tokens or min(a.max_new_tokens, 96), a.grid_trials, a.grid_graphs)
         done("grid", rec)
         print(rec.metrics, flush=True)
     if "fidelity" not in a.skip:

@@ -30,6 +30,7 @@ def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path, monkeypatch):
     decode, grid, gear = records["decode_standin"], records["threshold_grid"], records["resolution_gear_usage"]
     assert decode["config"]["trials"] == 1 and decode["config"]["max_new_tokens"] == 4
     assert grid["config"]["trials_per_cell"] == 2 and grid["config"]["max_new_tokens"] == 3
+    assert grid["config"]["cuda_graphs"] is False  # eager unless --grid-graphs
     assert grid["metrics"]["grid.trials"] == 18 * 3 * 2  # configurations x one prompt per family x trials
     assert gear["config"]["trials"] == 2 and gear["config"]["max_new_tokens"] == 4
     prompts = len(decode["environment"]["prompts"])
@@ -54,7 +55,7 @@ def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path, monkeypatch):
 def test_suite_sizes_default_to_the_seed_and_the_main_record():
     a = _parser().parse_args([])
     assert (a.trials, a.grid_trials, a.fidelity_tokens) == (5, 3, SEED_FIDELITY_TOKENS)
-    assert a.grid_tokens is None and a.gear_trials is None  # grid: min(--max-new-tokens, 96); gear: --trials
+    assert a.grid_tokens is None and a.gear_trials is None and a.grid_graphs is False  # grid: min(--max-new-tokens, 96); gear: --trials
 
 
 @pytest.mark.parametrize("flag", ["--trials", "--max-new-tokens", "--grid-trials", "--grid-tokens",
@@ -82,8 +83,9 @@ def test_warm_up_runs_every_variant_on_every_prompt():
 def test_cuda_graph_variants_are_refused_off_a_gpu_and_the_env_switch_is_checked(monkeypatch):
     from reproductions.decode_repro import graphs_from_env
 
-    with pytest.raises(SystemExit, match="--cuda-graphs needs --device cuda"):
-        main(["--preset", "cpu", "--device", "cpu", "--cuda-graphs", "--trials", "1", "--max-new-tokens", "2"])
+    for flag in ("--cuda-graphs", "--grid-graphs"):
+        with pytest.raises(SystemExit, match="--cuda-graphs and --grid-graphs need --device cuda"):
+            main(["--preset", "cpu", "--device", "cpu", flag, "--trials", "1", "--max-new-tokens", "2"])
     monkeypatch.delenv("SDSIE_CUDA_GRAPHS", raising=False)
     assert graphs_from_env() is False
     monkeypatch.setenv("SDSIE_CUDA_GRAPHS", "1")

@@ -163,3 +163,40 @@ def test_a_sweep_keeps_a_configuration_slower_than_its_timing_window():
     assert many["min"] == 1.0 and 10.0 <= many["p10"] <= 11.0 and 90.0 <= many["p90"] <= 91.0 and many["n"] == 100
     with pytest.raises(ValueError, match="no timing samples"):
         spread([])
+
+
+def test_a_focused_sweep_times_the_named_configurations_beside_the_incumbent():
+    from reproductions.kernels.int4_bench import config_name, focus_configs, sweep_configs, with_incumbent
+
+    everything = sweep_configs()
+    one_dot = focus_configs(everything, ["onedot"])
+    assert one_dot and all(c.one_dot for c in one_dot)
+    assert len(one_dot) == sum(c.one_dot for c in everything)
+    swap = focus_configs(everything, ["swap"])  # the eight-dot and one-dot swap_ab kernels
+    assert set(one_dot) < set(swap) and all(c.swap_ab for c in swap)
+    assert focus_configs(everything, None) == everything
+    with pytest.raises(ValueError, match="matches no sweep configuration"):
+        focus_configs(everything, ["no-such-kernel"])
+    incumbent = Int4KernelConfig(2, 128, 256, split_k=4, num_stages=3)  # a GEMV-rows choice the filter drops
+    assert config_name(incumbent) not in {config_name(c) for c in one_dot}
+    assert with_incumbent(one_dot, incumbent) == [incumbent, *one_dot]
+    assert with_incumbent(one_dot, one_dot[1]) == one_dot  # already timed: not twice
+
+
+def test_a_focused_sweep_replaces_only_the_keys_it_measured():
+    from reproductions.kernels.int4_bench import merge_tuned
+
+    installed = {"GPU": {"m1|1024|4096|128": asdict(A), "m16|1024|4096|128": asdict(B)}, "Other": {"k": asdict(C)}}
+    merged = merge_tuned(installed, {"GPU": {"m16|1024|4096|128": asdict(C), "m8|1024|4096|128": asdict(C)}})
+    assert merged == {"GPU": {"m1|1024|4096|128": asdict(A), "m16|1024|4096|128": asdict(C),
+                              "m8|1024|4096|128": asdict(C)}, "Other": {"k": asdict(C)}}
+    assert installed["GPU"]["m16|1024|4096|128"] == asdict(B)  # the installed table itself is left alone
+
+
+@pytest.mark.parametrize("argv, message", [(["--only", "swap"], "need --sweep"), (["--sweep", "--m", "3"], "tunes M")])
+def test_focus_flags_are_checked(argv, message, capsys):
+    from reproductions.kernels.int4_bench import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err

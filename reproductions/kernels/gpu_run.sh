@@ -13,7 +13,10 @@ step environment
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 step sweep
-if python3 -m reproductions.kernels.int4_bench --sweep --no-energy --out telemetry/raw; then
+# SWEEP_ARGS focuses the sweep (e.g. "--m 4 8 16 --only swap": those cases, the incumbent timed beside, the table
+# merged into the installed one); SUITE=0 skips the suite records.
+# shellcheck disable=SC2086
+if python3 -m reproductions.kernels.int4_bench --sweep --no-energy --out telemetry/raw ${SWEEP_ARGS:-}; then
     cp telemetry/raw/tuned_configs.json sdsie/kernels/tuned_configs.json
 else
     status=1
@@ -21,9 +24,11 @@ fi
 step kernel tests, every candidate configuration
 python3 -m pytest tests/test_int4_kernel.py tests/test_int4_modules.py -q -x -p no:cacheprovider \
     -k "${KERNEL_TESTS:-not nothing}" || status=1
-step suite records: kernel_int4, entropy_overhead
-python3 -m pytest reproductions/test_kernel_int4.py reproductions/test_entropy_overhead.py -m gpu -q -s \
-    -p no:cacheprovider || status=1
+if [ "${SUITE:-1}" != 0 ]; then
+    step suite records: kernel_int4, entropy_overhead
+    python3 -m pytest reproductions/test_kernel_int4.py reproductions/test_entropy_overhead.py -m gpu -q -s \
+        -p no:cacheprovider || status=1
+fi
 if [ "${THOROUGH_S:-0}" -gt 0 ]; then
     step "thorough property tests, ${THOROUGH_S} s at most"
     SDSIE_HYPOTHESIS_PROFILE=thorough timeout "$THOROUGH_S" python3 -m pytest tests/test_int4_kernel.py -q -x \

@@ -367,7 +367,37 @@ def fits(cfg: Int4KernelConfig, m: int) -> bool:
     return m >= 2
 
 
-def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_record: bool = True) -> dict:
+def focus_configs(configs: list[Int4KernelConfig], only: list[str] | None) -> list[Int4KernelConfig]:
+    """The configurations whose sweep names (config_name) contain one of `only` (all when None)."""
+    if only is None:
+        return configs
+    kept = [c for c in configs if any(s in config_name(c) for s in only)]
+    if not kept:
+        raise ValueError(f"--only {only} matches no sweep configuration (names look like {config_name(configs[0])})")
+    return kept
+
+
+def with_incumbent(configs: list[Int4KernelConfig], incumbent: Int4KernelConfig) -> list[Int4KernelConfig]:
+    """`configs` plus the configuration the installed table or heuristic picks for the case, timed beside them:
+    a focused sweep must beat what users get now, measured in the same run, before it replaces it."""
+    return configs if incumbent in configs else [incumbent, *configs]
+
+
+def merge_tuned(installed: dict, swept: dict) -> dict:
+    """The installed table ({device: {key: config}}) with the swept keys replaced: a focused sweep (--m, --only)
+    measures some cases only, and the others keep their earlier sweep's choice."""
+    merged = {dev: dict(table) for dev, table in installed.items()}
+    for dev, table in swept.items():
+        merged.setdefault(dev, {}).update(table)
+    return merged
+
+
+def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_record: bool = True,
+              sweep_m: tuple[int, ...] = SWEEP_M, only: list[str] | None = None) -> dict:
+    """The record suite, or with `sweep` the tuning sweep: every sweep configuration at every SWEEP_M case,
+    or a focused one (`sweep_m`, `only`) whose cases are timed beside their incumbent configuration and whose
+    table is merged into the installed one."""
+    from sdsie.kernels.int4_gemm import TUNED_PATH
     from sdsie.telemetry.energy import EnergyMeter
     from sdsie.telemetry.records import RunRecord, capture_environment
     from sdsie.telemetry.records import write_record as write
@@ -375,13 +405,16 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
     device = "cuda"
     gen = torch.Generator().manual_seed(0)
     copy_gbs = copy_bandwidth_gbs(device)
-    configs = sweep_configs() if sweep else []
+    focused = sweep and (only is not None or tuple(sweep_m) != SWEEP_M)
+    configs = focus_configs(sweep_configs(), only) if sweep else []
     cases = [Case(s, n, k, m, g) for s, (n, k) in LLAMA_SHAPES.items() for g in GROUPS for m in M_VALUES
-             if (m == 1 or g == 128) and (m in SWEEP_M or not sweep)]
+             if (m == 1 or g == 128) and (m in sweep_m or not sweep)]
     results = []
     for c in cases:
         if sweep:
-            r = latency_case(c, gen, device, copy_gbs, configs, rep_ms=10, keep_samples=False, graphed=True)
+            timed = with_incumbent(configs, select_config(c.m, c.n, c.k, torch.device(device), c.group)) \
+                if focused else configs
+            r = latency_case(c, gen, device, copy_gbs, timed, rep_ms=10, keep_samples=False, graphed=True)
         else:  # the record times what a user gets: the automatic choice
             r = latency_case(c, gen, device, copy_gbs, rep_ms=50)
         results.append(r)
@@ -416,6 +449,8 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
     out_dir.mkdir(parents=True, exist_ok=True)
     if sweep:  # written first: a later failure must not lose the measurements
         table = best_configs(results)
+        if focused:
+            table = merge_tuned(json.loads(TUNED_PATH.read_text()) if TUNED_PATH.exists() else {}, table)
         (out_dir / "tuned_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True))
         (out_dir / "kernel_sweep.json").write_text(json.dumps({"results": results}))
     summary = summarize(results, energy_results, copy_gbs)
@@ -523,11 +558,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("telemetry/raw"))
     p.add_argument("--sweep", action="store_true", help="time a wide config grid (tuning), write no record")
     p.add_argument("--no-energy", action="store_true")
+    p.add_argument("--m", type=int, nargs="+", default=list(SWEEP_M), metavar="M",
+                   help="with --sweep: these M only (a focused sweep: the incumbent timed beside, table merged)")
+    p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                   help="with --sweep: the configurations whose names contain TEXT (e.g. onedot, swap)")
     a = p.parse_args(argv)
+    if not a.sweep and (a.only is not None or tuple(a.m) != SWEEP_M):
+        p.error("--m and --only focus a sweep: they need --sweep")
+    if bad := sorted(set(a.m) - set(SWEEP_M)):
+        p.error(f"--m {bad}: the sweep tunes M in {list(SWEEP_M)}")
     if not torch.cuda.is_available():
         print("int4_bench needs a CUDA GPU; torch.cuda.is_available() is False", file=sys.stderr)
         return 2
-    run_suite(a.out, sweep=a.sweep, energy=not a.no_energy)
+    run_suite(a.out, sweep=a.sweep, energy=not a.no_energy, sweep_m=tuple(sorted(set(a.m))), only=a.only)
     return 0
 
 

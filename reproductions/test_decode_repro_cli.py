@@ -55,7 +55,8 @@ def test_dry_run_sizes_each_suite_from_its_flags(tmp_path: Path, monkeypatch):
 def test_suite_sizes_default_to_the_seed_and_the_main_record():
     a = _parser().parse_args([])
     assert (a.trials, a.grid_trials, a.fidelity_tokens) == (5, 3, SEED_FIDELITY_TOKENS)
-    assert a.grid_tokens is None and a.gear_trials is None and a.grid_graphs is False  # grid: min(--max-new-tokens, 96); gear: --trials
+    assert a.grid_tokens is None and a.gear_trials is None  # grid: min(--max-new-tokens, 96); gear: --trials
+    assert a.grid_graphs is False
 
 
 @pytest.mark.parametrize("flag", ["--trials", "--max-new-tokens", "--grid-trials", "--grid-tokens",

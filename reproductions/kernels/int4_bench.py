@@ -145,8 +145,9 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
             record("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, packed, w.group_size, sz))
     except RuntimeError as err:  # a torch without tinygemm for this GPU/shape: say so in the record
         out["tinygemm_error"] = str(err)[:300]
-    auto = select_config(case.m, case.n, case.k, x.device)
-    out["auto_config"] = asdict(auto)
+    # the weight's group picks the tuned entry, as in int4_matmul (without it a lookup reads the per-channel key: the
+    # records of sessions 4-8 name the heuristic's config here for every grouped M > 1 case, not the one that ran)
+    out["auto_config"] = asdict(select_config(case.m, case.n, case.k, x.device, case.group))
     record("int4", lambda: int4_matmul(x, w))
     out["configs"] = {}
     if graphed and configs:  # weight copies to rotate through, > 4x L2 in all (see graph_us)

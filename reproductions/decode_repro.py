@@ -351,10 +351,12 @@ def _gap_at(target, ids: torch.Tensor, plain: list[int], i: int, other: int | No
 
 def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,
                         seed: int = 0) -> tuple[float, float]:
-    """Percentile-bootstrap interval of the median of values (seeded, so a record recomputes to the same)."""
+    """Percentile-bootstrap interval of the median of values (seeded, so a record recomputes to the same; the values
+    are sorted first, so the interval does not depend on the order they were collected in)."""
     if not values:
         raise ValueError("bootstrap_median_ci needs at least one value")
     rng = random.Random(seed)
+    values = sorted(values)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
     tail = (1.0 - level) / 2.0
     return meds[int(tail * (resamples - 1))], meds[int(round((1.0 - tail) * (resamples - 1)))]

@@ -36,6 +36,8 @@ def newest(records: list[RunRecord], suite: str, variants: tuple[str, ...] = ())
 
 MAIN_DECODE = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
 K_SWEEP = ("plain_graphs", "fixed_k2_graphs", "fixed_k3_graphs", "fixed_k5_graphs")
+GATED_GRAPHS = ("plain_graphs", "gated_production_graphs", "gated_tuned_graphs")
+GATED_BOUND = 0.99  # issue 8: gated speculation never more than 1% slower than plain on the high-entropy family
 
 
 def _int4_bytes(n: int, k: int, group: int | None, m: int) -> int:
@@ -180,6 +182,62 @@ def k_sweep_section(rec: RunRecord) -> list[str]:
     return lines
 
 
+def paired_cell(rec: RunRecord, variant: str, family: str, prompts: list[str]) -> tuple[float, float, float] | None:
+    """`variant`'s tokens/s over graphed plain decoding paired by prompt and trial (median, 95% interval): the record's
+    own metrics where it has them, else recomputed from its samples (records before the paired metrics)."""
+    from reproductions.decode_repro import paired_ratios, paired_speedup
+
+    key = f"{variant}.{family}.paired_speedup_vs_plain_graphs"
+    if key in rec.metrics:
+        return rec.metrics[key], rec.metrics[key + "_ci_low"], rec.metrics[key + "_ci_high"]
+    return paired_speedup(paired_ratios(rec.samples, variant, "plain_graphs", prompts))
+
+
+def _prompts_by_family() -> dict[str, list[str]]:
+    from reproductions.decode_repro import FAMILY_LABEL
+    from sdsie.standin import load_prompts
+
+    by_family: dict[str, list[str]] = {}
+    for pr in load_prompts():
+        by_family.setdefault(FAMILY_LABEL.get(pr.family, pr.family), []).append(pr.id)
+    return by_family
+
+
+def gated_graphs_section(rec: RunRecord) -> list[str]:
+    """Gated speculation against plain decoding, both under CUDA graphs, paired by prompt and trial, with the bound
+    the issue sets on the family of highest median entropy (where the clutch should stay out of the way)."""
+    mt = rec.metrics
+    by_family = _prompts_by_family()
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
+    lines = [f"Gated speculation against plain decoding, both under CUDA graphs ({rec.conditions['model']}, "
+             f"{rec.config['trials']} interleaved trials, record `{rec.source.name}`): tokens/s ratio paired by prompt "
+             "and trial (median, 95% bootstrap interval), and the share of cycles the clutch fell back:", "",
+             "| family | p50 entropy (bits) | plain graphs tok/s | production | tuned |", "|---|---|---|---|---|"]
+    paired: dict[tuple[str, str], tuple[float, float, float] | None] = {}
+    for f in fams:
+        cells = []
+        for mode in ("production", "tuned"):
+            got = paired[f, mode] = paired_cell(rec, f"gated_{mode}_graphs", f, by_family[f])
+            fb = mt.get(f"gated_{mode}_graphs.{f}.fallback_pct")
+            cells.append("-" if got is None else f"{got[0]:.3f}x ({got[1]:.3f}-{got[2]:.3f}), "
+                         + (f"{fb:.0f}% fallback" if fb is not None else "fallback -"))
+        lines.append(f"| {f} | {mt.get(f'{f}.entropy_bits_p50', float('nan')):.2f} | "
+                     f"{mt[f'plain_graphs.{f}.tokens_per_s']:.0f} | " + " | ".join(cells) + " |")
+    high = max(fams, key=lambda f: mt.get(f"{f}.entropy_bits_p50", float("-inf")), default=None)
+    got = paired.get((high, "production")) if high else None
+    if got is not None:
+        if got[1] >= GATED_BOUND:
+            verdict = f"**met**: the interval's low end is {got[1]:.3f}"
+        elif got[2] < GATED_BOUND:
+            verdict = f"**missed**: the whole interval lies below {GATED_BOUND}"
+        else:
+            verdict = (f"**not established**: the median is {got[0]:.3f}, but the interval reaches {got[1]:.3f}, "
+                       f"so this resolution cannot tell a 1% cost from none")
+        lines += ["", f"Issue 8's bound (gated never more than 1% slower than plain on the high-entropy family, here "
+                      f"{high}, at the production clutch): {verdict}."]
+    return lines
+
+
 def graphs_line(rec: RunRecord) -> str | None:
     """Tokens/s of the CUDA-graph variants per family, against the eager plain loop and against each other; None
     for a record without them."""
@@ -209,17 +267,12 @@ def graphs_line(rec: RunRecord) -> str | None:
 
 def gated_paired_cells(rec: RunRecord) -> str:
     """Each gated graph loop's paired ratio to plain_graphs per family, with its interval, from raw samples."""
-    from reproductions.decode_repro import FAMILY_LABEL, paired_ratios, paired_speedup
-    from sdsie.standin import load_prompts
-
-    by_family: dict[str, list[str]] = {}
-    for pr in load_prompts():
-        by_family.setdefault(FAMILY_LABEL.get(pr.family, pr.family), []).append(pr.id)
+    by_family = _prompts_by_family()
     cells = []
     for mode in ("production", "tuned"):
         parts = []
         for fam in FAMILIES:
-            got = paired_speedup(paired_ratios(rec.samples, f"gated_{mode}_graphs", "plain_graphs", by_family[fam]))
+            got = paired_cell(rec, f"gated_{mode}_graphs", fam, by_family[fam])
             if got is not None:
                 parts.append(f"{fam} {got[0]:.3f}x ({got[1]:.3f}-{got[2]:.3f})")
         if parts:
@@ -288,8 +341,9 @@ def grid_section(rec: RunRecord) -> list[str]:
             f"{mt[f'grid.tuned.{f}.throughput_change_pct']:+.1f}% | "
             f"{mt[f'grid.best.{f}.throughput_change_pct']:+.1f}% |"
             for f in FAMILIES if f"grid.production.{f}.throughput_change_pct" in mt]
-    return [f"Threshold grid ({mt['grid.configs']:.0f} settings x {mt['grid.trials_per_cell']:.0f} trials, "
-            f"record `{rec.source.name}`), tok/s vs plain decoding:", "",
+    loops = "loops under CUDA graphs" if rec.config.get("cuda_graphs") else "eager loops"
+    return [f"Threshold grid ({mt['grid.configs']:.0f} settings x {mt['grid.trials_per_cell']:.0f} trials, {loops}, "
+            f"one prompt per family, record `{rec.source.name}`), tok/s vs plain decoding:", "",
             "| family | production | tuned | best setting |", "|---|---|---|---|", *rows]
 
 
@@ -300,6 +354,7 @@ def render(records_dir: Path = Path("telemetry")) -> str:
     sections = (("kernel_int4", kernel_section, (), False), ("entropy_overhead", entropy_section, (), False),
                 ("decode_standin", decode_section, MAIN_DECODE, False),
                 ("decode_standin", k_sweep_section, K_SWEEP, True),
+                ("decode_standin", gated_graphs_section, GATED_GRAPHS, True),
                 ("resolution_gear_fidelity", fidelity_section, (), False),
                 ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False))
     for suite, fn, variants, optional in sections:

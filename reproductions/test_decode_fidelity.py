@@ -312,3 +312,40 @@ def test_readme_leaves_out_the_k_sweep_table_until_a_record_has_one(tmp_path):
     shutil.copy(telemetry / "20261130T131311725543Z-d2f2400a_decode_standin.json", tmp_path)
     text = render(tmp_path)
     assert "Draft length under CUDA graphs" in text and "8159141d" in text  # the full table stays on the full run
+
+
+def test_the_bootstrap_interval_does_not_depend_on_the_order_of_its_values():
+    """The record pairs runs in run order and the README in prompt order: the same ratios must give one interval."""
+    from reproductions.decode_repro import bootstrap_median_ci
+
+    values = [0.93, 1.04, 0.97, 1.01, 0.99, 1.06, 0.95, 1.02, 0.98, 1.03, 0.96]
+    assert bootstrap_median_ci(values) == bootstrap_median_ci(values[::-1]) == bootstrap_median_ci(sorted(values))
+
+
+def _gated_record(ratios_high: list[float], p50: dict[str, float]):
+    from types import SimpleNamespace
+
+    from reproductions.readme_results import _prompts_by_family
+
+    samples, metrics = {}, {}
+    for fam, prompts in _prompts_by_family().items():
+        metrics[f"plain_graphs.{fam}.tokens_per_s"] = 500.0
+        metrics[f"{fam}.entropy_bits_p50"] = p50[fam]
+        for pr in prompts:
+            samples[f"plain_graphs|{pr}|tokens_per_s"] = [500.0] * len(ratios_high)
+            for mode in ("production", "tuned"):
+                ratios = ratios_high if fam == max(p50, key=p50.get) else [1.0] * len(ratios_high)
+                samples[f"gated_{mode}_graphs|{pr}|tokens_per_s"] = [500.0 * r for r in ratios]
+    return SimpleNamespace(metrics=metrics, samples=samples, config={"trials": len(ratios_high)},
+                           conditions={"model": "m"}, source=SimpleNamespace(name="r.json"))
+
+
+@pytest.mark.parametrize("ratios, verdict", [([0.995, 1.0, 1.005, 0.998, 1.002], "**met**"),
+                                             ([0.95, 0.96, 0.97, 0.955, 0.965], "**missed**"),
+                                             ([0.97, 1.0, 1.03, 0.98, 1.02], "**not established**")])
+def test_the_gated_bound_is_judged_on_the_highest_entropy_family_by_its_interval(ratios, verdict):
+    from reproductions.readme_results import gated_graphs_section
+
+    text = "\n".join(gated_graphs_section(_gated_record(ratios, {"code": 1.9, "physics": 2.5, "poem": 2.0})))
+    assert f"here physics, at the production clutch): {verdict}" in text
+    assert "| code | 1.90 | 500 | 1.000x (1.000-1.000)" in text  # the other families pair at exactly 1.0

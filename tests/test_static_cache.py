@@ -107,9 +107,13 @@ def test_cuda_graph_configurations_are_refused_with_their_reason():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype):
+def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
     """On a GPU: replaying the captured forwards gives the eager static path's tokens, cycles and decisions
-    (the same kernels on the same inputs), for plain, fixed-K5 and gated decoding."""
+    (the same kernels on the same inputs), for plain, fixed-K5 and gated decoding. The eager run pads the scout's
+    catch-up as the graphed one does, so both run the same sizes."""
+    import sdsie.decoding.engine as engine
+
+    monkeypatch.setattr(engine, "_scout_pad_sizes", lambda config: engine.SCOUT_PAD_SIZES)
     target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
     prompt = [1, 5, 9, 4, 7]
     for kw in ({}, {"scout": scout}, {"scout": scout, "clutch": MIXED}):
@@ -172,3 +176,55 @@ def test_static_forwards_build_their_mask_on_the_device_and_restore_the_attentio
         handle.remove()
     assert static_seen and set(static_seen) == {STATIC_SDPA}
     assert set(seen) == {"sdpa"} and model.config._attn_implementation == "sdpa"
+
+
+def test_a_padded_forward_gives_the_real_positions_logits_and_keeps_only_them():
+    """A 3-token forward after the prefill runs as 4 (ids padded at the end): its logits are those of the 3 real
+    positions, the cache keeps 3, and the next forward continues as if no padding had been written."""
+    ids = torch.tensor([1, 5, 9, 4, 7, 3, 8])
+    with torch.inference_mode():
+        ref = TARGET(input_ids=ids[None]).logits[0]  # [7, V]
+        kv = StaticKV(TARGET, max_len=16, pad_sizes=(4, 8))
+        head = forward(TARGET, ids[:2], kv, last_only=False)  # the prefill: never padded
+        assert kv._padded_size(3) == 4 and kv._padded_size(5) == 8 and kv._padded_size(9) is None
+        mid = forward(TARGET, ids[2:5], kv, last_only=False)  # padded to 4
+        assert mid.shape[0] == 3 and cache_length(kv) == 5
+        last = forward(TARGET, ids[5:7], kv, last_only=True)  # padded to 4, only the last real position returned
+        assert last.shape[0] == 1 and cache_length(kv) == 7
+    # fp32, but a 4-row matmul sums in another order than a 3-row one: differences of ~5e-5 on logits of order 1
+    torch.testing.assert_close(torch.cat([head, mid]), ref[:5], rtol=1e-3, atol=2e-4)
+    torch.testing.assert_close(last, ref[6:7], rtol=1e-3, atol=2e-4)
+
+
+def test_padding_is_skipped_where_it_does_not_fit_and_bad_sizes_are_refused():
+    with torch.inference_mode():
+        kv = StaticKV(TARGET, max_len=8, pad_sizes=(8,))
+        forward(TARGET, torch.tensor([1, 2, 3]), kv, last_only=True)
+        assert kv._padded_size(2) is None  # 3 + 8 > 8: run unpadded
+        forward(TARGET, torch.tensor([4, 5]), kv, last_only=True)
+        assert cache_length(kv) == 5
+    for bad in ([1], [0, 4], [2.5]):
+        with pytest.raises(ValueError, match="pad_sizes must be integers >= 2"):
+            StaticKV(TARGET, max_len=8, pad_sizes=bad)
+
+
+def test_padded_scout_catch_up_decodes_as_the_dynamic_cache(monkeypatch):
+    """The engine pads the scout's catch-up only under CUDA graphs; forced on here (eager, CPU), gated and fixed-K
+    decoding keep the dynamic cache's tokens, decisions and accepted counts, and the padded path is taken."""
+    import sdsie.decoding.engine as engine
+
+    padded = []
+    real = StaticKV._padded_size
+
+    def spy(self, n):
+        size = real(self, n)
+        padded.append(size)
+        return size
+
+    monkeypatch.setattr(engine, "_scout_pad_sizes", lambda config: engine.SCOUT_PAD_SIZES)
+    monkeypatch.setattr(StaticKV, "_padded_size", spy)
+    for k, clutch in ((3, None), (None, MIXED)):
+        a, b = _run("dynamic", [1, 5, 9, 4], 60, k, clutch), _run("static", [1, 5, 9, 4], 60, k, clutch)
+        assert a.tokens == b.tokens and a.decisions == b.decisions
+        assert [(c.k, c.accepted) for c in a.cycles] == [(c.k, c.accepted) for c in b.cycles]
+    assert any(size is not None and size > 2 for size in padded)  # a catch-up of more than 2 tokens was padded

@@ -8,8 +8,9 @@ layer's position counter on the device; positions past the counter hold stale ke
 never lets a later query see, and the next forward overwrites them. A static cache is what CUDA graphs need:
 with `cuda_graphs`, the forward of each token count the engine repeats (1 and K + 1) is captured once and
 replayed, so a decode step costs one graph launch instead of one host dispatch per kernel (gpt-fast's
-approach). On the H200 the stand-in's plain decoding ran at 99.9 and 64.2 tok/s (median) on two leases of
-the same GPU (records 81adafc6, af6c76f9), which points at the host's dispatch; the records now measure it.
+approach); other counts (a scout's catch-up) can be padded to a few captured sizes (`pad_sizes`). On the
+H200 the stand-in's plain decoding ran at 99.9 and 64.2 tok/s (median) on two leases of the same GPU
+(records 81adafc6, af6c76f9), which points at the host's dispatch; the records now measure it.
 """
 
 from __future__ import annotations
@@ -50,14 +51,23 @@ class StaticKV:
     `graph_sizes` on first use and replay it after (CUDA only). `variant` names any state outside the inputs
     that changes which kernels run (the gear's precision): each value gets its own graph. A replay overwrites
     the previous replay's logits: consume them before the next forward of the same size, as the cycle does.
+
+    pad_sizes: a forward of n tokens after the prefill whose n is not in `graph_sizes` runs as the smallest of
+    these sizes that is >= n and fits: the ids padded at the end, every position's logits computed, the cache
+    cut back to the n real positions (the padding's keys are stale positions, as after a rollback). Under
+    cuda_graphs each padded size is one more graph, so a scout catching up on the tokens it skipped while the
+    clutch was out replays one graph instead of dispatching an eager forward. The real positions' logits are
+    the same computation as an n-token forward's, up to the kernels' floating-point order for another size.
     """
 
     def __init__(self, model: nn.Module, max_len: int, cuda_graphs: bool = False,
-                 graph_sizes: Sequence[int] = ()) -> None:
+                 graph_sizes: Sequence[int] = (), pad_sizes: Sequence[int] = ()) -> None:
         from transformers import StaticCache
 
         if max_len < 1:
             raise ValueError(f"StaticKV: max_len must be >= 1, got {max_len}")
+        if any(not isinstance(s, int) or s < 2 for s in pad_sizes):
+            raise ValueError(f"StaticKV: pad_sizes must be integers >= 2, got {list(pad_sizes)}")
         device = model_device(model)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, got {device}")
@@ -66,6 +76,7 @@ class StaticKV:
         self.length = 0
         self.cuda_graphs = cuda_graphs
         self.graph_sizes = frozenset(graph_sizes)
+        self.pad_sizes = tuple(sorted(set(pad_sizes)))
         self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
         self._pool: Any = None
 
@@ -74,16 +85,37 @@ class StaticKV:
         n = ids.numel()
         if self.length + n > self.max_len:
             raise ValueError(f"StaticKV holds {self.max_len} positions: cannot add {n} to {self.length}")
-        if self.cuda_graphs and n in self.graph_sizes and self.length > 0:  # the prefill runs eagerly
+        padded = self._padded_size(n)
+        if padded is None:
+            logits = self._run(model, ids, last_only, variant)
+            self.length += n
+            return logits
+        start = self.length
+        ids_padded = torch.zeros(padded, dtype=ids.dtype, device=ids.device)  # [padded]: ids, then token 0
+        ids_padded[:n] = ids
+        logits = self._run(model, ids_padded, False, variant)  # [padded, V]
+        self.length = start + padded
+        self.crop(start + n)  # the padding's positions become stale, as after a rejected draft
+        return logits[n - 1 : n] if last_only else logits[:n]
+
+    def _padded_size(self, n: int) -> int | None:
+        """The size an n-token forward is padded to, or None to run it as it is (the prefill, exact graph sizes,
+        no pad size that is large enough and fits)."""
+        if self.length == 0 or n in self.graph_sizes:
+            return None
+        return next((s for s in self.pad_sizes if s >= n and self.length + s <= self.max_len), None)
+
+    def _run(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable) -> torch.Tensor:
+        """One forward of ids [S] at the cache's position: a graph replay for a graphed size, else eager."""
+        n = ids.numel()
+        graphed = n in self.graph_sizes or n in self.pad_sizes
+        if self.cuda_graphs and graphed and self.length > 0:  # the prefill runs eagerly
             g = self._graphs.get((n, last_only, variant)) or self._capture(model, n, last_only, variant)
             g.ids.copy_(ids[None])
             g.graph.replay()
-            logits = g.logits
-        else:
-            with _static_attention(model):
-                logits = _hf_forward(model, ids[None], self.cache, last_only)
-        self.length += n
-        return logits
+            return g.logits
+        with _static_attention(model):
+            return _hf_forward(model, ids[None], self.cache, last_only)
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:

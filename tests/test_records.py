@@ -225,6 +225,18 @@ def test_git_state_reports_sha_and_dirty_flag(tmp_path: Path) -> None:
     (tmp_path / "f.txt").write_text("b")
     assert env_mod.git_state(tmp_path)["dirty"] is True
     assert env_mod.git_state(tmp_path / "missing")["sha"] is None
+    assert "declared_commit" not in env_mod.git_state(tmp_path)
+
+
+def test_a_copied_tree_records_the_commit_it_was_declared_to_come_from(tmp_path: Path, monkeypatch) -> None:
+    """The GPU machine's copy of the tree carried a stale .git (records of sessions 6-8 name an old HEAD, dirty):
+    the commit named in SDSIE_SOURCE_COMMIT is kept beside what the copy's git says, also where git fails."""
+    monkeypatch.setenv(env_mod.SOURCE_COMMIT_ENV, "9558dd2")
+    assert env_mod.git_state(tmp_path / "missing") == {
+        "sha": None, "dirty": None, "unavailable": env_mod.git_state(tmp_path / "missing")["unavailable"],
+        "declared_commit": "9558dd2"}
+    monkeypatch.setenv(env_mod.SOURCE_COMMIT_ENV, "")
+    assert "declared_commit" not in env_mod.git_state(tmp_path / "missing")
 
 
 def test_host_launch_cost_is_a_positive_ordered_spread() -> None:

@@ -173,16 +173,28 @@ def _package_versions() -> dict[str, str | None]:
     return versions
 
 
+SOURCE_COMMIT_ENV = "SDSIE_SOURCE_COMMIT"
+
+
 def git_state(repo: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """HEAD sha and whether tracked files differ from it (untracked files are not counted)."""
+    """HEAD sha and whether tracked files differ from it (untracked files are not counted).
+
+    A working tree copied onto another machine can carry a stale .git: its HEAD is then an older commit and the
+    tree shows as dirty against it. Whoever makes the copy can name the commit it came from in the environment
+    variable SDSIE_SOURCE_COMMIT; it is recorded beside the copy's own view as `declared_commit`."""
+    declared = os.environ.get(SOURCE_COMMIT_ENV) or None
     cwd = Path(repo) if repo is not None else Path(__file__).resolve().parent
     try:
         sha = _git(["rev-parse", "HEAD"], cwd)
         porcelain = _git(["status", "--porcelain", "--untracked-files=no"], cwd)
     except (OSError, subprocess.SubprocessError) as err:
-        return {"sha": None, "dirty": None, "unavailable": f"git failed: {err}"}
-    changed = porcelain.splitlines()
-    return {"sha": sha, "dirty": bool(changed), "dirty_files": changed[:50]}
+        state: dict[str, Any] = {"sha": None, "dirty": None, "unavailable": f"git failed: {err}"}
+    else:
+        changed = porcelain.splitlines()
+        state = {"sha": sha, "dirty": bool(changed), "dirty_files": changed[:50]}
+    if declared is not None:
+        state["declared_commit"] = declared
+    return state
 
 
 def _git(args: list[str], cwd: Path) -> str:

@@ -670,6 +670,27 @@ def pair_build_id(models: list[dict]) -> str:
     return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:8]
 
 
+def clutch_update_us(config: ClutchConfig = PRODUCTION, updates: int = 20000, trials: int = 5) -> dict[str, float]:
+    """Host time of one clutch step as the engine takes it (an update, then the state read at the next cycle), in
+    us: median and spread over `trials` loops of `updates`. In fallback a gated loop does plain decoding's GPU work
+    and this on the host, once per token, so this over the token time bounds what gating costs where it never
+    engages."""
+    if updates < 1 or trials < 1:
+        raise ValueError(f"updates and trials must be >= 1, got {updates}, {trials}")
+    clutch = EntropyClutch(config)
+    bits = [(i * 0.37) % 8.0 for i in range(updates)]  # entropies across both thresholds: flips and holds
+    per_update = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for h in bits:
+            clutch.update(h)
+            _ = clutch.engaged
+        per_update.append((time.perf_counter() - t0) / updates * 1e6)
+    per_update.sort()
+    return {"median": per_update[len(per_update) // 2], "min": per_update[0], "max": per_update[-1],
+            "updates": float(updates), "trials": float(trials)}
+
+
 def load_setup(preset: str = "gpu", device: str = "cuda", one_per_family: bool = False) -> Setup:
     """Load (or build) the stand-in pair and the prompts; an energy meter where NVML is available."""
     from sdsie.standin import get_preset, load_prompts, load_standin, prompts_hash, recipe_hash
@@ -689,6 +710,7 @@ def load_setup(preset: str = "gpu", device: str = "cuda", one_per_family: bool =
     env["standin_recipe"] = get_preset(preset).name
     env["standin_recipe_hash"] = recipe_hash(get_preset(preset))  # which recipe built the pair, not only its name
     env["host_launch_us"] = host_launch_us(device)  # the host's speed: small-model decoding is bound by it
+    env["clutch_update_us"] = clutch_update_us()  # what a gated loop adds per token where it never engages
     build = pair_build_id(env["models"])
     hardware = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     cond = {"model": f"sdsie stand-in pair ({preset} preset, build {build}), {str(dtype).split('.')[-1]}",

@@ -242,6 +242,12 @@ def gated_graphs_section(rec: RunRecord) -> list[str]:
                        f"so this resolution cannot tell a 1% cost from none")
         lines += ["", f"Issue 8's bound (gated never more than 1% slower than plain on the high-entropy family, here "
                       f"{high}, at the production clutch): {verdict}."]
+    cu = rec.environment.get("clutch_update_us") if isinstance(getattr(rec, "environment", None), dict) else None
+    if cu is not None and high is not None:
+        token_us = 1e6 / mt[f"plain_graphs.{high}.tokens_per_s"]
+        lines.append(f"Where the clutch never engages, the gated loop runs plain decoding's GPU work plus one clutch "
+                     f"update per token on the host: {cu['median']:.2f} us on this run's host, "
+                     f"{100 * cu['median'] / token_us:.2f}% of a graphed plain token on {high} ({token_us:.0f} us).")
     return lines
 
 

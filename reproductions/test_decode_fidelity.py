@@ -337,7 +337,7 @@ def _gated_record(ratios_high: list[float], p50: dict[str, float]):
                 ratios = ratios_high if fam == max(p50, key=p50.get) else [1.0] * len(ratios_high)
                 samples[f"gated_{mode}_graphs|{pr}|tokens_per_s"] = [500.0 * r for r in ratios]
     return SimpleNamespace(metrics=metrics, samples=samples, config={"trials": len(ratios_high)},
-                           conditions={"model": "m"}, source=SimpleNamespace(name="r.json"))
+                           conditions={"model": "m"}, source=SimpleNamespace(name="r.json"), environment={})
 
 
 @pytest.mark.parametrize("ratios, verdict", [([0.995, 1.0, 1.005, 0.998, 1.002], "**met**"),
@@ -349,3 +349,17 @@ def test_the_gated_bound_is_judged_on_the_highest_entropy_family_by_its_interval
     text = "\n".join(gated_graphs_section(_gated_record(ratios, {"code": 1.9, "physics": 2.5, "poem": 2.0})))
     assert f"here physics, at the production clutch): {verdict}" in text
     assert "| code | 1.90 | 500 | 1.000x (1.000-1.000)" in text  # the other families pair at exactly 1.0
+
+
+def test_the_clutch_steps_host_cost_is_measured_and_set_against_a_graphed_token():
+    from reproductions.decode_repro import clutch_update_us
+    from reproductions.readme_results import gated_graphs_section
+
+    cost = clutch_update_us(updates=2000, trials=3)
+    assert 0 < cost["min"] <= cost["median"] <= cost["max"] and cost["updates"] == 2000
+    with pytest.raises(ValueError, match="updates and trials must be >= 1"):
+        clutch_update_us(updates=0)
+    rec = _gated_record([1.0] * 5, {"code": 1.9, "physics": 2.5, "poem": 2.0})
+    rec.environment = {"clutch_update_us": {"median": 1.6}}
+    text = "\n".join(gated_graphs_section(rec))
+    assert "1.60 us on this run's host, 0.08% of a graphed plain token on physics (2000 us)" in text

@@ -4,10 +4,11 @@
 
 An A/B of one engine change (commit 4209cfb): under CUDA graphs the scout's catch-up forwards (the tokens it
 skipped while the clutch was out, or 2 after a fully accepted draft) were eager forwards; now they are padded to
-one of `engine.SCOUT_PAD_SIZES` and replayed. Both arms run on one GPU in one process, interleaved per trial and
-prompt, on the stand-in pair of `--preset` (the committed CPU pair loads in seconds; `gpu` builds or loads the
-gpu pair). Per arm and clutch: tokens/s paired by prompt and trial, catch-up tokens, and whether the tokens and
-decisions of the two arms agree (they must: padding changes only which kernels run the scout).
+one of `engine.SCOUT_PAD_SIZES` and replayed (`DecodeConfig.pad_scout_catchup` switches it). Both arms run on
+one GPU in one process, interleaved per trial and prompt, on the stand-in pair of `--preset` (the committed CPU
+pair loads in seconds; `gpu` builds or loads the gpu pair). Per arm and clutch: tokens/s paired by prompt and
+trial, catch-up tokens, and whether the tokens and decisions of the two arms agree (they must: padding changes
+only which kernels run the scout).
 """
 
 from __future__ import annotations
@@ -27,15 +28,8 @@ from sdsie.decoding import DecodeConfig, generate
 
 def run_arm(s, ids: torch.Tensor, clutch, max_new: int, padded: bool) -> tuple[list[int], str, float, int]:
     """One graphed gated run -> (tokens, decisions, tokens/s, scout catch-up tokens)."""
-    import sdsie.decoding.engine as engine
-
-    saved = engine._scout_pad_sizes
-    engine._scout_pad_sizes = (lambda config: engine.SCOUT_PAD_SIZES) if padded else (lambda config: ())
-    try:
-        cfg = DecodeConfig(max_new_tokens=max_new, kv_cache="static", cuda_graphs=True)
-        r = generate(s.target, ids, cfg, scout=s.scout, clutch=EntropyClutch(clutch))
-    finally:
-        engine._scout_pad_sizes = saved
+    cfg = DecodeConfig(max_new_tokens=max_new, kv_cache="static", cuda_graphs=True, pad_scout_catchup=padded)
+    r = generate(s.target, ids, cfg, scout=s.scout, clutch=EntropyClutch(clutch))
     return r.tokens, r.decisions, r.stats.tokens_per_s, r.stats.scout_catchup_tokens
 
 

@@ -38,7 +38,7 @@ from sdsie.decoding import DecodeConfig, generate, near_tie_report
 from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache
 from sdsie.decoding.near_tie import decode_logits
 from sdsie.telemetry.energy import EnergyMeter
-from sdsie.telemetry.env import host_launch_us
+from sdsie.telemetry.env import host_launch_us, per_op_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
 FAMILY_LABEL = {"verse": "poem", "prose": "physics", "code": "code"}  # seed README names
@@ -675,20 +675,17 @@ def clutch_update_us(config: ClutchConfig = PRODUCTION, updates: int = 20000, tr
     us: median and spread over `trials` loops of `updates`. In fallback a gated loop does plain decoding's GPU work
     and this on the host, once per token, so this over the token time bounds what gating costs where it never
     engages."""
-    if updates < 1 or trials < 1:
-        raise ValueError(f"updates and trials must be >= 1, got {updates}, {trials}")
+    if updates < 1:
+        raise ValueError(f"updates must be >= 1, got {updates}")
     clutch = EntropyClutch(config)
     bits = [(i * 0.37) % 8.0 for i in range(updates)]  # entropies across both thresholds: flips and holds
-    per_update = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
+
+    def loop() -> None:
         for h in bits:
             clutch.update(h)
             _ = clutch.engaged
-        per_update.append((time.perf_counter() - t0) / updates * 1e6)
-    per_update.sort()
-    return {"median": per_update[len(per_update) // 2], "min": per_update[0], "max": per_update[-1],
-            "updates": float(updates), "trials": float(trials)}
+
+    return {**per_op_us(loop, updates, trials), "updates": float(updates)}
 
 
 def load_setup(preset: str = "gpu", device: str = "cuda", one_per_family: bool = False) -> Setup:

@@ -230,8 +230,11 @@ def gated_graphs_section(rec: RunRecord) -> list[str]:
                          + (f"{fb:.0f}% fallback" if fb is not None else "fallback -"))
         lines.append(f"| {f} | {mt.get(f'{f}.entropy_bits_p50', float('nan')):.2f} | "
                      f"{mt[f'plain_graphs.{f}.tokens_per_s']:.0f} | " + " | ".join(cells) + " |")
-    high = max(fams, key=lambda f: mt.get(f"{f}.entropy_bits_p50", float("-inf")), default=None)
-    got = paired.get((high, "production")) if high else None
+    if not fams or any(f"{f}.entropy_bits_p50" not in mt for f in fams):
+        return [*lines, "", "Issue 8's bound is not judged here: the record lacks a family's median entropy, so which "
+                            "family is the high-entropy one is not known."]
+    high = max(fams, key=lambda f: mt[f"{f}.entropy_bits_p50"])
+    got = paired[high, "production"]
     if got is not None:
         if got[1] >= GATED_BOUND:
             verdict = f"**met**: the interval's low end is {got[1]:.3f}"
@@ -242,8 +245,8 @@ def gated_graphs_section(rec: RunRecord) -> list[str]:
                        f"so this resolution cannot tell a 1% cost from none")
         lines += ["", f"Issue 8's bound (gated never more than 1% slower than plain on the high-entropy family, here "
                       f"{high}, at the production clutch): {verdict}."]
-    cu = rec.environment.get("clutch_update_us") if isinstance(getattr(rec, "environment", None), dict) else None
-    if cu is not None and high is not None:
+    cu = rec.environment.get("clutch_update_us")
+    if cu is not None:
         token_us = 1e6 / mt[f"plain_graphs.{high}.tokens_per_s"]
         lines.append(f"Where the clutch never engages, the gated loop runs plain decoding's GPU work plus one clutch "
                      f"update per token on the host: {cu['median']:.2f} us on this run's host, "

@@ -351,14 +351,25 @@ def test_the_gated_bound_is_judged_on_the_highest_entropy_family_by_its_interval
     assert "| code | 1.90 | 500 | 1.000x (1.000-1.000)" in text  # the other families pair at exactly 1.0
 
 
+def test_the_gated_bound_is_not_judged_without_every_familys_entropy():
+    from reproductions.readme_results import gated_graphs_section
+
+    rec = _gated_record([0.95] * 5, {"code": 1.9, "physics": 2.5, "poem": 2.0})
+    del rec.metrics["code.entropy_bits_p50"]
+    text = "\n".join(gated_graphs_section(rec))
+    assert "bound is not judged here" in text and "**missed**" not in text
+
+
 def test_the_clutch_steps_host_cost_is_measured_and_set_against_a_graphed_token():
     from reproductions.decode_repro import clutch_update_us
     from reproductions.readme_results import gated_graphs_section
 
     cost = clutch_update_us(updates=2000, trials=3)
     assert 0 < cost["min"] <= cost["median"] <= cost["max"] and cost["updates"] == 2000
-    with pytest.raises(ValueError, match="updates and trials must be >= 1"):
+    with pytest.raises(ValueError, match="updates must be >= 1"):
         clutch_update_us(updates=0)
+    with pytest.raises(ValueError, match="ops and trials must be >= 1"):
+        clutch_update_us(trials=0)
     rec = _gated_record([1.0] * 5, {"code": 1.9, "physics": 2.5, "poem": 2.0})
     rec.environment = {"clutch_update_us": {"median": 1.6}}
     text = "\n".join(gated_graphs_section(rec))

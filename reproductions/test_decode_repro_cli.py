@@ -94,3 +94,21 @@ def test_cuda_graph_variants_are_refused_off_a_gpu_and_the_env_switch_is_checked
     monkeypatch.setenv("SDSIE_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="SDSIE_CUDA_GRAPHS must be 0 or 1, got 'yes'"):
         graphs_from_env()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_grid_runs_its_loops_as_asked(monkeypatch, graphs):
+    """--grid-graphs must change what the grid runs: every loop on a static cache with replayed graphs."""
+    import sdsie.decoding
+    from reproductions.decode_repro import run_grid
+
+    seen = []
+
+    def stop(*args, config, **kwargs):
+        seen.append(config)
+        raise RuntimeError("stop after the sweep is configured")
+
+    monkeypatch.setattr(sdsie.decoding, "sweep", stop)
+    with pytest.raises(RuntimeError, match="stop after"):
+        run_grid(None, None, {"p": ("code", torch.zeros(3))}, max_new=8, trials=1, graphs=graphs)
+    assert (seen[0].cuda_graphs, seen[0].kv_cache) == ((True, "static") if graphs else (False, "dynamic"))

@@ -205,6 +205,17 @@ def test_a_padded_forward_gives_the_real_positions_logits_and_keeps_only_them():
     assert torch.equal(mid, want_mid) and torch.equal(last, want_last) and torch.equal(after, want_after)
 
 
+def test_the_scout_pads_its_catch_up_only_under_graphs_and_when_asked():
+    from sdsie.decoding.engine import SCOUT_PAD_SIZES, _scout_pad_sizes
+
+    graphs = DecodeConfig(kv_cache="static", cuda_graphs=True)
+    assert _scout_pad_sizes(graphs) == SCOUT_PAD_SIZES
+    assert _scout_pad_sizes(DecodeConfig(kv_cache="static", cuda_graphs=True, pad_scout_catchup=False)) == ()
+    assert _scout_pad_sizes(DecodeConfig(kv_cache="static")) == ()
+    with pytest.raises(ValueError, match="pad_scout_catchup must be a bool, got 'no'"):
+        DecodeConfig(pad_scout_catchup="no")
+
+
 def test_padding_is_skipped_where_it_does_not_fit_and_bad_sizes_are_refused():
     with torch.inference_mode():
         kv = StaticKV(TARGET, max_len=8, pad_sizes=(8,))

@@ -71,10 +71,11 @@ class DecodeConfig:
     kv_cache: "dynamic" (HF DynamicCache, cropped after a rejection) or "static" (preallocated, rolled back
     by a device-side counter: `model_io.StaticKV`).
     cuda_graphs: capture and replay the 1-token and (K+1)-token forwards (needs kv_cache="static" and CUDA;
-    with a gear, the target gets one graph per precision); the scout's catch-up forwards are padded to one of
-    SCOUT_PAD_SIZES and replayed too. A replay runs no Python: counters kept inside the
+    with a gear, the target gets one graph per precision). A replay runs no Python: counters kept inside the
     model (GearState.int4_calls / full_calls, kernel_calls()) count captures, not replays; the per-cycle
     CycleRecord.gear_int4 stays exact.
+    pad_scout_catchup: under cuda_graphs, pad the scout's catch-up forwards to one of SCOUT_PAD_SIZES and replay
+    them (False: run them eagerly, as before; for A/B runs).
     """
 
     max_new_tokens: int = 64
@@ -85,6 +86,7 @@ class DecodeConfig:
     timing: bool = False
     kv_cache: str = "dynamic"
     cuda_graphs: bool = False
+    pad_scout_catchup: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -93,6 +95,8 @@ class DecodeConfig:
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {self.kv_cache!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.pad_scout_catchup, bool):
+            raise ValueError(f"pad_scout_catchup must be a bool, got {self.pad_scout_catchup!r}")
         if self.cuda_graphs and self.kv_cache != "static":
             raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
         if self.k_draft is not None and (
@@ -470,7 +474,7 @@ SCOUT_PAD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 
 def _scout_pad_sizes(config: DecodeConfig) -> tuple[int, ...]:
     """Padding buys nothing without graphs (an eager forward of n tokens is already one dispatch)."""
-    return SCOUT_PAD_SIZES if config.cuda_graphs else ()
+    return SCOUT_PAD_SIZES if config.cuda_graphs and config.pad_scout_catchup else ()
 
 
 def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_sizes: tuple[int, ...],

@@ -17,7 +17,8 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,20 @@ def _torch_state() -> dict[str, Any]:
     return state
 
 
+def per_op_us(loop: Callable[[], None], ops: int, trials: int) -> dict[str, float]:
+    """Host microseconds per operation: `loop` performs `ops` operations (and whatever sync it needs); it is timed
+    `trials` times -> median, min and max per operation, and the trial count."""
+    if ops < 1 or trials < 1:
+        raise ValueError(f"ops and trials must be >= 1, got {ops}, {trials}")
+    per_op = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        loop()
+        per_op.append((time.perf_counter() - t0) / ops * 1e6)
+    per_op.sort()
+    return {"median": per_op[len(per_op) // 2], "min": per_op[0], "max": per_op[-1], "trials": float(trials)}
+
+
 def host_launch_us(device: Any = "cuda", launches: int = 2000, trials: int = 5) -> dict[str, float]:
     """Host cost of one tiny op launch on `device`, in us: median and spread over `trials` timed loops.
 
@@ -224,8 +239,6 @@ def host_launch_us(device: Any = "cuda", launches: int = 2000, trials: int = 5) 
     It says how fast the lease's host is: plain decoding of the stand-in pair, a small model, ran at 99.9
     and 64.2 tok/s (medians, records 81adafc6 and af6c76f9) on two leases of one GPU kind.
     """
-    import time
-
     import torch
 
     if launches < 1 or trials < 1:
@@ -237,19 +250,15 @@ def host_launch_us(device: Any = "cuda", launches: int = 2000, trials: int = 5) 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for _ in range(launches // 10 + 1):  # warm-up: the op's first launch pays for its setup
-        x.add_(1)
-    sync()
-    per_launch = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
+    def loop() -> None:
         for _ in range(launches):
             x.add_(1)
         sync()
-        per_launch.append((time.perf_counter() - t0) / launches * 1e6)
-    per_launch.sort()
-    return {"median": per_launch[len(per_launch) // 2], "min": per_launch[0], "max": per_launch[-1],
-            "launches": float(launches), "trials": float(trials)}
+
+    for _ in range(launches // 10 + 1):  # warm-up: the op's first launch pays for its setup
+        x.add_(1)
+    sync()
+    return {**per_op_us(loop, launches, trials), "launches": float(launches)}
 
 
 def _named(kind: str, values: Mapping[str, Any] | Sequence[Any] | None) -> dict[str, Any]:

@@ -141,8 +141,10 @@ def variants(target, scout, cfg: DecodeConfig,
                               do_sample=False)
         return out[0, ids.numel():].tolist(), {}, ""
 
-    def graphed(k: int | None = None) -> DecodeConfig:  # static cache, replayed graphs; a clutch brings its own K
-        return DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=k, kv_cache="static", cuda_graphs=True)
+    def graphed(k: int | None = None, pad: bool = True) -> DecodeConfig:  # static cache, replayed graphs; a
+        # clutch brings its own K
+        return DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=k, kv_cache="static", cuda_graphs=True,
+                            pad_scout_catchup=pad)
 
     fns = {
         "plain": ours(cfg, keep_entropy=True),
@@ -156,7 +158,8 @@ def variants(target, scout, cfg: DecodeConfig,
         fns |= {"plain_graphs": ours(graphed()), "fixed_k5_graphs": ours(graphed(K), scout),
                 "gated_production_graphs": ours(graphed(), scout, PRODUCTION),
                 "gated_tuned_graphs": ours(graphed(), scout, TUNED),
-                **{f"fixed_k{k}_graphs": ours(graphed(k), scout) for k in SHORTER_K}}
+                **{f"fixed_k{k}_graphs": ours(graphed(k), scout) for k in SHORTER_K},
+                UNPADDED: ours(graphed(pad=False), scout, TUNED)}
     return fns
 
 
@@ -234,8 +237,12 @@ PEERS = ("hf_assisted", "hf_generate")  # HF transformers on the same pair: the 
 # target steps, so at this pair's acceptance (record 8159141d: 14-25% of K = 5 drafts, a ~ 0.4-0.55; c ~ 0.16)
 # K = 2-3 should beat the seed's K = 5. A prediction until a GPU run measures it.
 SHORTER_K = (2, 3)
+# The tuned clutch with the scout's catch-up forwards eager (DecodeConfig.pad_scout_catchup=False), beside
+# gated_tuned_graphs (padded, the default) in the same run: what padding the catch-up saves where the clutch engages,
+# measured as an A/B of whole decodes rather than of one forward (reproductions/catchup_ab.py).
+UNPADDED = "gated_tuned_graphs_unpadded"
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
-           *(f"fixed_k{k}_graphs" for k in SHORTER_K))
+           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED)
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
 # static-cache kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
@@ -901,8 +908,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fidelity-tokens", type=_positive_int, default=SEED_FIDELITY_TOKENS,
                    help="tokens per fidelity run")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="add plain_graphs, fixed-K (K = 5 and SHORTER_K) and the two gated loops (GRAPHED): this "
-                        "engine on a static cache with replayed CUDA graphs")
+                   help="add plain_graphs, fixed-K (K = 5 and SHORTER_K), the two gated loops and the tuned one "
+                        "with an eager catch-up (GRAPHED): this engine on a static cache with replayed CUDA graphs")
     p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                    help="decode only these variants (with their baselines: plain, and plain_graphs for graphed "
                         "loops), e.g. a quick K sweep: plain plain_graphs fixed_k2_graphs fixed_k3_graphs "

@@ -3,6 +3,7 @@ flags reach the records they size, and bad sizes are refused before anything run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -112,3 +113,29 @@ def test_the_grid_runs_its_loops_as_asked(monkeypatch, graphs):
     with pytest.raises(RuntimeError, match="stop after"):
         run_grid(None, None, {"p": ("code", torch.zeros(3))}, max_new=8, trials=1, graphs=graphs)
     assert (seen[0].cuda_graphs, seen[0].kv_cache) == ((True, "static") if graphs else (False, "dynamic"))
+
+
+def test_the_unpadded_variant_differs_from_gated_tuned_graphs_only_in_the_catch_up(monkeypatch):
+    """The padded catch-up's A/B: both arms the tuned clutch on graphs, one with pad_scout_catchup off."""
+    import reproductions.decode_repro as dr
+
+    seen = {}
+
+    def fake_generate(target, ids, config, scout=None, clutch=None):
+        raise _Seen(config, clutch)
+
+    class _Seen(Exception):
+        def __init__(self, config, clutch):
+            self.config, self.clutch = config, clutch
+
+    monkeypatch.setattr(dr, "generate", fake_generate)
+    fns = dr.variants(None, object(), dr.DecodeConfig(max_new_tokens=4), graphs=True)
+    for name in ("gated_tuned_graphs", dr.UNPADDED):
+        with pytest.raises(_Seen) as exc:
+            fns[name](torch.zeros(3, dtype=torch.long))
+        seen[name] = exc.value
+    padded, unpadded = seen["gated_tuned_graphs"], seen[dr.UNPADDED]
+    assert (padded.config.pad_scout_catchup, unpadded.config.pad_scout_catchup) == (True, False)
+    assert dataclasses.replace(unpadded.config, pad_scout_catchup=True) == padded.config
+    assert padded.clutch.config == unpadded.clutch.config == dr.TUNED
+    assert dr.BASELINE[dr.UNPADDED] == "plain_graphs"

@@ -229,3 +229,22 @@ def test_each_cases_graphed_times_reach_the_record_and_the_readme_table():
     assert "target 3.0x (group 128): met" in with_graphs
     without = "\n".join(kernel_section(rec({"m1_g128_geomean_speedup": 1.84})))
     assert "graphed bf16 / INT4" not in without and "target 3.0x (group 128): **not met**" in without
+
+
+def test_the_graphed_copy_percentage_takes_the_worst_large_shape_and_ignores_small_ones():
+    """m1_g128_min_pct_copy_large_graph: a same-bytes graphed copy's time over INT4's, on the three large shapes."""
+    results = []
+    for shape, n, k, copy_us, int4_us in (("gate_up_14336x4096", 14336, 4096, 9.0, 15.0),
+                                          ("lm_head_128256x4096", 128256, 4096, 70.0, 95.0),
+                                          ("kv_1024x4096", 1024, 4096, 4.0, 16.0)):  # small: not counted
+        r = _result({"bf16": 30.0, "int4": int4_us}, {"bf16": 0.0, "int4": 3e-3})
+        r["case"] = {"shape": shape, "n": n, "k": k, "m": 1, "group": 128}
+        r.update(speedup_vs_bf16=2.0, int4_pct_of_copy=50.0, bytes_reduction_pct=73.4,
+                 graph_us={"int4": int4_us, "bf16": 30.0, "copy": copy_us})
+        results.append(r)
+    s = summarize(results, [], copy_gbs=4200.0)
+    assert s["m1_g128_min_pct_copy_large_graph"] == pytest.approx(60.0)
+    assert s["graph_us.gate_up_14336x4096.m1.g128.copy"] == 9.0
+    results[0]["graph_us"].pop("copy")  # a record without copies (before session 9) has no such metric
+    results[1]["graph_us"].pop("copy")
+    assert "m1_g128_min_pct_copy_large_graph" not in summarize(results, [], copy_gbs=4200.0)

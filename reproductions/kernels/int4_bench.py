@@ -233,6 +233,7 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
     ws, wb = weight_rotation(case, gen, device)
     out = {"int4": graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, device)}
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, device)
+    out["copy"] = copy_graph_us(bytes_moved_int4(ws[0], m), device)
     try:
         packs = [tinygemm_pack(w) for w in ws[:32]]
         if packs[0] is not None:
@@ -241,6 +242,17 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
     except RuntimeError as err:
         out["tinygemm_error"] = str(err)[:200]
     return out
+
+
+def copy_graph_us(nbytes: int, device: str) -> float:
+    """Graphed per-call time of a device-to-device copy moving `nbytes` (read + write, as copy_bandwidth_gbs
+    counts them), L2-cold like the matmuls beside it: 100% of copy bandwidth for a call of that many bytes under
+    the same timer, its per-kernel floor included, which a 1 GiB copy's rate leaves out for small shapes."""
+    half = max(1, nbytes // 2)
+    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255)
+            for _ in range(l2_busting_copies(device, half))]
+    dst = torch.empty(half, dtype=torch.uint8, device=device)
+    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), half, device)
 
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 200, reps: int = 5) -> float:
@@ -505,6 +517,9 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+LARGE = ("gate_up_14336x4096", "down_4096x14336", "lm_head_128256x4096")  # the copy-bandwidth target's shapes
+
+
 def summarize(results: list[dict], energy: list[dict], copy_gbs: float) -> dict:
     def pick(m: int, g: int | None) -> list[dict]:
         return [r for r in results if r["case"]["m"] == m and r["case"]["group"] == g]
@@ -523,7 +538,7 @@ def summarize(results: list[dict], energy: list[dict], copy_gbs: float) -> dict:
         if not m1:  # a partial run (or a test) may time one group only
             continue
         s[f"m1_g{g}_geomean_speedup"] = geomean([r["speedup_vs_bf16"] for r in m1])
-        big = [r for r in m1 if r["case"]["shape"] in ("gate_up_14336x4096", "down_4096x14336", "lm_head_128256x4096")]
+        big = [r for r in m1 if r["case"]["shape"] in LARGE]
         if big:
             s[f"m1_g{g}_min_pct_copy_large"] = min(r["int4_pct_of_copy"] for r in big)
         tg = [r["speedup_vs_tinygemm"] for r in m1 if "speedup_vs_tinygemm" in r]
@@ -538,6 +553,9 @@ def summarize(results: list[dict], energy: list[dict], copy_gbs: float) -> dict:
         graphed = [r["graph_us"] for r in pick(1, g) if "graph_us" in r]
         if graphed:
             s[f"m1_g{g}_geomean_speedup_graph"] = geomean([gu["bf16"] / gu["int4"] for gu in graphed])
+        big = [r["graph_us"] for r in pick(1, g) if "copy" in r.get("graph_us", {}) and r["case"]["shape"] in LARGE]
+        if big:  # graphed INT4 against a graphed copy of the same bytes
+            s[f"m1_g{g}_min_pct_copy_large_graph"] = min(100.0 * gu["copy"] / gu["int4"] for gu in big)
     for r in results:  # each case's graphed times, so a reader can judge a case without its eager host time
         c = r["case"]
         for name, us in r.get("graph_us", {}).items():

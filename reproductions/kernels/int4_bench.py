@@ -345,6 +345,12 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=4)
              for bn, bk, sk in ((128, 256, 1), (128, 256, 2), (256, 128, 1))]
     cfgs += [Int4KernelConfig(1, 256, 256, split_k=1, num_warps=8, num_stages=3)]
+    # More K splits for the small shapes (session 9): at split 8 the 1024x4096 GEMV is 128 programs of two tiles and
+    # took 5.3 us graphed where a graphed copy of its bytes took 2.0-2.3 us and tinygemm 4.7; split 16 or 32 gives each
+    # program one tile (more loads in flight, a shorter chain before the partial sums), at the cost of more partials.
+    cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=w)
+             for bn, bk, w in ((32, 256, 2), (64, 256, 2), (64, 256, 4), (128, 256, 4), (64, 128, 2), (128, 128, 4))
+             for sk in (16, 32) if not (bk == 256 and sk == 32)]
     cfgs += [Int4KernelConfig(16, bn, bk, split_k=sk, num_warps=4)
              for bn in (64, 128) for bk in (64, 128) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(16, 32, 128, split_k=4, num_warps=4)]

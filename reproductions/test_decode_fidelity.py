@@ -342,12 +342,15 @@ def _gated_record(ratios_high: list[float], p50: dict[str, float]):
 
 @pytest.mark.parametrize("ratios, verdict", [([0.995, 1.0, 1.005, 0.998, 1.002], "**met**"),
                                              ([0.95, 0.96, 0.97, 0.955, 0.965], "**missed**"),
-                                             ([0.97, 1.0, 1.03, 0.98, 1.02], "**not established**")])
+                                             ([0.97, 1.0, 1.03, 0.98, 1.02], "**not established** (the median"),
+                                             ([0.95, 0.99, 0.995, 0.96, 0.985], "**not established** (0.985x: "
+                                                                                 "slower than plain, by 0.8-4.5%")])
 def test_the_gated_bound_is_judged_on_the_highest_entropy_family_by_its_interval(ratios, verdict):
     from reproductions.readme_results import gated_graphs_section
 
     text = "\n".join(gated_graphs_section(_gated_record(ratios, {"code": 1.9, "physics": 2.5, "poem": 2.0})))
-    assert f"here physics, at the production clutch): {verdict}" in text
+    assert f"here physics): at the production clutch {verdict}" in text
+    assert f"; at the tuned clutch {verdict}" in text
     assert "| code | 1.90 | 500 | 1.000x (1.000-1.000)" in text  # the other families pair at exactly 1.0
 
 
@@ -374,3 +377,42 @@ def test_the_clutch_steps_host_cost_is_measured_and_set_against_a_graphed_token(
     rec.environment = {"clutch_update_us": {"median": 1.6}}
     text = "\n".join(gated_graphs_section(rec))
     assert "1.60 us on this run's host, 0.08% of a graphed plain token on physics (2000 us)" in text
+
+
+def test_the_catch_up_ab_is_reported_per_prompt_where_the_tuned_clutch_engaged():
+    """Padded against eager catch-up, paired by trial, only on prompts whose tuned decisions hold a speculate cycle."""
+    from reproductions.decode_repro import UNPADDED
+    from reproductions.readme_results import _prompts_by_family, gated_graphs_section
+
+    rec = _gated_record([1.0] * 4, {"code": 1.9, "physics": 2.5, "poem": 2.0})
+    engaged, idle = _prompts_by_family()["physics"][:2]
+    rec.config["decisions"] = {f"gated_tuned_graphs|{engaged}|{t}": "FFSFF" for t in range(4)}
+    rec.config["decisions"] |= {f"gated_tuned_graphs|{idle}|{t}": "FFFFF" for t in range(4)}
+    for pr in (engaged, idle):
+        rec.samples[f"gated_tuned_graphs|{pr}|tokens_per_s"] = [472.5] * 4
+        rec.samples[f"{UNPADDED}|{pr}|tokens_per_s"] = [450.0, 450.0, 450.0, 450.0]
+    text = "\n".join(gated_graphs_section(rec))
+    line = next(ln for ln in text.splitlines() if UNPADDED in ln)
+    assert f"{engaged} 1.050x (1.050-1.050)" in line and idle not in line
+    assert "against plain graphs 0.945x (0.945-0.945) padded, 0.900x (0.900-0.900) eager" in line
+    rec.config["decisions"] = {}
+    assert UNPADDED not in "\n".join(gated_graphs_section(rec))  # nothing engaged: no A/B line
+
+
+def test_the_graphed_identity_line_names_each_divergence_with_its_gap_and_trials():
+    from types import SimpleNamespace
+
+    from reproductions.readme_results import graphed_identity_line
+
+    rec = SimpleNamespace(metrics={"plain_graphs.fidelity_pct": 100.0, "fixed_k5_graphs.fidelity_pct": 95.0,
+                                   "fixed_k5.fidelity_pct": 50.0},
+                          config={"mismatches": [
+                              {"variant": "fixed_k5_graphs", "prompt": "p", "position": 7, "plain_gap": 0.0625,
+                               "trials": [1, 3]},
+                              {"variant": "fixed_k5", "prompt": "q", "position": 2, "plain_gap": 0.0, "trials": [0]}]})
+    line = graphed_identity_line(rec)
+    assert "plain_graphs 100.0%, fixed_k5_graphs 95.0%." in line and "fixed_k5 50" not in line
+    assert "fixed_k5_graphs p @7 gap 0.0625 in trial(s) 1,3." in line and " q @2" not in line  # eager: not here
+    rec.config["mismatches"] = rec.config["mismatches"][1:]
+    assert graphed_identity_line(rec).endswith("No divergence.")
+    assert graphed_identity_line(SimpleNamespace(metrics={}, config={})) is None

@@ -1,0 +1,118 @@
+"""Does a graphed call's time depend on how its memory was allocated? A probe of the suite's graphed timer.
+
+Session 9's kernel suites timed a graphed device copy of each case's bytes (`int4_bench.copy_graph_us`) beside the
+M = 1 and M = 16 cases. In both records the same bytes took 104-106 us beside the M = 1 LM head and 70 us beside
+M = 16 (gate_up and down_proj: 11.2-11.4 us against 8.5-8.6). The M = 1 case is the first of its shape in the
+suite's graphed pass: its weights and the copies' buffers come from new cudaMalloc segments, while the M = 16
+case's come from the caching allocator's pool. If fresh memory is slower, the M = 1 INT4 and bf16 graphed times
+beside it are slowed too.
+
+Per shape, in one process, each measurement with `int4_bench.graph_us` (L2-cold rotation, median of 20 replays):
+  copy  fresh   after torch.cuda.empty_cache(), new buffers
+        again   the same buffers, a new graph
+        reused  the buffers freed and allocated again (the allocator hands back the same cached blocks)
+        fresh2  after empty_cache() once more, new buffers
+  int4 and bf16 (M = 1, group 128): fresh weights, then the same weights again; then a copy as the suite times it
+        (copy_beside_weights: new buffers while those weights are held)
+
+    python -m reproductions.kernels.graph_floor_probe --out telemetry/raw/graph_floor_probe_s9_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from reproductions.kernels.int4_bench import (
+    LLAMA_SHAPES,
+    Case,
+    bytes_moved_int4,
+    copy_graph_us,
+    graph_us,
+    l2_busting_copies,
+    weight_rotation,
+)
+from sdsie.kernels import int4_matmul
+from sdsie.telemetry.records import write_raw
+
+PROBE_SHAPES = ("lm_head_128256x4096", "gate_up_14336x4096", "kv_1024x4096")
+
+
+def copy_buffers(nbytes: int, copies: int, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`copies` source buffers of nbytes // 2 (random bytes) and one destination: a copy moves nbytes."""
+    half = max(1, nbytes // 2)
+    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255) for _ in range(copies)]
+    return srcs, torch.empty(half, dtype=torch.uint8, device=device)
+
+
+def copy_time(srcs: list[torch.Tensor], dst: torch.Tensor, device: str) -> float:
+    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), dst.numel(), device)
+
+
+def probe_copy(nbytes: int, device: str) -> dict[str, float]:
+    """Graphed copy time of the same bytes from fresh, repeated, reused and fresh-again buffers."""
+    copies = l2_busting_copies(device, max(1, nbytes // 2))
+    out: dict[str, float] = {}
+    torch.cuda.empty_cache()
+    srcs, dst = copy_buffers(nbytes, copies, device)
+    out["fresh"] = copy_time(srcs, dst, device)
+    out["again"] = copy_time(srcs, dst, device)
+    del srcs, dst
+    srcs, dst = copy_buffers(nbytes, copies, device)
+    out["reused"] = copy_time(srcs, dst, device)
+    del srcs, dst
+    torch.cuda.empty_cache()
+    srcs, dst = copy_buffers(nbytes, copies, device)
+    out["fresh2"] = copy_time(srcs, dst, device)
+    return out
+
+
+def probe_matmuls(case: Case, device: str) -> dict[str, float]:
+    """Graphed INT4 and bf16 times on fresh weights, then on the same weights again."""
+    torch.cuda.empty_cache()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(case.m, case.k, generator=gen).to(torch.bfloat16).to(device)
+    ws, wb = weight_rotation(case, gen, device)
+    int4_call: Callable[[int], Callable[[], object]] = lambda i: (lambda: int4_matmul(x, ws[i % len(ws)]))  # noqa: E731
+    bf16_call: Callable[[int], Callable[[], object]] = lambda i: (lambda: F.linear(x, wb[i % len(wb)]))  # noqa: E731
+    nbytes = case.n * case.k // 2
+    out = {"int4_fresh": graph_us(int4_call, nbytes, device), "int4_again": graph_us(int4_call, nbytes, device),
+           "bf16_fresh": graph_us(bf16_call, 4 * nbytes, device), "bf16_again": graph_us(bf16_call, 4 * nbytes, device),
+           "bytes_int4": float(bytes_moved_int4(ws[0], case.m))}
+    # as the suite times it (int4_bench.copy_graph_us): new copy buffers while the weights are still held
+    out["copy_beside_weights"] = copy_graph_us(int(out["bytes_int4"]), device)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", nargs="+", default=list(PROBE_SHAPES), choices=sorted(LLAMA_SHAPES))
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("graph_floor_probe needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = "cuda"
+    results = {}
+    for shape in a.shapes:
+        n, k = LLAMA_SHAPES[shape]
+        case = Case(shape, n, k, 1, 128)
+        mm = probe_matmuls(case, device)
+        cp = probe_copy(int(mm["bytes_int4"]), device)
+        results[shape] = {**mm, **{f"copy_{name}": us for name, us in cp.items()}}
+        print(shape, " ".join(f"{name}={us:.1f}" for name, us in results[shape].items() if name != "bytes_int4"),
+              flush=True)
+    write_raw(a.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "command": "python -m reproductions.kernels.graph_floor_probe " + " ".join(argv or sys.argv[1:]),
+                      "unit": "us per call, graphed (int4_bench.graph_us)", "results": results})
+    print("wrote", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -248,3 +248,13 @@ def test_the_graphed_copy_percentage_takes_the_worst_large_shape_and_ignores_sma
     results[0]["graph_us"].pop("copy")  # a record without copies (before session 9) has no such metric
     results[1]["graph_us"].pop("copy")
     assert "m1_g128_min_pct_copy_large_graph" not in summarize(results, [], copy_gbs=4200.0)
+
+
+def test_graphed_copies_are_sized_in_whole_4k_blocks():
+    """Session 9: graphed copies of sizes not a multiple of 4 KiB took a slower path; the floor copies round up."""
+    from reproductions.kernels.int4_bench import COPY_ALIGN, copy_half_bytes
+
+    assert COPY_ALIGN == 4096
+    assert copy_half_bytes(2 * 139674880) == 139677696  # the M = 1 LM head's bytes: 256-byte multiple -> next 4 KiB
+    assert copy_half_bytes(2 * 141660160) == 141660160  # already a 4 KiB multiple (M = 16): unchanged
+    assert copy_half_bytes(1) == COPY_ALIGN and copy_half_bytes(0) == COPY_ALIGN

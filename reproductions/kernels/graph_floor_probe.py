@@ -12,8 +12,16 @@ Per shape, in one process, each measurement with `int4_bench.graph_us` (L2-cold 
         again   the same buffers, a new graph
         reused  the buffers freed and allocated again (the allocator hands back the same cached blocks)
         fresh2  after empty_cache() once more, new buffers
+        aligned the size rounded up to a 4 KiB multiple (int4_bench.copy_half_bytes), new buffers
   int4 and bf16 (M = 1, group 128): fresh weights, then the same weights again; then a copy as the suite times it
         (copy_beside_weights: new buffers while those weights are held)
+
+Measured on the H200 (telemetry/raw/graph_floor_probe_s9_h200.json, before the `aligned` arm existed): allocation
+does not matter. Fresh, repeated, reused and held-beside copies of the M = 1 LM head's bytes all took 104-109 us,
+gate_up's 11.3-11.4, kv's 2.3; INT4 and bf16 gave the same times fresh and again. What differs between the suites'
+M = 1 and M = 16 copies is the size: every M = 1 size that was not a multiple of 4 KiB (LM head, gate_up, down_proj,
+kv: 256-2048-byte multiples) copied slowly, every 4 KiB multiple (all M = 16 sizes, and 4096x4096 at M = 1: 8 KiB)
+fast. The `aligned` arm tests that directly; int4_bench now sizes its floor copies in 4 KiB blocks.
 
     python -m reproductions.kernels.graph_floor_probe --out telemetry/raw/graph_floor_probe_s9_h200.json
 """
@@ -33,6 +41,7 @@ from reproductions.kernels.int4_bench import (
     Case,
     bytes_moved_int4,
     copy_graph_us,
+    copy_half_bytes,
     graph_us,
     l2_busting_copies,
     weight_rotation,
@@ -69,6 +78,9 @@ def probe_copy(nbytes: int, device: str) -> dict[str, float]:
     torch.cuda.empty_cache()
     srcs, dst = copy_buffers(nbytes, copies, device)
     out["fresh2"] = copy_time(srcs, dst, device)
+    del srcs, dst
+    srcs, dst = copy_buffers(2 * copy_half_bytes(nbytes), copies, device)
+    out["aligned"] = copy_time(srcs, dst, device)
     return out
 
 

@@ -244,11 +244,23 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
     return out
 
 
+COPY_ALIGN = 4096  # bytes: a graphed device-to-device copy of another size took the slow path (NOTES.md, session 9)
+
+
+def copy_half_bytes(nbytes: int) -> int:
+    """The size of each buffer of a copy moving `nbytes` (read + write), rounded up to a multiple of COPY_ALIGN.
+    In session 9's suites the graphed copies whose size was a multiple of 4 KiB ran at ~4 TB/s and those that were
+    not (the M = 1 cases, 256-2048-byte multiples) 1.3-1.5x slower, allocation ruled out by graph_floor_probe: the
+    memcpy's own path, not the memory's rate. The rounding adds under 4 KiB."""
+    return -(-max(1, nbytes // 2) // COPY_ALIGN) * COPY_ALIGN
+
+
 def copy_graph_us(nbytes: int, device: str) -> float:
     """Graphed per-call time of a device-to-device copy moving `nbytes` (read + write, as copy_bandwidth_gbs
-    counts them), L2-cold like the matmuls beside it: 100% of copy bandwidth for a call of that many bytes under
-    the same timer, its per-kernel floor included, which a 1 GiB copy's rate leaves out for small shapes."""
-    half = max(1, nbytes // 2)
+    counts them; the size rounded up to COPY_ALIGN), L2-cold like the matmuls beside it: 100% of copy bandwidth for
+    a call of that many bytes under the same timer, its per-kernel floor included, which a 1 GiB copy's rate leaves
+    out for small shapes."""
+    half = copy_half_bytes(nbytes)
     srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255)
             for _ in range(l2_busting_copies(device, half))]
     dst = torch.empty(half, dtype=torch.uint8, device=device)

@@ -141,10 +141,10 @@ def variants(target, scout, cfg: DecodeConfig,
                               do_sample=False)
         return out[0, ids.numel():].tolist(), {}, ""
 
-    def graphed(k: int | None = None, pad: bool = True) -> DecodeConfig:  # static cache, replayed graphs; a
-        # clutch brings its own K
+    def graphed(k: int | None = None, pad: bool = True, schedule: str = "constant") -> DecodeConfig:  # static
+        # cache, replayed graphs; a clutch brings its own K
         return DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=k, kv_cache="static", cuda_graphs=True,
-                            pad_scout_catchup=pad)
+                            pad_scout_catchup=pad, k_schedule=schedule)
 
     fns = {
         "plain": ours(cfg, keep_entropy=True),
@@ -159,7 +159,9 @@ def variants(target, scout, cfg: DecodeConfig,
                 "gated_production_graphs": ours(graphed(), scout, PRODUCTION),
                 "gated_tuned_graphs": ours(graphed(), scout, TUNED),
                 **{f"fixed_k{k}_graphs": ours(graphed(k), scout) for k in SHORTER_K},
-                UNPADDED: ours(graphed(pad=False), scout, TUNED)}
+                UNPADDED: ours(graphed(pad=False), scout, TUNED),
+                "fixed_k5_graphs_adaptive": ours(graphed(K, schedule="adaptive"), scout),
+                "gated_tuned_graphs_adaptive": ours(graphed(schedule="adaptive"), scout, TUNED)}
     return fns
 
 
@@ -241,8 +243,14 @@ SHORTER_K = (2, 3)
 # gated_tuned_graphs (padded, the default) in the same run: what padding the catch-up saves where the clutch engages,
 # measured as an A/B of whole decodes rather than of one forward (reproductions/catchup_ab.py).
 UNPADDED = "gated_tuned_graphs_unpadded"
+# The adaptive draft length (DecodeConfig.k_schedule="adaptive": K shrinks by 1 after a rejection, grows by 2 after a
+# fully kept draft, within 1..5), beside the constant K = 5 loops. Prediction before any GPU run (session 9, from the
+# forwards' GPU times of record d2f2400a): on code, where ~0.41 of drafts are kept, fixed-K5 from 0.81x to about 0.92x
+# of graphed plain decoding (K = 2 measured 0.94x); the tuned clutch on prose-instruction, whose 7 speculate cycles
+# kept nothing, from 0.946x to about 0.965x (the failed cycles' extra cost from ~9.4 to ~4.7 ms of a ~245 ms run).
+ADAPTIVE = ("fixed_k5_graphs_adaptive", "gated_tuned_graphs_adaptive")
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
-           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED)
+           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE)
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
 # static-cache kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
@@ -908,8 +916,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fidelity-tokens", type=_positive_int, default=SEED_FIDELITY_TOKENS,
                    help="tokens per fidelity run")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="add plain_graphs, fixed-K (K = 5 and SHORTER_K), the two gated loops and the tuned one "
-                        "with an eager catch-up (GRAPHED): this engine on a static cache with replayed CUDA graphs")
+                   help="add plain_graphs, fixed-K (K = 5 and SHORTER_K), the two gated loops, the tuned one with an "
+                        "eager catch-up, and fixed-K5 and tuned with the adaptive draft length (GRAPHED): this engine "
+                        "on a static cache with replayed CUDA graphs")
     p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                    help="decode only these variants (with their baselines: plain, and plain_graphs for graphed "
                         "loops), e.g. a quick K sweep: plain plain_graphs fixed_k2_graphs fixed_k3_graphs "

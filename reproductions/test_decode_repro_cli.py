@@ -139,3 +139,27 @@ def test_the_unpadded_variant_differs_from_gated_tuned_graphs_only_in_the_catch_
     assert dataclasses.replace(unpadded.config, pad_scout_catchup=True) == padded.config
     assert padded.clutch.config == unpadded.clutch.config == dr.TUNED
     assert dr.BASELINE[dr.UNPADDED] == "plain_graphs"
+
+
+def test_the_adaptive_variants_differ_from_their_constant_twins_only_in_the_schedule(monkeypatch):
+    import reproductions.decode_repro as dr
+
+    class _Seen(Exception):
+        def __init__(self, config, clutch):
+            self.config, self.clutch = config, clutch
+
+    def fake_generate(target, ids, config, scout=None, clutch=None):
+        raise _Seen(config, clutch)
+
+    monkeypatch.setattr(dr, "generate", fake_generate)
+    fns = dr.variants(None, object(), dr.DecodeConfig(max_new_tokens=4), graphs=True)
+    for adaptive, constant in zip(dr.ADAPTIVE, ("fixed_k5_graphs", "gated_tuned_graphs"), strict=True):
+        seen = []
+        for name in (adaptive, constant):
+            with pytest.raises(_Seen) as exc:
+                fns[name](torch.zeros(3, dtype=torch.long))
+            seen.append(exc.value)
+        assert (seen[0].config.k_schedule, seen[1].config.k_schedule) == ("adaptive", "constant")
+        assert dataclasses.replace(seen[0].config, k_schedule="constant") == seen[1].config
+        assert (seen[0].clutch is None) == (seen[1].clutch is None)
+        assert dr.BASELINE[adaptive] == "plain_graphs"

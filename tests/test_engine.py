@@ -262,3 +262,21 @@ def test_seeded_gated_sampling_is_reproducible() -> None:
 def test_bad_setups_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         generate(TARGET, PROMPT, **kwargs)
+
+
+def test_the_adaptive_schedule_carries_its_draft_length_over_fallback_stretches() -> None:
+    """Gated and adaptive: lossless, and each speculate cycle drafts what the previous speculate cycle left, however
+    many plain steps lie between them."""
+    config = DecodeConfig(max_new_tokens=48, k_schedule="adaptive")
+    plain = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=48)).tokens
+    result = generate(TARGET, PROMPT, config, scout=SCOUT, clutch=EntropyClutch(MIXED))
+    assert result.tokens == plain
+    spec = [c for c in result.cycles if c.speculated]
+    assert "SF" in result.decisions and "FS" in result.decisions  # speculation resumes after fallback stretches
+    expected, produced = MIXED.k_draft, 1
+    for c in result.cycles:
+        if c.speculated:
+            assert c.k == min(expected, 48 - produced - 1)
+            expected = engine.next_draft_length(expected, c.k, c.accepted, MIXED.k_draft)
+        produced += c.emitted
+    assert len({c.k for c in spec}) > 1  # the schedule moved

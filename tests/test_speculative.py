@@ -321,3 +321,54 @@ def test_vocabulary_mismatch_is_refused() -> None:
 def test_bad_prompt_is_refused_with_a_scout(prompt: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         generate(TARGET, prompt, DecodeConfig(max_new_tokens=4), scout=SCOUTS["perturbed"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The adaptive draft-length schedule (DecodeConfig.k_schedule="adaptive")
+
+
+def test_next_draft_length_grows_by_two_on_full_acceptance_and_shrinks_by_one_otherwise() -> None:
+    assert engine.next_draft_length(3, 3, 3, 5) == 5
+    assert engine.next_draft_length(4, 4, 4, 5) == 5  # capped at K
+    assert engine.next_draft_length(5, 5, 4, 5) == 4
+    assert engine.next_draft_length(1, 1, 0, 5) == 1  # never below 1
+    assert engine.next_draft_length(4, 2, 2, 5) == 5  # a budget-cut cycle whose drafts were all kept
+    with pytest.raises(ValueError, match="draft lengths out of range"):
+        engine.next_draft_length(6, 6, 6, 5)
+    with pytest.raises(ValueError, match="draft lengths out of range"):
+        engine.next_draft_length(2, 2, 3, 5)
+
+
+def test_an_unknown_k_schedule_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"k_schedule must be one of \('constant', 'adaptive'\), got 'hf'"):
+        DecodeConfig(k_schedule="hf")
+
+
+@pytest.mark.parametrize("scout_name", list(SCOUTS))
+@given(prompt=prompts, k=st.integers(1, 8), max_new=st.integers(1, 20))
+def test_adaptive_speculation_equals_plain_loop_and_follows_its_schedule(
+    scout_name: str, prompt: list[int], k: int, max_new: int
+) -> None:
+    scout = SCOUTS[scout_name]
+    config = DecodeConfig(max_new_tokens=max_new, k_draft=k, k_schedule="adaptive")
+    with count_forwards(TARGET, scout) as counts:
+        result = generate(TARGET, prompt, config, scout=scout)
+    assert result.tokens == plain(prompt, max_new)
+    assert counts == [result.stats.target_forwards, result.stats.scout_forwards]
+    expected, produced = k, 1
+    for c in result.cycles:  # each cycle drafts the schedule's length, cut only by the budget
+        assert c.k == min(expected, max_new - produced - 1)
+        if c.k:
+            expected = engine.next_draft_length(expected, c.k, c.accepted, k)
+        produced += c.emitted
+
+
+def test_adaptive_schedule_stays_at_k_when_everything_is_kept_and_falls_to_one_when_nothing_is() -> None:
+    config = DecodeConfig(max_new_tokens=40, k_draft=5, k_schedule="adaptive")
+    kept = generate(TARGET, [3, 14, 15], config, scout=SCOUTS["self"])
+    assert {c.k for c in kept.cycles[:-1]} == {5}  # the last cycle may be cut by the budget
+    rejected = generate(TARGET, [3, 14, 15], config, scout=SCOUTS["random"])
+    ks = [c.k for c in rejected.cycles]
+    assert ks[:5] == [5, 4, 3, 2, 1] and max(ks[5:]) <= 3  # one kept draft at k = 1 lifts it to 3 at most
+    constant = generate(TARGET, [3, 14, 15], DecodeConfig(max_new_tokens=40, k_draft=5), scout=SCOUTS["random"])
+    assert constant.stats.drafted > rejected.stats.drafted  # the schedule drafts less where drafts are rejected

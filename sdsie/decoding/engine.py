@@ -49,9 +49,14 @@ from sdsie.decoding.verify import greedy_verify, rejection_verify
 from sdsie.entropy import entropy
 from sdsie.models import check_vocab, vocab_size
 
-__all__ = ["CycleRecord", "DecodeConfig", "DecodeStats", "Gear", "GenerationResult", "generate"]
+__all__ = ["K_SCHEDULES", "CycleRecord", "DecodeConfig", "DecodeStats", "Gear", "GenerationResult", "generate",
+           "next_draft_length"]
 
 DEFAULT_K = 5
+# "constant": K drafts in every speculate cycle. "adaptive": HF assisted generation's "heuristic" schedule, bounded
+# by K: after a speculate cycle whose drafts were all kept the draft length grows by 2 (at most K), after any
+# rejection it shrinks by 1 (at least 1), and it carries over fallback stretches (next_draft_length).
+K_SCHEDULES = ("constant", "adaptive")
 
 
 class Gear(Protocol):
@@ -76,6 +81,9 @@ class DecodeConfig:
     CycleRecord.gear_int4 stays exact.
     pad_scout_catchup: under cuda_graphs, pad the scout's catch-up forwards to one of SCOUT_PAD_SIZES and replay
     them (False: run them eagerly, as before; for A/B runs).
+    k_schedule: "constant" (K drafts every speculate cycle) or "adaptive" (K_SCHEDULES: the draft length moves
+    between 1 and K with the previous cycle's acceptance). Under cuda_graphs an adaptive run captures a verify
+    graph for every draft length 1..K. Any schedule is lossless: only how many drafts are verified changes.
     """
 
     max_new_tokens: int = 64
@@ -87,6 +95,7 @@ class DecodeConfig:
     kv_cache: str = "dynamic"
     cuda_graphs: bool = False
     pad_scout_catchup: bool = True
+    k_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -97,6 +106,8 @@ class DecodeConfig:
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.pad_scout_catchup, bool):
             raise ValueError(f"pad_scout_catchup must be a bool, got {self.pad_scout_catchup!r}")
+        if self.k_schedule not in K_SCHEDULES:
+            raise ValueError(f"k_schedule must be one of {K_SCHEDULES}, got {self.k_schedule!r}")
         if self.cuda_graphs and self.kv_cache != "static":
             raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
         if self.k_draft is not None and (
@@ -237,6 +248,7 @@ class _Run:
     scout_cache: Any | None
     gear: Gear | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    k_next: int = 0  # drafts for the next speculate cycle (K; the adaptive schedule moves it)
 
     @property
     def last(self) -> torch.Tensor:  # [1]
@@ -359,6 +371,8 @@ def _loop(
         k = _draft_length(run, engaged, k_engaged, produced=len(tokens))
         gear_int4 = _set_gear(gear, clutch, config)
         emitted, bits, n = _cycle(run, k)
+        if k > 0 and config.k_schedule == "adaptive":
+            run.k_next = next_draft_length(run.k_next, k, n, k_engaged)
         emitted, bits = _truncate_at_eos(emitted, bits, eos)
         _append(run, tokens, emitted)
         if clutch is not None:
@@ -390,10 +404,19 @@ def _loop(
 
 
 def _draft_length(run: _Run, engaged: bool | None, k_engaged: int, produced: int) -> int:
-    """K for a speculate cycle (every cycle without a clutch, engaged ones with it), 0 for a plain step;
-    capped so that the drafts plus the bonus token never pass max_new_tokens."""
+    """The drafts for this cycle: run.k_next for a speculate cycle (every cycle without a clutch, engaged ones with
+    it; K unless the adaptive schedule moved it), 0 for a plain step; capped so that the drafts plus the bonus token
+    never pass max_new_tokens."""
     speculate = run.scout is not None and engaged is not False
-    return min(k_engaged if speculate else 0, run.config.max_new_tokens - produced - 1)
+    return min(run.k_next if speculate else 0, run.config.max_new_tokens - produced - 1)
+
+
+def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
+    """The adaptive schedule's next draft length after a speculate cycle that drafted `drafted` tokens (k, or fewer
+    where the budget cut it) and kept `accepted`: k + 2 if every draft was kept, else k - 1, within [1, k_max]."""
+    if not 1 <= k <= k_max or not 0 <= accepted <= drafted:
+        raise ValueError(f"draft lengths out of range: k={k}, drafted={drafted}, accepted={accepted}, k_max={k_max}")
+    return min(k + 2, k_max) if accepted == drafted else max(1, k - 1)
 
 
 def _prefill(run: _Run, prompt_len: int) -> tuple[int, float]:
@@ -456,9 +479,10 @@ def _start(
         generator,
         ids,
         prompt.numel(),
-        _kv(target, "target", config, ids.numel(), (1, k + 1) if k else (1,)),
+        _kv(target, "target", config, ids.numel(), _verify_sizes(config, k)),
         _kv(scout, "scout", config, ids.numel(), (1,), _scout_pad_sizes(config)) if scout is not None else None,
         gear,
+        k_next=k,
     )
 
 
@@ -470,6 +494,14 @@ STATIC_LEN_BUCKET = 256  # positions: a static cache's length is rounded up to a
 # whole fallback stretch after the clutch re-engages) are padded to these sizes and replayed, not run eagerly.
 # On the H200 an eager forward of the stand-in scout took 2.3 ms, a graphed step 0.23 ms (record d2f2400a).
 SCOUT_PAD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _verify_sizes(config: DecodeConfig, k: int) -> tuple[int, ...]:
+    """The target's forward sizes a run repeats: 1 (plain steps) and K + 1, or every 2..K + 1 when the adaptive
+    schedule can draft any length up to K."""
+    if not k:
+        return (1,)
+    return (1, *range(2, k + 2)) if config.k_schedule == "adaptive" else (1, k + 1)
 
 
 def _scout_pad_sizes(config: DecodeConfig) -> tuple[int, ...]:

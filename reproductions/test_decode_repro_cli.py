@@ -115,25 +115,32 @@ def test_the_grid_runs_its_loops_as_asked(monkeypatch, graphs):
     assert (seen[0].cuda_graphs, seen[0].kv_cache) == ((True, "static") if graphs else (False, "dynamic"))
 
 
-def test_the_unpadded_variant_differs_from_gated_tuned_graphs_only_in_the_catch_up(monkeypatch):
-    """The padded catch-up's A/B: both arms the tuned clutch on graphs, one with pad_scout_catchup off."""
+def _what_runs(monkeypatch, names: tuple[str, ...]) -> dict:
+    """The (DecodeConfig, clutch) each named graphed variant hands to the engine, caught at its `generate` call."""
     import reproductions.decode_repro as dr
-
-    seen = {}
-
-    def fake_generate(target, ids, config, scout=None, clutch=None):
-        raise _Seen(config, clutch)
 
     class _Seen(Exception):
         def __init__(self, config, clutch):
             self.config, self.clutch = config, clutch
 
+    def fake_generate(target, ids, config, scout=None, clutch=None):
+        raise _Seen(config, clutch)
+
     monkeypatch.setattr(dr, "generate", fake_generate)
     fns = dr.variants(None, object(), dr.DecodeConfig(max_new_tokens=4), graphs=True)
-    for name in ("gated_tuned_graphs", dr.UNPADDED):
+    seen = {}
+    for name in names:
         with pytest.raises(_Seen) as exc:
             fns[name](torch.zeros(3, dtype=torch.long))
         seen[name] = exc.value
+    return seen
+
+
+def test_the_unpadded_variant_differs_from_gated_tuned_graphs_only_in_the_catch_up(monkeypatch):
+    """The padded catch-up's A/B: both arms the tuned clutch on graphs, one with pad_scout_catchup off."""
+    import reproductions.decode_repro as dr
+
+    seen = _what_runs(monkeypatch, ("gated_tuned_graphs", dr.UNPADDED))
     padded, unpadded = seen["gated_tuned_graphs"], seen[dr.UNPADDED]
     assert (padded.config.pad_scout_catchup, unpadded.config.pad_scout_catchup) == (True, False)
     assert dataclasses.replace(unpadded.config, pad_scout_catchup=True) == padded.config
@@ -144,22 +151,11 @@ def test_the_unpadded_variant_differs_from_gated_tuned_graphs_only_in_the_catch_
 def test_the_adaptive_variants_differ_from_their_constant_twins_only_in_the_schedule(monkeypatch):
     import reproductions.decode_repro as dr
 
-    class _Seen(Exception):
-        def __init__(self, config, clutch):
-            self.config, self.clutch = config, clutch
-
-    def fake_generate(target, ids, config, scout=None, clutch=None):
-        raise _Seen(config, clutch)
-
-    monkeypatch.setattr(dr, "generate", fake_generate)
-    fns = dr.variants(None, object(), dr.DecodeConfig(max_new_tokens=4), graphs=True)
-    for adaptive, constant in zip(dr.ADAPTIVE, ("fixed_k5_graphs", "gated_tuned_graphs"), strict=True):
-        seen = []
-        for name in (adaptive, constant):
-            with pytest.raises(_Seen) as exc:
-                fns[name](torch.zeros(3, dtype=torch.long))
-            seen.append(exc.value)
-        assert (seen[0].config.k_schedule, seen[1].config.k_schedule) == ("adaptive", "constant")
-        assert dataclasses.replace(seen[0].config, k_schedule="constant") == seen[1].config
-        assert (seen[0].clutch is None) == (seen[1].clutch is None)
+    constants = ("fixed_k5_graphs", "gated_tuned_graphs")
+    seen = _what_runs(monkeypatch, (*dr.ADAPTIVE, *constants))
+    for adaptive, constant in zip(dr.ADAPTIVE, constants, strict=True):
+        a, c = seen[adaptive], seen[constant]
+        assert (a.config.k_schedule, c.config.k_schedule) == ("adaptive", "constant")
+        assert dataclasses.replace(a.config, k_schedule="constant") == c.config
+        assert (a.clutch is None) == (c.clutch is None)
         assert dr.BASELINE[adaptive] == "plain_graphs"

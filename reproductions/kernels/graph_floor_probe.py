@@ -41,10 +41,11 @@ from reproductions.kernels.int4_bench import (
     LLAMA_SHAPES,
     Case,
     bytes_moved_int4,
+    copy_buffers,
     copy_graph_us,
     copy_half_bytes,
+    copy_time_us,
     graph_us,
-    l2_busting_copies,
     weight_rotation,
 )
 from sdsie.kernels import int4_matmul
@@ -53,35 +54,24 @@ from sdsie.telemetry.records import write_raw
 PROBE_SHAPES = ("lm_head_128256x4096", "gate_up_14336x4096", "kv_1024x4096")
 
 
-def copy_buffers(nbytes: int, copies: int, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """`copies` source buffers of nbytes // 2 (random bytes) and one destination: a copy moves nbytes."""
-    half = max(1, nbytes // 2)
-    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255) for _ in range(copies)]
-    return srcs, torch.empty(half, dtype=torch.uint8, device=device)
-
-
-def copy_time(srcs: list[torch.Tensor], dst: torch.Tensor, device: str) -> float:
-    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), dst.numel(), device)
-
-
 def probe_copy(nbytes: int, device: str) -> dict[str, float]:
-    """Graphed copy time of the same bytes from fresh, repeated, reused and fresh-again buffers."""
-    copies = l2_busting_copies(device, max(1, nbytes // 2))
+    """Graphed copy time of the same bytes (unrounded: nbytes // 2 per buffer) from fresh, repeated, reused and
+    fresh-again buffers, and of the size rounded up to COPY_ALIGN."""
+    half = max(1, nbytes // 2)
     out: dict[str, float] = {}
     torch.cuda.empty_cache()
-    srcs, dst = copy_buffers(nbytes, copies, device)
-    out["fresh"] = copy_time(srcs, dst, device)
-    out["again"] = copy_time(srcs, dst, device)
+    srcs, dst = copy_buffers(half, device)
+    out["fresh"] = copy_time_us(srcs, dst, device)
+    out["again"] = copy_time_us(srcs, dst, device)
     del srcs, dst
-    srcs, dst = copy_buffers(nbytes, copies, device)
-    out["reused"] = copy_time(srcs, dst, device)
+    srcs, dst = copy_buffers(half, device)
+    out["reused"] = copy_time_us(srcs, dst, device)
     del srcs, dst
     torch.cuda.empty_cache()
-    srcs, dst = copy_buffers(nbytes, copies, device)
-    out["fresh2"] = copy_time(srcs, dst, device)
+    srcs, dst = copy_buffers(half, device)
+    out["fresh2"] = copy_time_us(srcs, dst, device)
     del srcs, dst
-    srcs, dst = copy_buffers(2 * copy_half_bytes(nbytes), copies, device)
-    out["aligned"] = copy_time(srcs, dst, device)
+    out["aligned"] = copy_time_us(*copy_buffers(copy_half_bytes(nbytes), device), device)
     return out
 
 

@@ -255,16 +255,24 @@ def copy_half_bytes(nbytes: int) -> int:
     return -(-max(1, nbytes // 2) // COPY_ALIGN) * COPY_ALIGN
 
 
+def copy_buffers(half: int, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Source buffers of `half` random bytes, enough to cover > 4x L2, and one destination: a copy moves 2 * half."""
+    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255)
+            for _ in range(l2_busting_copies(device, half))]
+    return srcs, torch.empty(half, dtype=torch.uint8, device=device)
+
+
+def copy_time_us(srcs: list[torch.Tensor], dst: torch.Tensor, device: str) -> float:
+    """Graphed per-call time of dst.copy_(src), cycling over srcs (L2-cold)."""
+    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), dst.numel(), device)
+
+
 def copy_graph_us(nbytes: int, device: str) -> float:
     """Graphed per-call time of a device-to-device copy moving `nbytes` (read + write, as copy_bandwidth_gbs
     counts them; the size rounded up to COPY_ALIGN), L2-cold like the matmuls beside it: 100% of copy bandwidth for
     a call of that many bytes under the same timer, its per-kernel floor included, which a 1 GiB copy's rate leaves
     out for small shapes."""
-    half = copy_half_bytes(nbytes)
-    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255)
-            for _ in range(l2_busting_copies(device, half))]
-    dst = torch.empty(half, dtype=torch.uint8, device=device)
-    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), half, device)
+    return copy_time_us(*copy_buffers(copy_half_bytes(nbytes), device), device)
 
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 200, reps: int = 5) -> float:

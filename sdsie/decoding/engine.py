@@ -368,7 +368,7 @@ def _loop(
     while result.stop_reason != "eos" and len(tokens) < config.max_new_tokens:
         t_start = time.perf_counter()
         engaged = clutch.engaged if clutch is not None else None
-        k = _draft_length(run, engaged, k_engaged, produced=len(tokens))
+        k = _draft_length(run, engaged, produced=len(tokens))
         gear_int4 = _set_gear(gear, clutch, config)
         emitted, bits, n = _cycle(run, k)
         if k > 0 and config.k_schedule == "adaptive":
@@ -403,7 +403,7 @@ def _loop(
     return result
 
 
-def _draft_length(run: _Run, engaged: bool | None, k_engaged: int, produced: int) -> int:
+def _draft_length(run: _Run, engaged: bool | None, produced: int) -> int:
     """The drafts for this cycle: run.k_next for a speculate cycle (every cycle without a clutch, engaged ones with
     it; K unless the adaptive schedule moved it), 0 for a plain step; capped so that the drafts plus the bonus token
     never pass max_new_tokens."""

@@ -1,0 +1,183 @@
+"""Hardware counters of one M = 1 matmul launch under Nsight Compute: why the INT4 GEMV overlaps so little.
+
+Session 9's two-ceiling model (NOTES.md) found the mid shapes' graphed M = 1 times at or above the sum of their SASS
+issue time and their bytes' copy time. This probe reads what the counters say about one launch: the warp stall
+reasons (WarpStateStats), issue activity (SchedulerStats), DRAM throughput (MemoryWorkloadAnalysis, SpeedOfLight),
+achieved occupancy, and how evenly the SMs were kept busy (sm__cycles_active min / avg / max).
+
+    run      one process per target, under ncu: builds the weights, warms the call up (compilation, workspaces),
+             then profiles exactly one call between cudaProfilerStart and cudaProfilerStop
+             (ncu --profile-from-start off). TARGET is KIND:SHAPE:GROUP[:CONFIG], KIND one of int4, bf16,
+             tinygemm; GROUP 128 or pc; CONFIG an int4 config_name without brackets (1,128,256,s2,w4,p4).
+    summarize  ncu's raw CSV pages (--csv --page raw), one per target, into one JSON of the metrics read here.
+
+    ncu --clock-control none --profile-from-start off --csv --page raw --section ... \
+        python3 -m reproductions.kernels.ncu_probe run int4:gate_up_14336x4096:128 > gate_up.csv
+    python3 -m reproductions.kernels.ncu_probe summarize --out telemetry/raw/ncu_s10_h200.json *.csv
+reproductions/kernels/ncu_run.sh runs the set of targets this session profiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from reproductions.kernels.int4_bench import LLAMA_SHAPES, random_int4, tinygemm_pack
+from sdsie.kernels import Int4KernelConfig, int4_matmul
+from sdsie.telemetry.records import write_raw
+
+KINDS = ("int4", "bf16", "tinygemm")
+WARMUP_CALLS = 3
+# Metrics kept per launch (exact raw names), besides every warp stall ratio (STALL_PATTERN).
+METRICS = {
+    "duration_ns": "gpu__time_duration.sum",
+    "dram_bytes_read": "dram__bytes_read.sum",
+    "dram_bytes_write": "dram__bytes_write.sum",
+    "dram_pct_of_peak": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "warp_cycles_per_issue": "smsp__average_warp_latency_per_inst_issued.ratio",
+    "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "theoretical_occupancy_pct": "sm__maximum_warps_per_active_cycle_pct",
+    "registers_per_thread": "launch__registers_per_thread",
+    "shared_mem_per_block": "launch__shared_mem_per_block",
+    "grid_size": "launch__grid_size",
+    "block_size": "launch__block_size",
+    "waves_per_sm": "launch__waves_per_multiprocessor",
+    "sm_cycles_active_min": "sm__cycles_active.min",
+    "sm_cycles_active_avg": "sm__cycles_active.avg",
+    "sm_cycles_active_max": "sm__cycles_active.max",
+    "elapsed_cycles": "sm__cycles_elapsed.max",
+    "instructions": "smsp__inst_executed.sum",
+}
+EXTRA_METRICS = ("sm__cycles_active.min", "sm__cycles_active.avg", "sm__cycles_active.max",
+                 "dram__bytes_read.sum", "dram__bytes_write.sum")
+STALL_PATTERN = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+
+
+def parse_config(text: str) -> Int4KernelConfig:
+    """'1,128,256,s2,w4,p4' (config_name without brackets; p2 and tile x by default) -> Int4KernelConfig."""
+    parts = text.split(",")
+    if len(parts) < 5 or not parts[3].startswith("s") or not parts[4].startswith("w"):
+        raise ValueError(f"config {text!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap][,onedot]")
+    kw = {"num_stages": 2, "x_tile": True, "swap_ab": False, "one_dot": False}
+    for p in parts[5:]:
+        if p.startswith("p"):
+            kw["num_stages"] = int(p[1:])
+        elif p in ("gather", "swap", "onedot"):
+            kw[{"gather": "x_tile", "swap": "swap_ab", "onedot": "one_dot"}[p]] = p != "gather"
+        else:
+            raise ValueError(f"config {text!r}: unknown part {p!r}")
+    return Int4KernelConfig(int(parts[0]), int(parts[1]), int(parts[2]), split_k=int(parts[3][1:]),
+                            num_warps=int(parts[4][1:]), **kw)
+
+
+def make_call(target: str, device: str) -> Callable[[], object]:
+    """The M = 1 call TARGET names, on fresh random weights (group-128 or per-channel INT4; bf16 of the shape)."""
+    fields = target.split(":")
+    if len(fields) not in (3, 4) or fields[0] not in KINDS or fields[1] not in LLAMA_SHAPES:
+        raise ValueError(f"target {target!r}: expected KIND:SHAPE:GROUP[:CONFIG] with KIND in {KINDS} and SHAPE in "
+                         f"{sorted(LLAMA_SHAPES)}")
+    kind, shape, group_text = fields[:3]
+    if group_text not in ("128", "pc"):
+        raise ValueError(f"target {target!r}: GROUP must be 128 or pc, got {group_text!r}")
+    if len(fields) == 4 and kind != "int4":
+        raise ValueError(f"target {target!r}: only int4 takes a CONFIG")
+    n, k = LLAMA_SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(device)
+    if kind == "bf16":
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device)
+        return lambda: F.linear(x, w)
+    w4 = random_int4(n, k, None if group_text == "pc" else 128, device, gen)
+    if kind == "tinygemm":
+        pack = tinygemm_pack(w4)
+        if pack is None:
+            raise ValueError(f"target {target!r}: tinygemm has no per-channel layout here")
+        return lambda: torch.ops.aten._weight_int4pack_mm(x, pack[0], 128, pack[1])
+    config = parse_config(fields[3]) if len(fields) == 4 else None
+    return lambda: int4_matmul(x, w4, config=config)
+
+
+def run(target: str) -> None:
+    call = make_call(target, "cuda")
+    for _ in range(WARMUP_CALLS):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def read_raw_csv(path: Path) -> list[dict[str, str]]:
+    """ncu --csv --page raw: a header row of metric names, a row of units, then one row per kernel launch. ncu's
+    own log lines (==PROF== ...) and the program's stdout come before the header."""
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError(f"{path}: no ncu raw CSV header (a line starting with \"ID\"); did ncu profile a kernel?")
+    rows = list(csv.reader(lines[start:]))
+    header, launches = rows[0], rows[2:]
+    if not launches:
+        raise ValueError(f"{path}: the CSV holds no kernel launch")
+    return [dict(zip(header, r, strict=True)) for r in launches]
+
+
+def number(text: str) -> float | str:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text
+
+
+def summarize_launch(row: dict[str, str]) -> dict:
+    """The METRICS and every warp stall ratio of one launch; a metric ncu did not report is named as missing."""
+    out: dict = {"kernel": row.get("Kernel Name", "?"),
+                 "missing": [name for name in METRICS.values() if name not in row]}
+    out.update({key: number(row[name]) for key, name in METRICS.items() if name in row})
+    stalls = {m.group(1): number(v) for name, v in row.items() if (m := STALL_PATTERN.match(name))}
+    out["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1] if isinstance(kv[1], float) else 0))
+    if isinstance(out.get("duration_ns"), float):
+        moved = out.get("dram_bytes_read", 0.0) + out.get("dram_bytes_write", 0.0)
+        out["dram_tb_per_s"] = moved / out["duration_ns"] / 1e3
+    if isinstance(out.get("sm_cycles_active_max"), float) and out.get("sm_cycles_active_avg"):
+        out["sm_active_max_over_avg"] = out["sm_cycles_active_max"] / out["sm_cycles_active_avg"]
+    return out
+
+
+def summarize(paths: list[Path]) -> dict:
+    """{target file stem: [launch summaries]} for the CSV files given."""
+    return {p.stem: [summarize_launch(r) for r in read_raw_csv(p)] for p in paths}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="profile one call of TARGET (start under ncu --profile-from-start off)")
+    r.add_argument("target")
+    s = sub.add_parser("summarize", help="ncu raw CSVs -> one JSON")
+    s.add_argument("csv", nargs="+", type=Path)
+    s.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        if not torch.cuda.is_available():
+            print("ncu_probe run needs a CUDA device", file=sys.stderr)
+            return 2
+        run(args.target)
+        return 0
+    write_raw(args.out, {"probe": "ncu_probe", "launches": summarize(args.csv),
+                         "extra_metrics": list(EXTRA_METRICS)})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -57,8 +57,8 @@ METRICS = {
     "elapsed_cycles": "sm__cycles_elapsed.max",
     "instructions": "smsp__inst_executed.sum",
 }
-EXTRA_METRICS = ("sm__cycles_active.min", "sm__cycles_active.avg", "sm__cycles_active.max",
-                 "dram__bytes_read.sum", "dram__bytes_write.sum")
+EXTRA_METRICS = ("sm__cycles_active.min", "sm__cycles_active.avg", "sm__cycles_active.max", "sm__cycles_elapsed.max",
+                 "dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum")
 STALL_PATTERN = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 

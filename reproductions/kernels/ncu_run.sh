@@ -19,6 +19,7 @@ NCU_TARGETS=(
     bf16:lm_head_128256x4096:128
     tinygemm:lm_head_128256x4096:128
 )
+EXTRA_METRICS=$(python3 -c "from reproductions.kernels.ncu_probe import EXTRA_METRICS; print(','.join(EXTRA_METRICS))")
 targets=("$@")
 [[ ${#targets[@]} -eq 0 ]] && targets=("${NCU_TARGETS[@]}")
 status=0
@@ -28,9 +29,17 @@ for t in "${targets[@]}"; do
     "$NCU" --clock-control none --profile-from-start off --csv --page raw \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section SchedulerStats --section Occupancy --section LaunchStats \
-        --metrics sm__cycles_active.min,sm__cycles_active.avg,sm__cycles_active.max,dram__bytes_read.sum,dram__bytes_write.sum \
+        --metrics "$EXTRA_METRICS" \
         python3 -m reproductions.kernels.ncu_probe run "$t" >"$OUT/ncu/$name.csv" 2>"$OUT/ncu/$name.err" || {
         echo "ncu failed on $t (see $name.err)"; status=1; }
 done
+# SOURCE_TARGET: one target's SASS with warp-state samples per instruction (the source page), for where it stalls
+if [[ -n ${SOURCE_TARGET:-} ]]; then
+    echo "=== $(date -u +%T) source page: $SOURCE_TARGET"
+    "$NCU" --clock-control none --profile-from-start off --section SourceCounters --section WarpStateStats \
+        --page source --print-source sass --csv \
+        python3 -m reproductions.kernels.ncu_probe run "$SOURCE_TARGET" >"$OUT/ncu_source_sass.csv" \
+        2>"$OUT/ncu_source_sass.err" || { echo "ncu source page failed"; status=1; }
+fi
 python3 -m reproductions.kernels.ncu_probe summarize --out "$OUT/ncu_summary.json" "$OUT"/ncu/*.csv || status=1
 exit $status

@@ -153,6 +153,70 @@ def summarize_launch(row: dict[str, str]) -> dict:
     return out
 
 
+def read_source_csv(path: Path) -> list[dict[str, str]]:
+    """ncu --page source --print-source sass --csv: one row per SASS instruction, after a header starting "Address"."""
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        raise ValueError(f"{path}: no source-page header (a line starting with \"Address\")")
+    rows = list(csv.reader(lines[start:]))
+    header = rows[0]
+    return [dict(zip(header, r, strict=False)) for r in rows[1:] if len(r) >= len(header) - 1]
+
+
+def _opcode(sass: str) -> str:
+    words = sass.split()
+    words = words[1:] if words and words[0].startswith("@") else words  # predicate
+    return words[0].split(".")[0] if words else "?"
+
+
+def _shares(counter: dict[str, float], total: float, top: int) -> dict[str, float]:
+    ranked = sorted(counter.items(), key=lambda kv: -kv[1])[:top]
+    return {k: round(100 * v / total, 1) for k, v in ranked if v}
+
+
+def summarize_source(path: Path, top: int = 20) -> dict:
+    """Where one kernel's warps spent their sampled time: stall reasons (% of all samples), samples and executed
+    instructions by opcode, and three segments told apart by execution count (the K loop is the run of instructions
+    executed at least half as often as the most executed one; before it the prologue, after it the epilogue)."""
+    rows = read_source_csv(path)
+    samples = [float(r["Warp Stall Sampling (All Samples)"] or 0) for r in rows]
+    executed = [float(r["Instructions Executed"] or 0) for r in rows]
+    stall_cols = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    total, total_exec = sum(samples), sum(executed)
+    if not total or not total_exec:
+        raise ValueError(f"{path}: no warp samples or executed instructions")
+    hot = [i for i, e in enumerate(executed) if e >= 0.5 * max(executed)]
+    segments = {"prologue": range(0, hot[0]), "loop": range(hot[0], hot[-1] + 1),
+                "epilogue": range(hot[-1] + 1, len(rows))}
+
+    def stalls(idx) -> dict[str, float]:
+        acc: dict[str, float] = {}
+        for i in idx:
+            for c in stall_cols:
+                acc[c[6:]] = acc.get(c[6:], 0.0) + float(rows[i][c] or 0)
+        return _shares(acc, total, 8)
+
+    by_op: dict[str, float] = {}
+    exec_op: dict[str, float] = {}
+    for r, s, e in zip(rows, samples, executed, strict=True):
+        op = _opcode(r["Source"])
+        by_op[op] = by_op.get(op, 0.0) + s
+        exec_op[op] = exec_op.get(op, 0.0) + e
+    ranked = sorted(range(len(rows)), key=lambda i: -samples[i])[:top]
+    return {
+        "instructions": len(rows), "samples": total, "stalls_pct": stalls(range(len(rows))),
+        "segments": {name: {"instructions": len(idx),
+                            "samples_pct": round(100 * sum(samples[i] for i in idx) / total, 1),
+                            "stalls_pct": stalls(idx)} for name, idx in segments.items()},
+        "samples_by_opcode_pct": _shares(by_op, total, 14),
+        "executed_by_opcode_pct": _shares(exec_op, total_exec, 14),
+        "top_instructions": [{"sass": rows[i]["Source"].strip(), "samples": samples[i], "executed": executed[i],
+                              "stalls": {c[6:]: float(rows[i][c]) for c in stall_cols if float(rows[i][c] or 0) > 0}}
+                             for i in ranked],
+    }
+
+
 def summarize(paths: list[Path]) -> dict:
     """{target file stem: [launch summaries]} for the CSV files given."""
     return {p.stem: [summarize_launch(r) for r in read_raw_csv(p)] for p in paths}
@@ -166,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("summarize", help="ncu raw CSVs -> one JSON")
     s.add_argument("csv", nargs="+", type=Path)
     s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--source", type=Path, default=None, help="a source-page CSV (ncu_run.sh SOURCE_TARGET) to add")
+    s.add_argument("--source-target", default=None, help="the target the source page profiled")
     args = ap.parse_args(argv)
     if args.cmd == "run":
         if not torch.cuda.is_available():
@@ -173,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         run(args.target)
         return 0
-    write_raw(args.out, {"probe": "ncu_probe", "launches": summarize(args.csv),
-                         "extra_metrics": list(EXTRA_METRICS)})
+    payload = {"probe": "ncu_probe", "launches": summarize(args.csv), "extra_metrics": list(EXTRA_METRICS)}
+    if args.source is not None:
+        payload["source_page"] = {"target": args.source_target, **summarize_source(args.source)}
+    write_raw(args.out, payload)
     print(f"wrote {args.out}")
     return 0
 

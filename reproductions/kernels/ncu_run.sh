@@ -41,5 +41,8 @@ if [[ -n ${SOURCE_TARGET:-} ]]; then
         python3 -m reproductions.kernels.ncu_probe run "$SOURCE_TARGET" >"$OUT/ncu_source_sass.csv" \
         2>"$OUT/ncu_source_sass.err" || { echo "ncu source page failed"; status=1; }
 fi
-python3 -m reproductions.kernels.ncu_probe summarize --out "$OUT/ncu_summary.json" "$OUT"/ncu/*.csv || status=1
+source_args=()
+[[ -s $OUT/ncu_source_sass.csv ]] && source_args=(--source "$OUT/ncu_source_sass.csv" --source-target "$SOURCE_TARGET")
+python3 -m reproductions.kernels.ncu_probe summarize --out "$OUT/ncu_summary.json" "${source_args[@]}" "$OUT"/ncu/*.csv \
+    || status=1
 exit $status

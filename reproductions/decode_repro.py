@@ -248,6 +248,9 @@ UNPADDED = "gated_tuned_graphs_unpadded"
 # forwards' GPU times of record d2f2400a): on code, where ~0.41 of drafts are kept, fixed-K5 from 0.81x to about 0.92x
 # of graphed plain decoding (K = 2 measured 0.94x); the tuned clutch on prose-instruction, whose 7 speculate cycles
 # kept nothing, from 0.946x to about 0.965x (the failed cycles' extra cost from ~9.4 to ~4.7 ms of a ~245 ms run).
+# Measured (session 10, record e1fb9861, 16 trials): fixed-K5 on code from 0.845x to 1.076x of graphed plain (paired
+# adaptive / constant 1.277x), beating the prediction; adaptive was faster on 6 of 7 prompts (slower only on
+# verse-chant-royal-form, 0.969x). The tuned clutch on prose-instruction: adaptive / constant 1.016x.
 ADAPTIVE = ("fixed_k5_graphs_adaptive", "gated_tuned_graphs_adaptive")
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
            *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE)

@@ -38,6 +38,9 @@ def newest(records: list[RunRecord], suite: str, variants: tuple[str, ...] = ())
 MAIN_DECODE = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
 K_SWEEP = ("plain_graphs", "fixed_k2_graphs", "fixed_k3_graphs", "fixed_k5_graphs")
 GATED_GRAPHS = ("plain_graphs", "gated_production_graphs", "gated_tuned_graphs")
+ADAPTIVE_PAIRS = (("fixed_k5_graphs", "fixed_k5_graphs_adaptive"),  # (constant K = 5, adaptive)
+                  ("gated_tuned_graphs", "gated_tuned_graphs_adaptive"))
+ADAPTIVE_RUN = ("plain_graphs", *(v for pair in ADAPTIVE_PAIRS for v in pair))
 GATED_BOUND = 0.99  # issue 8: gated speculation never more than 1% slower than plain on the high-entropy family
 
 
@@ -252,6 +255,46 @@ def gated_graphs_section(rec: RunRecord) -> list[str]:
     return lines
 
 
+def _cell(got: tuple[float, float, float] | None) -> str:
+    return "-" if got is None else f"{got[0]:.3f}x ({got[1]:.3f}-{got[2]:.3f})"
+
+
+def adaptive_section(rec: RunRecord) -> list[str]:
+    """The adaptive draft length against a constant K = 5, both under CUDA graphs: each over graphed plain decoding,
+    and adaptive over constant directly, paired by prompt and trial; per prompt where the two differ most."""
+    from reproductions.decode_repro import paired_ratios, paired_speedup
+
+    mt = rec.metrics
+    by_family = _prompts_by_family()
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
+    lines = [f"The adaptive draft length (`DecodeConfig(k_schedule=\"adaptive\")`: K - 1 after a rejection, K + 2 "
+             f"after a fully kept draft, within 1..5) against a constant K = 5, all under CUDA graphs "
+             f"({rec.conditions['model']}, {rec.config['trials']} interleaved trials, record `{rec.source.name}`). "
+             "Tokens/s ratios paired by prompt and trial (median, 95% bootstrap interval), with the share of drafted "
+             "tokens accepted:", "",
+             "| family | fixed-K5 | fixed-K5 adaptive | adaptive / constant | acceptance K5 / adaptive | gated tuned | "
+             "gated tuned adaptive | adaptive / constant |", "|---|---|---|---|---|---|---|---|"]
+    for f in fams:
+        cells = []
+        for const, adapt in ADAPTIVE_PAIRS:
+            cells += [_cell(paired_cell(rec, const, f, by_family[f])), _cell(paired_cell(rec, adapt, f, by_family[f])),
+                      _cell(paired_speedup(paired_ratios(rec.samples, adapt, const, by_family[f])))]
+            if const.startswith("fixed"):
+                acc = [mt.get(f"{v}.{f}.acceptance_pct") for v in (const, adapt)]
+                cells.append("/".join("-" if a is None else f"{a:.0f}%" for a in acc))
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    per_prompt = []
+    for const, adapt in ADAPTIVE_PAIRS:
+        for pr in (pr for f in fams for pr in by_family[f]):
+            got = paired_speedup(paired_ratios(rec.samples, adapt, const, [pr]))
+            if got is not None and not got[1] <= 1.0 <= got[2]:  # the interval excludes no change
+                per_prompt.append(f"{adapt} on {pr} {_cell(got)}")
+    if per_prompt:
+        lines += ["", "Prompts where adaptive and constant K differ (the paired interval excludes 1): "
+                  + "; ".join(per_prompt) + "."]
+    return lines
+
+
 def bound_verdict(got: tuple[float, float, float]) -> str:
     """Issue 8's 1% bound judged from a paired ratio's (median, interval low, interval high)."""
     if got[1] >= GATED_BOUND:
@@ -427,6 +470,7 @@ def render(records_dir: Path = Path("telemetry")) -> str:
                 ("decode_standin", decode_section, MAIN_DECODE, False),
                 ("decode_standin", k_sweep_section, K_SWEEP, True),
                 ("decode_standin", gated_graphs_section, GATED_GRAPHS, True),
+                ("decode_standin", adaptive_section, ADAPTIVE_RUN, True),
                 ("resolution_gear_fidelity", fidelity_section, (), False),
                 ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False))
     for suite, fn, variants, optional in sections:

@@ -416,3 +416,26 @@ def test_the_graphed_identity_line_names_each_divergence_with_its_gap_and_trials
     rec.config["mismatches"] = rec.config["mismatches"][1:]
     assert graphed_identity_line(rec).endswith("No divergence.")
     assert graphed_identity_line(SimpleNamespace(metrics={}, config={})) is None
+
+
+def test_the_adaptive_table_pairs_each_schedule_with_plain_and_with_constant_k():
+    """Adaptive over constant K = 5 paired by trial, beside each over graphed plain; a prompt is named only where the
+    paired interval excludes no change."""
+    from reproductions.readme_results import ADAPTIVE_PAIRS, _prompts_by_family, adaptive_section
+
+    rec = _gated_record([1.0] * 4, {"code": 1.9, "physics": 2.5, "poem": 2.0})
+    fast = _prompts_by_family()["code"][0]
+    for fam, prompts in _prompts_by_family().items():
+        for pr in prompts:
+            for const, adapt in ADAPTIVE_PAIRS:
+                rec.samples[f"{const}|{pr}|tokens_per_s"] = [400.0] * 4
+                rec.samples[f"{adapt}|{pr}|tokens_per_s"] = [500.0 if pr == fast else 400.0] * 4
+        rec.metrics |= {f"fixed_k5_graphs.{fam}.acceptance_pct": 14.0,
+                        f"fixed_k5_graphs_adaptive.{fam}.acceptance_pct": 28.0}
+    text = "\n".join(adaptive_section(rec))
+    physics = next(ln for ln in text.splitlines() if ln.startswith("| physics |"))
+    assert physics == ("| physics | 0.800x (0.800-0.800) | 0.800x (0.800-0.800) | 1.000x (1.000-1.000) | 14%/28% | "
+                       "0.800x (0.800-0.800) | 0.800x (0.800-0.800) | 1.000x (1.000-1.000) |")
+    differ = next(ln for ln in text.splitlines() if ln.startswith("Prompts where"))
+    assert f"fixed_k5_graphs_adaptive on {fast} 1.250x (1.250-1.250)" in differ
+    assert f"gated_tuned_graphs_adaptive on {fast} 1.250x" in differ and differ.count(" on ") == 2

@@ -159,3 +159,13 @@ def test_the_adaptive_variants_differ_from_their_constant_twins_only_in_the_sche
         assert dataclasses.replace(a.config, k_schedule="constant") == c.config
         assert (a.clutch is None) == (c.clutch is None)
         assert dr.BASELINE[adaptive] == "plain_graphs"
+
+
+def test_the_long_adaptive_variant_is_adaptive_k5_with_a_higher_ceiling(monkeypatch):
+    import reproductions.decode_repro as dr
+
+    seen = _what_runs(monkeypatch, (dr.LONG_ADAPTIVE, "fixed_k5_graphs_adaptive"))
+    long, k5 = seen[dr.LONG_ADAPTIVE].config, seen["fixed_k5_graphs_adaptive"].config
+    assert (long.k_draft, k5.k_draft) == (dr.LONG_K, 5) and dr.LONG_K > 5
+    assert dataclasses.replace(long, k_draft=5) == k5
+    assert dr.BASELINE[dr.LONG_ADAPTIVE] == "plain_graphs"

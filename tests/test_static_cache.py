@@ -31,7 +31,7 @@ def _run(kv_cache: str, prompt: list[int], max_new: int, k: int | None, clutch: 
 
 
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), max_new=st.integers(1, 24),
-       k=st.sampled_from([None, 1, 3, 5]), gated=st.booleans(), eos=st.sampled_from([None, 2, 7]),
+       k=st.sampled_from([None, 1, 3, 5, 8]), gated=st.booleans(), eos=st.sampled_from([None, 2, 7]),
        schedule=st.sampled_from(["constant", "adaptive"]))
 def test_static_cache_reproduces_the_dynamic_cache(prompt, max_new, k, gated, eos, schedule):
     clutch = ClutchConfig(MIXED.theta_low, MIXED.theta_high, MIXED.alpha, k_draft=k or 5) if gated else None

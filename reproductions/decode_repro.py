@@ -256,7 +256,9 @@ ADAPTIVE = ("fixed_k5_graphs_adaptive", "gated_tuned_graphs_adaptive")
 # The adaptive schedule with a longer ceiling, K = 8 (session 10): the schedule already shrinks K where drafts fail, so
 # a higher ceiling costs only where a fully kept draft is followed by a rejection, and pays on runs of easy tokens
 # (code-instruction and verse-instruction, where adaptive K = 5 gained 1.26-1.29x over constant K = 5). Prediction
-# before a GPU run: code and poem gain 2-5% over adaptive K = 5, physics within 1% of it.
+# before a GPU run: code and poem gain 2-5% over adaptive K = 5, physics within 1% of it. Measured (record 424176b8,
+# 16 trials): the prediction failed; adaptive K = 8 over adaptive K = 5 ran 0.976x on code, 0.978x on physics and
+# 0.989x on poem (intervals 0.967-1.005). Adaptive K = 5 over constant K = 5 repeated in that record: 1.370x on code.
 LONG_K = 8
 LONG_ADAPTIVE = f"fixed_k{LONG_K}_graphs_adaptive"
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",

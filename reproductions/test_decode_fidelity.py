@@ -439,3 +439,16 @@ def test_the_adaptive_table_pairs_each_schedule_with_plain_and_with_constant_k()
     differ = next(ln for ln in text.splitlines() if ln.startswith("Prompts where"))
     assert f"fixed_k5_graphs_adaptive on {fast} 1.250x (1.250-1.250)" in differ
     assert f"gated_tuned_graphs_adaptive on {fast} 1.250x" in differ and differ.count(" on ") == 2
+
+
+def test_the_ceiling_table_pairs_each_adaptive_ceiling_with_the_one_before_it():
+    from reproductions.readme_results import LONG_ADAPTIVE_RUN, _prompts_by_family, long_adaptive_section
+
+    rec = _gated_record([1.0] * 3, {"code": 1.9, "physics": 2.5, "poem": 2.0})
+    speeds = dict(zip(LONG_ADAPTIVE_RUN[1:], (400.0, 550.0, 500.0), strict=True))  # constant, adaptive 5, adaptive 8
+    for prompts in _prompts_by_family().values():
+        for pr in prompts:
+            rec.samples |= {f"{v}|{pr}|tokens_per_s": [x] * 3 for v, x in speeds.items()}
+    code = next(ln for ln in long_adaptive_section(rec) if ln.startswith("| code |"))
+    assert code == ("| code | 0.800x (0.800-0.800) | 1.100x (1.100-1.100) | 1.000x (1.000-1.000) | "
+                    "1.375x (1.375-1.375) | 0.909x (0.909-0.909) |")

@@ -3,10 +3,12 @@
 One process, one pair, variants interleaved per trial (plain, fixed-K5, gated at the seed's
 production and tuned thresholds, HF assisted generation as the peer baseline), warm-up runs
 excluded, one NVML energy window per run, greedy outputs checked against plain decoding during
-the performance runs. Then the threshold grid, decision determinism and the Resolution Gear
-fidelity table, and the gear's INT4 usage, throughput and power. Each suite writes one run record
-under telemetry/; a record declares the registry claims (reproductions/claims.toml) whose test nodes
-its suite serves and whose metrics it holds, so ids are never kept by hand here.
+the performance runs; after the trials, the graphed loops' energy over windows of back-to-back runs
+(`energy_windows`: a graphed run is too short for the energy counter). Then the threshold grid,
+decision determinism and the Resolution Gear fidelity table, and the gear's INT4 usage, throughput
+and power. Each suite writes one run record under telemetry/; a record declares the registry claims
+(reproductions/claims.toml) whose test nodes its suite serves and whose metrics it holds, so ids are
+never kept by hand here.
 
     python -m reproductions.decode_repro [--trials 5] [--max-new-tokens 128] [--out telemetry]
 
@@ -26,7 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +202,10 @@ def select_variants(fns: dict[str, Any], only: Iterable[str] | None) -> dict[str
 
 
 def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]], trials: int, max_new: int,
-                     meter: EnergyMeter | None, graphs: bool = False, only: Iterable[str] | None = None) -> list[Run]:
+                     meter: EnergyMeter | None, graphs: bool = False, only: Iterable[str] | None = None,
+                     energy_window_s: float = 0.0) -> tuple[list[Run], list[EnergyWindowRun]]:
+    """The timed trials (interleaved, seeded order per trial and prompt), then, with a meter and energy_window_s > 0,
+    the graphed loops' energy windows (energy_windows)."""
     cfg = DecodeConfig(max_new_tokens=max_new)
     fns = select_variants(variants(target, scout, cfg, graphs), only)
     runs: list[Run] = []
@@ -215,7 +220,10 @@ def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]]
                 runs.append(Run(name, family, trial, tokens, sec, energy, stats, dec))
                 runs[-1].stats.update(prompt=pid, slot=slot)
         print(f"decode suite: trial {trial} done at {time.perf_counter() - start:.0f} s", flush=True)
-    return runs
+    windows = energy_windows(fns, prompts, runs, meter, energy_window_s) if meter and energy_window_s > 0 else []
+    if windows:
+        print(f"decode suite: {len(windows)} energy windows done at {time.perf_counter() - start:.0f} s", flush=True)
+    return runs, windows
 
 
 def _per_family(runs: list[Run], variant: str, family: str) -> list[Run]:
@@ -270,6 +278,82 @@ COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
 
 # The greedy reference of each compared variant: a graphed loop runs the static-cache kernels of plain_graphs.
 BASELINE = {v: "plain_graphs" for v in GRAPHED[1:]}
+
+
+# The graphed loops' energy over windows of back-to-back runs (session 10). A graphed run of 128 tokens takes about
+# 0.25 s, two or three updates of NVML's ~100 ms energy counter, so one run's J/token is quantized by tens of percent:
+# in records e1fb9861 and 424176b8 the same variant's per-run medians against graphed plain moved from 1.47x to 1.01x,
+# and every speculative variant of 424176b8 came out at 0.66-0.68x on families where speed differed by 20%. A window
+# of ENERGY_WINDOW_S spans about twenty updates. Eager runs last 1-3 s and keep their per-run windows.
+ENERGY_WINDOW_S = 2.0
+
+
+@dataclass
+class EnergyWindowRun:
+    variant: str
+    prompt: str
+    family: str
+    runs: int  # back-to-back decodes of the prompt inside the window
+    tokens: int
+    seconds: float
+    energy_j: float
+
+    @property
+    def j_per_token(self) -> float:
+        return self.energy_j / self.tokens
+
+
+def runs_per_window(seconds_per_run: float, window_s: float) -> int:
+    """Back-to-back runs that fill a window of at least `window_s` (one at least)."""
+    if not seconds_per_run > 0 or not window_s > 0:
+        raise ValueError(f"runs_per_window: seconds_per_run and window_s must be > 0, got {seconds_per_run}, "
+                         f"{window_s}")
+    return max(1, math.ceil(window_s / seconds_per_run))
+
+
+def energy_windows(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Mapping[str, tuple[str, torch.Tensor]],
+                   runs: list[Run], meter: EnergyMeter, window_s: float = ENERGY_WINDOW_S,
+                   variants_: Iterable[str] = GRAPHED) -> list[EnergyWindowRun]:
+    """After the timed trials: per prompt, each of `variants_` that ran decodes the prompt back to back inside one
+    energy window of at least `window_s` (as many runs as its median timed run needs), in the seeded order of a trial
+    after the last. A rejected window is reported and left out, never counted as 0 J."""
+    out: list[EnergyWindowRun] = []
+    names = [v for v in variants_ if v in fns]
+    trial = 1 + max((r.trial for r in runs), default=-1)
+    for p_index, (pid, (family, ids)) in enumerate(prompts.items()):
+        for name in run_order(names, trial, p_index):
+            timed_s = [r.seconds for r in runs if r.variant == name and r.stats.get("prompt") == pid]
+            if not timed_s:
+                continue
+            n = runs_per_window(statistics.median(timed_s), window_s)
+            win = meter.start()
+            t0 = time.perf_counter()
+            tokens = sum(len(fns[name](ids)[0]) for _ in range(n))
+            try:
+                w = meter.stop(win, tokens=tokens)
+            except Exception as err:  # reported, never a number
+                print(f"energy window rejected ({name}, {pid}): {err}")
+                continue
+            out.append(EnergyWindowRun(name, pid, family, n, tokens, time.perf_counter() - t0, w.energy_j))
+    return out
+
+
+def energy_window_metrics(windows: list[EnergyWindowRun]) -> dict[str, float]:
+    """Per variant and family: J/token over the family's windows (their energy over their tokens), and its ratio to
+    the baseline's (plain_graphs) over the same prompts."""
+    m: dict[str, float] = {}
+    by = {(w.variant, w.family): [] for w in windows}
+    for w in windows:
+        by[w.variant, w.family].append(w)
+    for (variant, fam), ws in by.items():
+        label = FAMILY_LABEL.get(fam, fam)
+        m[f"{variant}.{label}.j_per_token_window"] = sum(w.energy_j for w in ws) / sum(w.tokens for w in ws)
+    for (variant, fam) in by:
+        label = FAMILY_LABEL.get(fam, fam)
+        base = m.get(f"{BASELINE.get(variant, 'plain')}.{label}.j_per_token_window")
+        if base is not None and variant in BASELINE:
+            m[f"{variant}.{label}.j_per_token_window_ratio"] = m[f"{variant}.{label}.j_per_token_window"] / base
+    return m
 
 
 def plain_twin(runs: list[Run], r: Run) -> Run:
@@ -811,14 +895,18 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30,
 
 
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
-                  entropy_sync: bool = True, graphs: bool = False, only: Iterable[str] | None = None) -> RunRecord:
+                  entropy_sync: bool = True, graphs: bool = False, only: Iterable[str] | None = None,
+                  energy_window_s: float = ENERGY_WINDOW_S) -> RunRecord:
     """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record (`only`: a
     subset of the variants, their baselines included; the record then declares only the claims it holds)."""
-    runs = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter, graphs, only)
-    metrics = decode_metrics(runs)
+    runs, windows = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter, graphs, only,
+                                     energy_window_s)
+    metrics = {**decode_metrics(runs), **energy_window_metrics(windows)}
     if entropy_sync:
         metrics.update(entropy_sync_share(metrics["plain_tokens_per_s"], s.device))
     samples = {**_samples(runs), **identity_samples(runs)}
+    for w in windows:
+        samples.setdefault(f"{w.variant}|{w.prompt}|j_per_token_window", []).append(w.j_per_token)
     extra: dict[str, Any] = {"mismatches": mismatch_report(s.target, runs, s.prompts)}
     first_ids = next(iter(s.prompts.values()))[1]
     extra["forward_ms"] = forward_costs(s.target, s.scout, first_ids)
@@ -836,6 +924,8 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
               "idle_power_w": s.meter.idle.power_w if s.meter and s.meter.idle else None,
               "variants": sorted({r.variant for r in runs}),
               "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
+              "energy_window_s": energy_window_s if windows else None,
+              "energy_windows": [asdict(w) for w in windows],
               "decisions": {f"{r.variant}|{r.stats.get('prompt')}|{r.trial}": r.decisions for r in runs
                             if r.variant.startswith("gated")}, **extra}
     return RunRecord(claim_ids=declared_claims(DECODE_TESTS, metrics, samples, DECODE_ALSO), suite="decode_standin",
@@ -910,6 +1000,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=_positive_int, default=5)
@@ -938,6 +1035,9 @@ def _parser() -> argparse.ArgumentParser:
                         "fixed_k5_graphs")
     p.add_argument("--gear-trials", type=_positive_int, default=None,
                    help="trials of the gear suite (default: --trials)")
+    p.add_argument("--energy-window-s", type=_non_negative_float, default=ENERGY_WINDOW_S,
+                   help="after the trials, the graphed loops' J/token over windows of back-to-back runs this long "
+                        "(0: none)")
     return p
 
 
@@ -958,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"record: {write_record(rec, a.out)} ({suite} done at {time.perf_counter() - t0:.0f} s)", flush=True)
 
     rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip,
-                        a.cuda_graphs, a.variants)
+                        a.cuda_graphs, a.variants, a.energy_window_s)
     done("decode", rec)
     for k in sorted(rec.metrics):
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):

@@ -319,6 +319,25 @@ def long_adaptive_section(rec: RunRecord) -> list[str]:
     return lines
 
 
+def energy_window_section(rec: RunRecord) -> list[str]:
+    """The graphed loops' J/token over windows of back-to-back runs (decode_repro.energy_windows), against graphed
+    plain decoding on the same prompts; nothing for a record without them."""
+    mt = rec.metrics
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.j_per_token_window" in mt]
+    if not fams:
+        return []
+    variants = sorted({k.split(".")[0] for k in mt if k.endswith(".j_per_token_window_ratio")})
+    lines = [f"Energy of the graphed loops over windows of back-to-back runs of at least "
+             f"{rec.config.get('energy_window_s')} s per variant and prompt (record `{rec.source.name}`): J/token, "
+             "and its ratio to graphed plain decoding's on the same prompts (below 1: less energy per token):", "",
+             "| family | plain graphs J/token | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+    for f in fams:
+        cells = [f"{mt[f'{v}.{f}.j_per_token_window_ratio']:.3f}x" if f"{v}.{f}.j_per_token_window_ratio" in mt
+                 else "-" for v in variants]
+        lines.append(f"| {f} | {mt[f'plain_graphs.{f}.j_per_token_window']:.4f} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def bound_verdict(got: tuple[float, float, float]) -> str:
     """Issue 8's 1% bound judged from a paired ratio's (median, interval low, interval high)."""
     if got[1] >= GATED_BOUND:
@@ -496,14 +515,16 @@ def render(records_dir: Path = Path("telemetry")) -> str:
                 ("decode_standin", gated_graphs_section, GATED_GRAPHS, True),
                 ("decode_standin", adaptive_section, ADAPTIVE_RUN, True),
                 ("decode_standin", long_adaptive_section, LONG_ADAPTIVE_RUN, True),
+                ("decode_standin", energy_window_section, ("plain_graphs",), True),
                 ("resolution_gear_fidelity", fidelity_section, (), False),
                 ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False))
     for suite, fn, variants, optional in sections:
         rec = newest(records, suite, variants)
         if rec is None and optional:
             continue
-        out += fn(rec) if rec else [f"No `{suite}` record yet: run `nox -s gpu_repro` on a GPU."]
-        out.append("")
+        lines = fn(rec) if rec else [f"No `{suite}` record yet: run `nox -s gpu_repro` on a GPU."]
+        if lines:  # a section with nothing to show for this record (energy windows before they existed) is left out
+            out += [*lines, ""]
     out.append(END)
     return "\n".join(out)
 

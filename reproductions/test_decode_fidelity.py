@@ -452,3 +452,89 @@ def test_the_ceiling_table_pairs_each_adaptive_ceiling_with_the_one_before_it():
     code = next(ln for ln in long_adaptive_section(rec) if ln.startswith("| code |"))
     assert code == ("| code | 0.800x (0.800-0.800) | 1.100x (1.100-1.100) | 1.000x (1.000-1.000) | "
                     "1.375x (1.375-1.375) | 0.909x (0.909-0.909) |")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _window_meter(watts_by_variant: dict[str, float], clock: _Clock, state: dict):
+    """A fake NVML counter integrating the watts of whichever variant last ran, on a clock the fake decodes move."""
+    from sdsie.telemetry.energy import EnergyMeter
+    from sdsie.telemetry.fake_nvml import FakeNvml
+
+    def counter() -> float:
+        state["mj"] += watts_by_variant.get(state["running"], 0.0) * (clock.t - state["t"]) * 1000.0
+        state["t"] = clock.t
+        return state["mj"]
+
+    return EnergyMeter(nvml=FakeNvml(energy_mj=counter, power_mw=100_000.0), sync=lambda: None, clock=clock)
+
+
+def test_runs_per_window_fills_the_window_and_refuses_nonsense():
+    from reproductions.decode_repro import runs_per_window
+
+    assert runs_per_window(0.25, 2.0) == 8 and runs_per_window(0.3, 2.0) == 7 and runs_per_window(3.0, 2.0) == 1
+    with pytest.raises(ValueError, match="must be > 0"):
+        runs_per_window(0.0, 2.0)
+
+
+def test_energy_windows_run_each_graphed_loop_back_to_back_and_give_j_per_token_against_plain_graphs():
+    """Each graphed variant decodes each prompt enough times to fill the window; J/token is the windows' energy over
+    their tokens, and the ratio is against plain_graphs on the same prompts. Variants without timed runs are skipped."""
+    from reproductions.decode_repro import Run, energy_window_metrics, energy_windows
+
+    clock, state = _Clock(), {"mj": 1e6, "t": 0.0, "running": None}
+    watts = {"plain_graphs": 300.0, "fixed_k5_graphs_adaptive": 330.0}
+    secs = {"plain_graphs": 0.25, "fixed_k5_graphs_adaptive": 0.2}  # per decode of 10 tokens
+
+    def decoder(name):
+        def fn(ids):
+            state["running"] = name
+            clock.t += secs[name]
+            return [1] * 10, {}, ""
+        return fn
+
+    fns = {v: decoder(v) for v in secs} | {"gated_tuned_graphs": decoder("plain_graphs")}
+    prompts = {"code-a": ("code", None), "prose-a": ("prose", None)}
+    runs = [Run(v, fam, 0, [1] * 10, secs[v], None, {"prompt": pid}) for v in secs for pid, (fam, _) in prompts.items()]
+    windows = energy_windows(fns, prompts, runs, _window_meter(watts, clock, state), window_s=2.0)
+    assert sorted((w.variant, w.prompt, w.runs, w.tokens) for w in windows) == [
+        ("fixed_k5_graphs_adaptive", "code-a", 10, 100), ("fixed_k5_graphs_adaptive", "prose-a", 10, 100),
+        ("plain_graphs", "code-a", 8, 80), ("plain_graphs", "prose-a", 8, 80)]  # gated: no timed runs, no window
+    m = energy_window_metrics(windows)
+    assert m["plain_graphs.code.j_per_token_window"] == pytest.approx(300.0 * 0.25 / 10)  # 7.5 J per token
+    assert m["fixed_k5_graphs_adaptive.physics.j_per_token_window"] == pytest.approx(330.0 * 0.2 / 10)
+    assert m["fixed_k5_graphs_adaptive.code.j_per_token_window_ratio"] == pytest.approx(6.6 / 7.5)
+    assert "plain_graphs.code.j_per_token_window_ratio" not in m  # the baseline has no ratio to itself
+
+
+def test_a_rejected_energy_window_is_left_out_not_counted_as_zero(capsys):
+    from reproductions.decode_repro import Run, energy_windows
+
+    clock, state = _Clock(), {"mj": 1e6, "t": 0.0, "running": None}
+
+    def fn(ids):  # draws nothing: the counter does not move
+        clock.t += 0.5
+        return [1] * 10, {}, ""
+
+    runs = [Run("plain_graphs", "code", 0, [1] * 10, 0.5, None, {"prompt": "p"})]
+    out = energy_windows({"plain_graphs": fn}, {"p": ("code", None)}, runs, _window_meter({}, clock, state), 1.0)
+    assert out == [] and "energy window rejected (plain_graphs, p)" in capsys.readouterr().out
+
+
+def test_the_energy_window_table_reads_the_ratios_and_is_absent_without_windows():
+    from reproductions.readme_results import energy_window_section
+
+    rec = _gated_record([1.0], {"code": 1.9, "physics": 2.5, "poem": 2.0})
+    assert energy_window_section(rec) == []
+    rec.config["energy_window_s"] = 2.0
+    rec.metrics |= {"plain_graphs.code.j_per_token_window": 0.5,
+                    "fixed_k5_graphs_adaptive.code.j_per_token_window": 0.45,
+                    "fixed_k5_graphs_adaptive.code.j_per_token_window_ratio": 0.9}
+    text = energy_window_section(rec)
+    assert "at least 2.0 s" in text[0] and text[-1] == "| code | 0.5000 | 0.900x |"

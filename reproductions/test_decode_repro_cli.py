@@ -69,6 +69,17 @@ def test_non_positive_suite_sizes_are_refused(flag: str, capsys):
     assert "must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_the_energy_window_takes_zero_to_disable_and_refuses_negative_or_nan(value: str, capsys):
+    from reproductions.decode_repro import ENERGY_WINDOW_S
+
+    assert _parser().parse_args([]).energy_window_s == ENERGY_WINDOW_S
+    assert _parser().parse_args(["--energy-window-s", "0"]).energy_window_s == 0.0
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--energy-window-s", value])
+    assert f"must be a number >= 0, got {value}" in capsys.readouterr().err
+
+
 def test_warm_up_runs_every_variant_on_every_prompt():
     """Warm-up is excluded from timing and covers each prompt's new shapes, not only the first prompt's."""
     import torch

@@ -39,7 +39,7 @@ from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
 from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache
 from sdsie.decoding.near_tie import decode_logits
-from sdsie.telemetry.energy import EnergyMeter
+from sdsie.telemetry.energy import EnergyMeter, calls_to_fill
 from sdsie.telemetry.env import host_launch_us, per_op_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
@@ -303,14 +303,6 @@ class EnergyWindowRun:
         return self.energy_j / self.tokens
 
 
-def runs_per_window(seconds_per_run: float, window_s: float) -> int:
-    """Back-to-back runs that fill a window of at least `window_s` (one at least)."""
-    if not seconds_per_run > 0 or not window_s > 0:
-        raise ValueError(f"runs_per_window: seconds_per_run and window_s must be > 0, got {seconds_per_run}, "
-                         f"{window_s}")
-    return max(1, math.ceil(window_s / seconds_per_run))
-
-
 def energy_windows(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Mapping[str, tuple[str, torch.Tensor]],
                    runs: list[Run], meter: EnergyMeter, window_s: float = ENERGY_WINDOW_S,
                    variants_: Iterable[str] = GRAPHED) -> list[EnergyWindowRun]:
@@ -325,7 +317,7 @@ def energy_windows(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Ma
             timed_s = [r.seconds for r in runs if r.variant == name and r.stats.get("prompt") == pid]
             if not timed_s:
                 continue
-            n = runs_per_window(statistics.median(timed_s), window_s)
+            n = calls_to_fill(statistics.median(timed_s), window_s)
             win = meter.start()
             t0 = time.perf_counter()
             tokens = sum(len(fns[name](ids)[0]) for _ in range(n))

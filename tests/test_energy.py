@@ -16,6 +16,7 @@ from sdsie.telemetry.energy import (
     EnergyMeterError,
     EnergyUnavailable,
     WindowTooShortError,
+    calls_to_fill,
     integrate_power,
 )
 from sdsie.telemetry.fake_nvml import NVML_ERROR_UNKNOWN, FakeNvml, FakeNvmlError
@@ -290,3 +291,12 @@ def test_real_gpu_window_reads_plausible_energy() -> None:
     assert result.duration_s >= 0.5
     assert 30.0 < result.mean_power_w < 2000.0, result.to_dict()
     assert result.end_state["power_limit_w"] is not None
+
+
+def test_calls_to_fill_cover_the_window_and_refuse_nonsense():
+    assert calls_to_fill(0.25, 2.0) == 8 and calls_to_fill(0.3, 2.0) == 7 and calls_to_fill(3.0, 2.0) == 1
+    assert calls_to_fill(1e-5, 1.5, minimum=200) == 150_000 and calls_to_fill(0.1, 1.5, minimum=200) == 200
+    with pytest.raises(ValueError, match="must be > 0"):
+        calls_to_fill(0.0, 2.0)
+    with pytest.raises(ValueError, match="minimum must be >= 1"):
+        calls_to_fill(0.1, 2.0, minimum=0)

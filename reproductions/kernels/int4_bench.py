@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
 from sdsie.quant.format import Int4Weight, pack_int4
+from sdsie.telemetry.energy import calls_to_fill
 
 # Llama-3.1-8B linear shapes, N x K (out x in)
 LLAMA_SHAPES: dict[str, tuple[int, int]] = {
@@ -323,7 +324,7 @@ def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window
                 fn(i)
             torch.cuda.synchronize()
             per_call = (time.perf_counter() - t0) / 200
-            calls = max(200, int(window_s / per_call))
+            calls = calls_to_fill(per_call, window_s, minimum=200)
             win = meter.start()
             for i in range(calls):
                 fn(i)

@@ -27,6 +27,7 @@ J/token = gross window energy / tokens generated in that window.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "IdleBaseline",
     "OpenWindow",
     "WindowTooShortError",
+    "calls_to_fill",
     "integrate_power",
 ]
 
@@ -125,6 +127,17 @@ class EnergyWindow:
         """Everything, including edge states, for a record's config or environment."""
         return {**asdict(self), "mean_power_w": self.mean_power_w, "j_per_token": self.j_per_token,
                 "idle_energy_j": self.idle_energy_j, "net_energy_j": self.net_energy_j}
+
+
+def calls_to_fill(seconds_per_call: float, window_s: float, minimum: int = 1) -> int:
+    """Back-to-back calls of `seconds_per_call` each that fill a window of at least `window_s` (at least `minimum`):
+    work too short for the counter's update period is measured over many calls in one window, not one call each."""
+    if not seconds_per_call > 0 or not window_s > 0:
+        raise ValueError(f"calls_to_fill: seconds_per_call and window_s must be > 0, got {seconds_per_call}, "
+                         f"{window_s}")
+    if minimum < 1:
+        raise ValueError(f"calls_to_fill: minimum must be >= 1, got {minimum}")
+    return max(minimum, math.ceil(window_s / seconds_per_call))
 
 
 def integrate_power(times_s: Sequence[float], watts: Sequence[float]) -> float:

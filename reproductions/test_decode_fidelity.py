@@ -475,14 +475,6 @@ def _window_meter(watts_by_variant: dict[str, float], clock: _Clock, state: dict
     return EnergyMeter(nvml=FakeNvml(energy_mj=counter, power_mw=100_000.0), sync=lambda: None, clock=clock)
 
 
-def test_runs_per_window_fills_the_window_and_refuses_nonsense():
-    from reproductions.decode_repro import runs_per_window
-
-    assert runs_per_window(0.25, 2.0) == 8 and runs_per_window(0.3, 2.0) == 7 and runs_per_window(3.0, 2.0) == 1
-    with pytest.raises(ValueError, match="must be > 0"):
-        runs_per_window(0.0, 2.0)
-
-
 def test_energy_windows_run_each_graphed_loop_back_to_back_and_give_j_per_token_against_plain_graphs():
     """Each graphed variant decodes each prompt enough times to fill the window; J/token is the windows' energy over
     their tokens, and the ratio is against plain_graphs on the same prompts. Variants without timed runs are skipped."""
@@ -538,3 +530,31 @@ def test_the_energy_window_table_reads_the_ratios_and_is_absent_without_windows(
                     "fixed_k5_graphs_adaptive.code.j_per_token_window_ratio": 0.9}
     text = energy_window_section(rec)
     assert "at least 2.0 s" in text[0] and text[-1] == "| code | 0.5000 | 0.900x |"
+
+
+def test_the_suite_measures_energy_windows_only_when_asked_and_only_for_graphed_loops(monkeypatch):
+    """run_decode_suite's energy_window_s acts: 0 measures no window; > 0 gives each graphed loop one window per prompt
+    of as many back-to-back decodes as fill it, while eager plain keeps only its per-run windows."""
+    import reproductions.decode_repro as dr
+
+    clock, state = _Clock(), {"mj": 1e6, "t": 0.0, "running": None}
+
+    def decoder(name):
+        def fn(ids):
+            state["running"] = name
+            clock.t += 0.25
+            return [1] * 10, {}, ""
+        return fn
+
+    monkeypatch.setattr(dr, "variants", lambda *a, **k: {"plain": decoder("plain"),
+                                                          "plain_graphs": decoder("plain_graphs")})
+    monkeypatch.setattr(dr.time, "perf_counter", clock)  # the suite's run times on the fake clock
+    meter = _window_meter({"plain": 100.0, "plain_graphs": 200.0}, clock, state)
+    prompts = {"code-a": ("code", None), "prose-a": ("prose", None)}
+    runs, windows = dr.run_decode_suite(None, None, prompts, 2, 10, meter, graphs=True, energy_window_s=0.0)
+    assert len(runs) == 8 and windows == [] and all(r.energy_j == pytest.approx(r.seconds * (
+        100.0 if r.variant == "plain" else 200.0)) for r in runs)
+    runs, windows = dr.run_decode_suite(None, None, prompts, 2, 10, meter, graphs=True, energy_window_s=1.0)
+    assert sorted((w.variant, w.prompt, w.runs, w.tokens) for w in windows) == [
+        ("plain_graphs", "code-a", 4, 40), ("plain_graphs", "prose-a", 4, 40)]
+    assert windows[0].energy_j == pytest.approx(200.0 * 1.0)

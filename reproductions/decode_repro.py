@@ -283,7 +283,7 @@ BASELINE = {v: "plain_graphs" for v in GRAPHED[1:]}
 # The graphed loops' energy over windows of back-to-back runs (session 10). A graphed run of 128 tokens takes about
 # 0.25 s, two or three updates of NVML's ~100 ms energy counter, so one run's J/token is quantized by tens of percent:
 # in records e1fb9861 and 424176b8 the same variant's per-run medians against graphed plain moved from 1.47x to 1.01x,
-# and 8 of 424176b8's 9 speculative cells came out at 0.66-0.68x whatever their speed (0.79-1.29x). A window
+# and 8 of 424176b8's 9 speculative cells came out at 0.66-0.68x whatever their speed (1.07-1.29x). A window
 # of ENERGY_WINDOW_S spans about twenty updates. Eager runs last 1-3 s and keep their per-run windows.
 ENERGY_WINDOW_S = 2.0
 

@@ -1,0 +1,69 @@
+"""The replay probe (reproductions/standin/replay_probe.py) finds a step that does not repeat, and names where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from reproductions.standin.replay_probe import OutputTrace, first_divergence, random_target, repeat_step, step_arm
+from sdsie.standin import ModelShape
+
+
+def test_repeat_step_counts_differing_repeats_and_names_the_first_output_that_differed():
+    calls = {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        n = float(calls["n"])
+        return {"a": torch.ones(3), "b": torch.full((3,), n % 2), "c": torch.full((2,), n)}
+
+    r = repeat_step(step, 5)
+    # run 1 is the reference; b differs on even calls (2, 4), c on every repeat
+    assert r["differing_replays"] == 4
+    assert r["first_differing_output"] == "b"
+    assert r["differing_outputs"] == {"b": 2, "c": 4}
+
+
+def test_repeat_step_reports_a_step_that_repeats():
+    r = repeat_step(lambda: {"x": torch.arange(4.0)}, 3)
+    assert r["differing_replays"] == 0 and r["first_differing_output"] is None and r["differing_outputs"] == {}
+    with pytest.raises(ValueError, match="at least 2 replays"):
+        repeat_step(lambda: {}, 1)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_output_trace_locates_the_module_that_does_not_repeat():
+    """A dropout left in training mode is the one non-repeating module: the trace names it, not the layers after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.ReLU())
+    model[1].train()
+    x = torch.randn(2, 8)
+    trace = OutputTrace(model)
+
+    def step():
+        model(x)
+        return trace.snapshot()
+
+    r = repeat_step(step, 4)
+    assert r["first_differing_output"] == "1" and r["differing_replays"] == 3
+    assert "0" not in r["differing_outputs"]  # the layer before the dropout repeats
+    assert list(trace.outputs) == ["0", "1", "2", "3"]  # execution order
+    kept = dict(trace.outputs)
+    trace.remove()
+    model(x)
+    assert all(trace.outputs[name] is t for name, t in kept.items())  # removed hooks record nothing more
+
+
+def test_an_eager_step_repeats_with_stale_cache_positions_scribbled():
+    model = random_target(ModelShape(n_layers=2, hidden=32, n_heads=2, intermediate=64), 97, 0, "cpu", torch.bfloat16)
+    prompt = torch.tensor([3, 1, 4, 1, 5, 9])
+    traced = step_arm(model, prompt, warm_tokens=3, replays=3, graphs=False, stale=True, trace=True)
+    assert traced["cache_length"] == 9 and traced["differing_replays"] == 0
+    assert traced["traced"] and traced["stale_scribbled"]
+    assert not any(m._forward_hooks for m in model.modules())  # the arm removes its hooks

@@ -501,3 +501,20 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
     kernel = recorders["_int4_gemv_kernel" if config.gemv else
                        "_int4_gemm_swap_kernel" if config.swap_ab else "_int4_gemm_kernel"]
     assert kernel.fast_launches == 2
+
+
+# K tiles of several groups, split across warps (session 11's sweep candidates: reproductions/kernels/int4_bench.py)
+WIDE_K = (Int4KernelConfig(1, 64, 512, split_k=2, num_warps=4, num_stages=4),
+          Int4KernelConfig(1, 32, 1024, split_k=1, num_warps=4, num_stages=3),
+          Int4KernelConfig(1, 128, 512, split_k=2, num_warps=8, num_stages=4))
+
+
+@pytest.mark.parametrize("config", WIDE_K, ids=str)
+@pytest.mark.parametrize("group", [32, 128, None])
+def test_k_tiles_of_several_groups_split_across_warps(kernel_device, config: Int4KernelConfig, group):
+    gen = torch.Generator().manual_seed(hash((config, group)) % 2**31)
+    for n, k in ((40, 296), (2 * config.block_n, 2 * config.block_k * config.split_k)):  # masked, unmasked words
+        w = make_weight(n, k, group, symmetric=False, scale_mag=0.02, device=kernel_device, gen=gen,
+                        scale_dtype=torch.bfloat16)
+        x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(kernel_device)
+        assert_close_to_reference(int4_matmul(x, w, config=config), x, w)

@@ -376,7 +376,7 @@ def sweep_configs() -> list[Int4KernelConfig]:
     # keep the tuned loop's 256 codes and 32 x values per thread (offline SASS 3.65 and 3.93 per code against 3.57,
     # 4 and 26 barriers per tile against 2) with two and four warps along K instead of all four along N, so a program
     # covers the same bytes per tile with fewer rows: gate_up fills 224 programs without a K split (no partial sums,
-    # no semaphore), the LM head 2004. BN 128 BK 512 with 8 warps is the same loop as the tuned one with twice the warps.
+    # no semaphore), the LM head 2004. BN 128 BK 512 with 8 warps is the tuned loop with twice the warps.
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=p)
              for bn, bk in ((64, 512), (32, 1024)) for sk in (1, 2, 4) for p in (3, 4)]
     cfgs += [Int4KernelConfig(1, 128, 512, split_k=sk, num_warps=8, num_stages=4) for sk in (1, 2)]

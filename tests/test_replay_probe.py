@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from reproductions.standin.replay_probe import OutputTrace, first_divergence, random_target, repeat_step, step_arm
+from reproductions.standin.replay_probe import (
+    OutputTrace,
+    engine_arm,
+    prefill_arm,
+    random_target,
+    repeat_step,
+    step_arm,
+)
 from sdsie.standin import ModelShape
 
 
@@ -30,12 +37,6 @@ def test_repeat_step_reports_a_step_that_repeats():
     assert r["differing_replays"] == 0 and r["first_differing_output"] is None and r["differing_outputs"] == {}
     with pytest.raises(ValueError, match="at least 2 replays"):
         repeat_step(lambda: {}, 1)
-
-
-def test_first_divergence():
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert first_divergence([1, 2, 3], [1, 2]) == 2
 
 
 def test_output_trace_locates_the_module_that_does_not_repeat():
@@ -67,3 +68,27 @@ def test_an_eager_step_repeats_with_stale_cache_positions_scribbled():
     assert traced["cache_length"] == 9 and traced["differing_replays"] == 0
     assert traced["traced"] and traced["stale_scribbled"]
     assert not any(m._forward_hooks for m in model.modules())  # the arm removes its hooks
+
+
+TINY = ModelShape(n_layers=2, hidden=32, n_heads=2, intermediate=64)
+
+
+def test_prefill_and_whole_runs_repeat_bit_for_bit_on_the_cpu():
+    model = random_target(TINY, 97, 0, "cpu", torch.bfloat16)
+    prompt = torch.tensor([3, 1, 4, 1, 5, 9])
+    pre = prefill_arm(model, prompt, replays=3)
+    assert pre["differing_replays"] == 0 and pre["prompt_len"] == 6
+    runs = engine_arm(model, prompt, runs=3, max_new=6, graphs=False, interleave_k=3)
+    assert runs["differing_replays"] == 0 and runs["interleaved_k"] == 3
+
+
+def test_whole_runs_that_do_not_repeat_are_caught_by_their_cache():
+    """Attention dropout left on makes every run differ: the comparison of the caches the runs leave names the
+    layers whose keys and values changed (the second layer's keys come from the first layer's randomized output)."""
+    model = random_target(TINY, 97, 0, "cpu", torch.float32)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train()
+    r = engine_arm(model, torch.tensor([3, 1, 4, 1, 5, 9]), runs=3, max_new=6, graphs=False)
+    assert r["differing_replays"] == 2
+    assert "layer1.keys" in r["differing_outputs"] and r["first_differing_output"] != "tokens"

@@ -17,8 +17,14 @@ tokens, then repeats one 1-token forward from the same cache state:
   replays (what another run's leftovers or a rejected draft leave there; the causal mask must hide them);
 * `graph_traced`: a second capture with forward hooks that keep every submodule's output, so a replay that differs
   names the first module (in execution order) whose output differed;
-* `engine_*`: whole greedy runs through `sdsie.decoding.generate` (eager and graphed plain, and graphed plain
-  interleaved with graphed fixed-K5 on the same target, as the decode suite runs them), compared token for token.
+* `prefill`: the eager prefill of the prompt into a static cache, repeated (logits and the cache it writes);
+* `engine_*`: whole greedy runs through `sdsie.decoding.generate` over a static cache (eager and graphed plain, and
+  graphed plain interleaved with graphed fixed-K5 on the same target, as the decode suite runs them), compared by
+  their tokens and bit for bit by every key and value the run left in the cache: with random weights the top
+  logits are rarely close enough for a token to flip, the cache shows any difference in any step.
+
+Session 11's run on the H200 (`telemetry/raw/replay_probe_s11_h200.json`) predates the prefill arm and the engine
+arms' cache comparison: it compared whole runs by their tokens only.
 
 Each arm reports how many of its repeats differ from its first (0 everywhere: the step repeats). Eager arms also run
 without CUDA (the graph arms are then reported as not run, with the reason).
@@ -146,31 +152,60 @@ def step_arm(model: nn.Module, prompt: torch.Tensor, warm_tokens: int, replays: 
     return {**result, "cache_length": length, "graphed": graphs, "stale_scribbled": stale, "traced": trace}
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (a shorter list differs where it ends), else None."""
-    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    return i if i is not None or len(a) == len(b) else min(len(a), len(b))
+def cache_contents(kv: StaticKV) -> dict[str, torch.Tensor]:
+    """Every layer's keys and values at the positions the cache holds, copied: they depend on every forward that
+    wrote them, so comparing them bit for bit checks every step of a run, not only the tokens it chose."""
+    out = {}
+    for i, layer in enumerate(kv.cache.layers):
+        out[f"layer{i}.keys"] = layer.keys[..., : kv.length, :].clone()
+        out[f"layer{i}.values"] = layer.values[..., : kv.length, :].clone()
+    return out
+
+
+def prefill_arm(model: nn.Module, prompt: torch.Tensor, replays: int) -> dict:
+    """The eager prefill into a static cache (every graphed run starts with one), repeated: logits and cache."""
+    with torch.inference_mode():
+        kv = StaticKV(model, 256)
+
+        def step() -> dict[str, torch.Tensor]:
+            kv.crop(0)
+            logits = forward(model, prompt, kv, last_only=False)
+            return {"logits": logits.clone(), **cache_contents(kv)}
+
+        return {**repeat_step(step, replays), "prompt_len": prompt.numel()}
+
+
+def plain_target_cache(target: nn.Module, graphs: bool) -> StaticKV:
+    """The static cache the engine's plain loop used for `target` (the engine keeps it between runs, keyed by role,
+    length bucket, graphs and graph sizes; the plain loop's sizes are (1,)). Private state, read by a diagnostic."""
+    from sdsie.decoding.engine import _STATIC
+
+    found = [kv for key, kv in _STATIC.get(target, {}).items() if key[0] == "target" and key[2] == graphs
+             and key[3] == (1,)]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one plain static cache for the target (graphs={graphs}), found {len(found)}")
+    return found[0]
 
 
 def engine_arm(target: nn.Module, prompt: torch.Tensor, runs: int, max_new: int, graphs: bool,
                interleave_k: int | None = None) -> dict:
-    """Whole greedy plain runs, repeated; optionally each preceded by a fixed-K run on the same target (the scout is
-    the target itself, so its drafts are all accepted up to bf16 differences between step sizes)."""
-    cfg = DecodeConfig(max_new_tokens=max_new, kv_cache="static" if graphs else "dynamic", cuda_graphs=graphs)
+    """Whole greedy plain runs over a static cache, repeated, compared by their tokens and by every position of the
+    cache they leave (see cache_contents). With interleave_k, a fixed-K run on the same target (the scout is the
+    target itself) goes before each plain run, as other variants do between the decode suite's runs."""
+    cfg = DecodeConfig(max_new_tokens=max_new, kv_cache="static", cuda_graphs=graphs)
     other = None
     if interleave_k:
         other = DecodeConfig(max_new_tokens=max_new, k_draft=interleave_k, kv_cache="static", cuda_graphs=graphs)
-    outs = []
+
+    def step() -> dict[str, torch.Tensor]:
+        if other is not None:
+            generate(target, prompt, other, scout=target)
+        tokens = generate(target, prompt, cfg).tokens
+        return {"tokens": torch.tensor(tokens), **cache_contents(plain_target_cache(target, graphs))}
+
     with torch.inference_mode():
-        for _ in range(runs):
-            if other is not None:
-                generate(target, prompt, other, scout=target)
-            outs.append(generate(target, prompt, cfg).tokens)
-    first = outs[0]
-    diverge = [first_divergence(first, o) for o in outs[1:]]
-    return {"runs": runs, "max_new_tokens": max_new, "graphed": graphs, "interleaved_k": interleave_k,
-            "differing_runs": sum(d is not None for d in diverge),
-            "first_divergence_positions": sorted({d for d in diverge if d is not None})}
+        result = repeat_step(step, runs)
+    return {**result, "max_new_tokens": max_new, "graphed": graphs, "interleaved_k": interleave_k}
 
 
 def run_probe(preset: str, replays: int, runs: int, device: str, seed: int = 0, warm_tokens: int = 40,
@@ -181,6 +216,7 @@ def run_probe(preset: str, replays: int, runs: int, device: str, seed: int = 0, 
     prompt = torch.tensor([rng.randrange(config.vocab_size) for _ in range(prompt_len)], device=device)
     arms: dict[str, dict] = {}
     t0 = time.perf_counter()
+    arms["prefill"] = prefill_arm(model, prompt, replays)
     arms["eager"] = step_arm(model, prompt, warm_tokens, replays, graphs=False)
     arms["eager_stale"] = step_arm(model, prompt, warm_tokens, replays, graphs=False, stale=True)
     arms["engine_eager"] = engine_arm(model, prompt, runs, max_new, graphs=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from reproductions.standin.replay_probe import (
     repeat_step,
     step_arm,
 )
-from sdsie.standin import ModelShape
+from sdsie.standin import PRESETS, ModelShape
 
 
 def test_repeat_step_counts_differing_repeats_and_names_the_first_output_that_differed():
@@ -61,8 +63,12 @@ def test_output_trace_locates_the_module_that_does_not_repeat():
     assert all(trace.outputs[name] is t for name, t in kept.items())  # removed hooks record nothing more
 
 
+TINY_SHAPE = ModelShape(n_layers=2, hidden=32, n_heads=2, intermediate=64)
+TINY = dataclasses.replace(PRESETS["cpu"], target=TINY_SHAPE, scout=TINY_SHAPE)  # the cpu recipe, a smaller target
+
+
 def test_an_eager_step_repeats_with_stale_cache_positions_scribbled():
-    model = random_target(ModelShape(n_layers=2, hidden=32, n_heads=2, intermediate=64), 97, 0, "cpu", torch.bfloat16)
+    model = random_target(TINY, 0, "cpu", torch.bfloat16)
     prompt = torch.tensor([3, 1, 4, 1, 5, 9])
     traced = step_arm(model, prompt, warm_tokens=3, replays=3, graphs=False, stale=True, trace=True)
     assert traced["cache_length"] == 9 and traced["differing_replays"] == 0
@@ -70,11 +76,10 @@ def test_an_eager_step_repeats_with_stale_cache_positions_scribbled():
     assert not any(m._forward_hooks for m in model.modules())  # the arm removes its hooks
 
 
-TINY = ModelShape(n_layers=2, hidden=32, n_heads=2, intermediate=64)
 
 
 def test_prefill_and_whole_runs_repeat_bit_for_bit_on_the_cpu():
-    model = random_target(TINY, 97, 0, "cpu", torch.bfloat16)
+    model = random_target(TINY, 0, "cpu", torch.bfloat16)
     prompt = torch.tensor([3, 1, 4, 1, 5, 9])
     pre = prefill_arm(model, prompt, replays=3)
     assert pre["differing_replays"] == 0 and pre["prompt_len"] == 6
@@ -85,7 +90,7 @@ def test_prefill_and_whole_runs_repeat_bit_for_bit_on_the_cpu():
 def test_whole_runs_that_do_not_repeat_are_caught_by_their_cache():
     """Attention dropout left on makes every run differ: the comparison of the caches the runs leave names the
     layers whose keys and values changed (the second layer's keys come from the first layer's randomized output)."""
-    model = random_target(TINY, 97, 0, "cpu", torch.float32)
+    model = random_target(TINY, 0, "cpu", torch.float32)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.5
     model.train()

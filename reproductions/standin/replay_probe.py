@@ -37,6 +37,7 @@ import json
 import random
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,19 +46,16 @@ from torch import nn
 
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import StaticKV, forward
-from sdsie.standin import PRESETS, ModelShape
+from sdsie.standin import PRESETS, StandinConfig, build_model
 from sdsie.telemetry.env import capture_environment
 
 
-def random_target(shape: ModelShape, vocab: int, seed: int, device: str, dtype: torch.dtype) -> nn.Module:
-    """A Llama of the stand-in's target shape (tied embeddings, as the recipe builds it) with seeded random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def random_target(config: StandinConfig, seed: int, device: str, dtype: torch.dtype) -> nn.Module:
+    """The recipe's target (`sdsie.standin.build_model` on config.target), with seeded random weights and no
+    special-token ids."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                      num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                      num_key_value_heads=shape.n_heads, max_position_embeddings=2048, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    no_specials = types.SimpleNamespace(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return build_model(config.target, config, no_specials).to(device=device, dtype=dtype).eval()
 
 
 class OutputTrace:
@@ -211,7 +209,7 @@ def engine_arm(target: nn.Module, prompt: torch.Tensor, runs: int, max_new: int,
 def run_probe(preset: str, replays: int, runs: int, device: str, seed: int = 0, warm_tokens: int = 40,
               prompt_len: int = 24, max_new: int = 128) -> dict:
     config = PRESETS[preset]
-    model = random_target(config.target, config.vocab_size, seed, device, torch.bfloat16)
+    model = random_target(config, seed, device, torch.bfloat16)
     rng = random.Random(seed)
     prompt = torch.tensor([rng.randrange(config.vocab_size) for _ in range(prompt_len)], device=device)
     arms: dict[str, dict] = {}

@@ -39,7 +39,7 @@ from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
 from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache
 from sdsie.decoding.near_tie import decode_logits
-from sdsie.telemetry.energy import EnergyMeter, calls_to_fill
+from sdsie.telemetry.energy import EnergyMeter, EnergyMeterError, calls_to_fill
 from sdsie.telemetry.env import host_launch_us, per_op_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
@@ -323,7 +323,7 @@ def energy_windows(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Ma
             tokens = sum(len(fns[name](ids)[0]) for _ in range(n))
             try:
                 w = meter.stop(win, tokens=tokens)
-            except Exception as err:  # reported, never a number
+            except EnergyMeterError as err:  # a window without a trustworthy reading: reported, never a number
                 print(f"energy window rejected ({name}, {pid}): {err}")
                 continue
             out.append(EnergyWindowRun(name, pid, family, n, tokens, time.perf_counter() - t0, w.energy_j))
@@ -340,10 +340,10 @@ def energy_window_metrics(windows: list[EnergyWindowRun]) -> dict[str, float]:
     for (variant, fam), ws in by.items():
         label = FAMILY_LABEL.get(fam, fam)
         m[f"{variant}.{label}.j_per_token_window"] = sum(w.energy_j for w in ws) / sum(w.tokens for w in ws)
-    for (variant, fam) in by:
+    for variant, fam in by:
         label = FAMILY_LABEL.get(fam, fam)
-        base = m.get(f"{BASELINE.get(variant, 'plain')}.{label}.j_per_token_window")
-        if base is not None and variant in BASELINE:
+        base = m.get(f"{BASELINE[variant]}.{label}.j_per_token_window") if variant in BASELINE else None
+        if base is not None:
             m[f"{variant}.{label}.j_per_token_window_ratio"] = m[f"{variant}.{label}.j_per_token_window"] / base
     return m
 

@@ -258,3 +258,15 @@ def test_graphed_copies_are_sized_in_whole_4k_blocks():
     assert copy_half_bytes(2 * 139674880) == 139677696  # the M = 1 LM head's bytes: 256-byte multiple -> next 4 KiB
     assert copy_half_bytes(2 * 141660160) == 141660160  # already a 4 KiB multiple (M = 16): unchanged
     assert copy_half_bytes(1) == COPY_ALIGN and copy_half_bytes(0) == COPY_ALIGN
+
+
+def test_the_gpu_tools_say_when_there_is_no_cuda_device(monkeypatch, capsys):
+    import torch
+
+    from reproductions.kernels.int4_bench import cuda_missing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_missing("ab_bench") is True
+    assert "ab_bench needs a CUDA GPU" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cuda_missing("ab_bench") is False and capsys.readouterr().err == ""

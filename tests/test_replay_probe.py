@@ -14,6 +14,7 @@ from reproductions.standin.replay_probe import (
     prefill_arm,
     random_target,
     repeat_step,
+    scribble_stale,
     step_arm,
 )
 from sdsie.standin import PRESETS, ModelShape
@@ -85,6 +86,9 @@ def test_prefill_and_whole_runs_repeat_bit_for_bit_on_the_cpu():
     assert pre["differing_replays"] == 0 and pre["prompt_len"] == 6
     runs = engine_arm(model, prompt, runs=3, max_new=6, graphs=False, interleave_k=3)
     assert runs["differing_replays"] == 0 and runs["interleaved_k"] == 3
+    from sdsie.decoding.engine import _STATIC
+
+    assert any(key[0] == "target" and key[3] == (1, 4) for key in _STATIC[model])  # the K = 3 runs did run
 
 
 def test_whole_runs_that_do_not_repeat_are_caught_by_their_cache():
@@ -97,3 +101,18 @@ def test_whole_runs_that_do_not_repeat_are_caught_by_their_cache():
     r = engine_arm(model, torch.tensor([3, 1, 4, 1, 5, 9]), runs=3, max_new=6, graphs=False)
     assert r["differing_replays"] == 2
     assert "layer1.keys" in r["differing_outputs"] and r["first_differing_output"] != "tokens"
+
+
+def test_scribbling_changes_every_stale_position_and_nothing_before_them():
+    model = random_target(TINY, 0, "cpu", torch.float32)
+    from sdsie.decoding.model_io import StaticKV, forward
+
+    with torch.inference_mode():
+        kv = StaticKV(model, 16)
+        forward(model, torch.tensor([3, 1, 4, 1, 5]), kv, last_only=True)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in kv.cache.layers]
+        scribble_stale(kv, 6, torch.Generator().manual_seed(0))
+    for (k0, v0), layer in zip(before, kv.cache.layers, strict=True):
+        for old, new in ((k0, layer.keys), (v0, layer.values)):
+            assert torch.equal(old[..., :6, :], new[..., :6, :])
+            assert (old[..., 6:, :] != new[..., 6:, :]).all()

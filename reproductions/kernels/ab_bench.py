@@ -27,6 +27,7 @@ from reproductions.kernels.int4_bench import (
     LLAMA_SHAPES,
     Case,
     bench,
+    cuda_missing,
     graph_us,
     rel_error,
     weight_rotation,
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="*", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("ab_bench needs a CUDA GPU; torch.cuda.is_available() is False", file=sys.stderr)
+    if cuda_missing("ab_bench"):
         return 2
     base = load_baseline(a.baseline)
     gen = torch.Generator().manual_seed(0)

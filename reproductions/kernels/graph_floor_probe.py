@@ -45,6 +45,7 @@ from reproductions.kernels.int4_bench import (
     copy_graph_us,
     copy_half_bytes,
     copy_time_us,
+    cuda_missing,
     graph_us,
     weight_rotation,
 )
@@ -97,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="+", default=list(PROBE_SHAPES), choices=sorted(LLAMA_SHAPES))
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("graph_floor_probe needs a CUDA GPU", file=sys.stderr)
+    if cuda_missing("graph_floor_probe"):
         return 2
     device = "cuda"
     results = {}

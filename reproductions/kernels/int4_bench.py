@@ -248,6 +248,14 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
 COPY_ALIGN = 4096  # bytes: a graphed device-to-device copy of another size took the slow path (NOTES.md, session 9)
 
 
+def cuda_missing(tool: str) -> bool:
+    """True, after saying so on stderr, when this machine has no CUDA device: the GPU tools then exit with 2."""
+    if torch.cuda.is_available():
+        return False
+    print(f"{tool} needs a CUDA GPU; torch.cuda.is_available() is False", file=sys.stderr)
+    return True
+
+
 def copy_half_bytes(nbytes: int) -> int:
     """The size of each buffer of a copy moving `nbytes` (read + write), rounded up to a multiple of COPY_ALIGN.
     In session 9's suites the graphed copies whose size was a multiple of 4 KiB ran at ~4 TB/s and those that were
@@ -626,8 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--m and --only focus a sweep: they need --sweep")
     if bad := sorted(set(a.m) - set(SWEEP_M)):
         p.error(f"--m {bad}: the sweep tunes M in {list(SWEEP_M)}")
-    if not torch.cuda.is_available():
-        print("int4_bench needs a CUDA GPU; torch.cuda.is_available() is False", file=sys.stderr)
+    if cuda_missing("int4_bench"):
         return 2
     run_suite(a.out, sweep=a.sweep, energy=not a.no_energy, sweep_m=tuple(sorted(set(a.m))), only=a.only)
     return 0

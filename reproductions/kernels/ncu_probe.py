@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from reproductions.kernels.int4_bench import LLAMA_SHAPES, random_int4, tinygemm_pack
+from reproductions.kernels.int4_bench import LLAMA_SHAPES, cuda_missing, random_int4, tinygemm_pack
 from sdsie.kernels import Int4KernelConfig, int4_matmul
 from sdsie.telemetry.records import write_raw
 
@@ -234,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--source-target", default=None, help="the target the source page profiled")
     args = ap.parse_args(argv)
     if args.cmd == "run":
-        if not torch.cuda.is_available():
-            print("ncu_probe run needs a CUDA device", file=sys.stderr)
+        if cuda_missing("ncu_probe run"):
             return 2
         run(args.target)
         return 0

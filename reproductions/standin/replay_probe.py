@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.engine import STATIC_LEN_BUCKET
 from sdsie.decoding.model_io import StaticKV, forward
 from sdsie.standin import PRESETS, StandinConfig, build_model
 from sdsie.telemetry.env import capture_environment
@@ -112,11 +113,20 @@ def repeat_step(step: Callable[[], dict[str, torch.Tensor]], replays: int,
 def _prepared_cache(model: nn.Module, prompt: torch.Tensor, warm_tokens: int, graphs: bool) -> tuple[StaticKV, int]:
     """A static cache holding the prompt (an eager prefill) and warm_tokens greedy tokens (with graphs: the first
     captures the 1-token graph, as the engine's first step does, and the rest replay it); its length."""
-    kv = StaticKV(model, 256, cuda_graphs=graphs, graph_sizes=(1,) if graphs else ())
+    kv = StaticKV(model, STATIC_LEN_BUCKET, cuda_graphs=graphs, graph_sizes=(1,) if graphs else ())
     logits = forward(model, prompt, kv, last_only=True)
     for _ in range(warm_tokens):
         logits = forward(model, logits[-1].argmax()[None], kv, last_only=True)
     return kv, kv.length
+
+
+def scribble_stale(kv: StaticKV, start: int, gen: torch.Generator) -> None:
+    """Random values (scale 8) in every layer's keys and values at positions start and after: what another run's
+    leftovers or a rejected draft leave there, which the causal mask must keep from any later forward."""
+    for layer in kv.cache.layers:
+        for buf in (layer.keys, layer.values):
+            tail = buf[..., start:, :]
+            tail.copy_(torch.randn(tail.shape, generator=gen, device=tail.device) * 8)
 
 
 def step_arm(model: nn.Module, prompt: torch.Tensor, warm_tokens: int, replays: int, graphs: bool,
@@ -137,13 +147,7 @@ def step_arm(model: nn.Module, prompt: torch.Tensor, warm_tokens: int, replays: 
                 out["logits"] = logits.detach().clone()
                 return out
 
-            def scribble(_i: int) -> None:  # random values in every position past the step's
-                for layer in kv.cache.layers:
-                    for buf in (layer.keys, layer.values):
-                        tail = buf[..., length + 1:, :]
-                        tail.copy_(torch.randn(tail.shape, generator=gen, device=tail.device) * 8)
-
-            result = repeat_step(step, replays, scribble if stale else None)
+            result = repeat_step(step, replays, (lambda _i: scribble_stale(kv, length + 1, gen)) if stale else None)
     finally:
         if tracer:
             tracer.remove()
@@ -163,7 +167,7 @@ def cache_contents(kv: StaticKV) -> dict[str, torch.Tensor]:
 def prefill_arm(model: nn.Module, prompt: torch.Tensor, replays: int) -> dict:
     """The eager prefill into a static cache (every graphed run starts with one), repeated: logits and cache."""
     with torch.inference_mode():
-        kv = StaticKV(model, 256)
+        kv = StaticKV(model, STATIC_LEN_BUCKET)
 
         def step() -> dict[str, torch.Tensor]:
             kv.crop(0)

@@ -257,7 +257,9 @@ def test_graphed_copies_are_sized_in_whole_4k_blocks():
     assert COPY_ALIGN == 4096
     assert copy_half_bytes(2 * 139674880) == 139677696  # the M = 1 LM head's bytes: 256-byte multiple -> next 4 KiB
     assert copy_half_bytes(2 * 141660160) == 141660160  # already a 4 KiB multiple (M = 16): unchanged
-    assert copy_half_bytes(1) == COPY_ALIGN and copy_half_bytes(0) == COPY_ALIGN
+    assert copy_half_bytes(1) == COPY_ALIGN
+    with pytest.raises(ValueError, match="at least 1 byte, got 0"):
+        copy_half_bytes(0)
 
 
 def test_the_gpu_tools_say_when_there_is_no_cuda_device(monkeypatch, capsys):

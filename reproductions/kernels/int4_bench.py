@@ -261,6 +261,8 @@ def copy_half_bytes(nbytes: int) -> int:
     In session 9's suites the graphed copies whose size was a multiple of 4 KiB ran at ~4 TB/s and those that were
     not (the M = 1 cases, 256-2048-byte multiples) 1.3-1.5x slower, allocation ruled out by graph_floor_probe: the
     memcpy's own path, not the memory's rate. The rounding adds under 4 KiB."""
+    if nbytes < 1:
+        raise ValueError(f"copy_half_bytes: a copy must move at least 1 byte, got {nbytes}")
     return -(-max(1, nbytes // 2) // COPY_ALIGN) * COPY_ALIGN
 
 

@@ -5,11 +5,12 @@ offline and count their SASS per code.
 
 Session 10's third prediction (reproductions/kernels/NOTES.md): FFMA and LOP3 are 62% of what the tuned GEMV
 executes, and only packed arithmetic halves them. The toy loops below do the GEMV's inner product on [BN, BC] int32
-word tiles (8 codes per word) the packed way: one and-or per two codes puts 128 + q of codes i and i + 4 into the
-two bf16 halves of a register, one bf16x2 subtraction of 128 + z leaves q - z exactly, and bf16x2 multiply-adds sum a
-word's eight products in four packed steps before one conversion to fp32 per pair. Two forms:
+word tiles (8 codes per word) the packed way: one and-or per two codes puts 16 + q of codes i and i + 4 into the
+two bf16 halves of a register (the swap kernel's `_code_pairs_16`), one bf16x2 subtraction of 16 + z leaves q - z
+exactly, and bf16x2 multiply-adds sum a word's eight products in four packed steps before one conversion to fp32 per
+pair. Two forms:
 
-* `join`: the halves split off as two int16 tensors, bitcast to bf16 and joined into a [BN, BC, 2] tensor, so that
+* `join`: the halves `_code_pairs_16` splits off as bf16 tensors, joined into a [BN, BC, 2] tensor, so that
   Triton's layout holds each pair in one thread (it then emits bf16x2 instructions for the pair);
 * `halves`: the words loaded as int16 halves [BN, 2 BC], each half's nibbles extracted with 16-bit ops.
 
@@ -27,18 +28,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from reproductions.kernels.inspect_ptx import sass_loop
+from sdsie.kernels.int4_gemm import _code_pairs_16
 
 
 @triton.jit
 def _pair(w, i: tl.constexpr, magic, zp):
-    """Codes i and i + 4 of words w [BN, BC] as q - z in bf16, [BN, BC, 2] (zp: 128 + z, [BN, 1, 1])."""
-    if i > 0:
-        t = w >> (4 * i)
-    else:
-        t = w
-    p = (t & 0x000F000F) | magic
-    lo = p.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    hi = (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    """Codes i and i + 4 of words w [BN, BC] as q - z in bf16, [BN, BC, 2]: the swap kernel's own extraction
+    (16 + q per half, `_code_pairs_16`), joined, less zp = 16 + z [BN, 1, 1]."""
+    lo, hi = _code_pairs_16(w, i, magic, tl.bfloat16)
     return tl.join(lo, hi) - zp
 
 
@@ -105,13 +102,13 @@ def count(form: str, block_n: int = 128, block_cols: int = 32, num_warps: int = 
     codes = block_n * block_cols * 8 / (32 * num_warps)
     ops = collections.Counter(line.split()[0] for line in loop)
     return {"form": form, "sass_per_code": len(loop) / codes,
-            "per_code": {op: n / codes for op, n in ops.most_common(10)}}
+            "per_code": {op: n / codes for op, n in ops.most_common()}}
 
 
 def main() -> None:
     for form in FORMS:
         r = count(form)
-        top = ", ".join(f"{op} {v:.2f}" for op, v in r["per_code"].items())
+        top = ", ".join(f"{op} {v:.2f}" for op, v in list(r["per_code"].items())[:10])
         print(f"{form}: {r['sass_per_code']:.2f} SASS per code ({top})")
 
 

@@ -52,7 +52,8 @@ def test_swap_ab_puts_the_weight_tile_on_the_wgmma_left_side_with_fewer_instruct
     """At M <= 16 the swap_ab kernel's dequantized weight tile is the left operand of a Hopper wgmma, which takes it
     from registers, and its loop costs fewer instructions per code than the bytes tl.dot kernel's (offline at the
     sweep's BN 256 tile: 3.8 against 6.4). Each of its eight dequantized tiles per K tile still passes through shared
-    memory on the way; the one_dot form joins them into one tile and one round trip per K tile."""
+    memory on the way; the one_dot form joins them into one tile and one round trip per K tile, and the planes
+    kernel has none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.gemm_sass_probe import probe, KERNELS; "
             "print(json.dumps(probe(16, 256, 128, 4, tuple(k for k in KERNELS if k.startswith('package')))))")
@@ -68,6 +69,13 @@ def test_swap_ab_puts_the_weight_tile_on_the_wgmma_left_side_with_fewer_instruct
     one_dot = r["package swap_ab one_dot"]  # one wgmma per tile: one round trip of its codes, not eight
     assert one_dot["left_operand_in_registers"] and one_dot["weight_tiles_through_shared"] == 1
     assert swap["weight_tiles_through_shared"] == 8
+    # planes: both nibble planes are elementwise functions of one loaded byte tile, so the wgmma's register layout
+    # reaches back to the shared-memory load and no dequantized tile is stored; the inline PTX dequantizes two bytes
+    # per call (offline at this tile 3.1 SASS per code against one_dot's 3.7)
+    planes = r["package planes"]
+    assert planes["left_operand_in_registers"] and planes["hgmma"] > 0
+    assert planes["weight_tiles_through_shared"] == 0
+    assert planes["sass_per_code"] < one_dot["sass_per_code"] - 0.3
 
 
 def test_the_packed_probe_compiles_its_toy_loops_to_bf16x2_arithmetic():

@@ -178,6 +178,99 @@ def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kerne
             assert plan.consts["ONE_DOT"] is config.one_dot
 
 
+PLANES = (Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True, planes=True),
+          Int4KernelConfig(16, 64, 128, num_warps=4, num_stages=3, swap_ab=True, planes=True))
+
+
+@pytest.mark.parametrize("config", PLANES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_planes_serves_any_rows_and_groups_and_falls_back_for_fp32_on_a_gpu(kernel_device, dtype, config):
+    """The planes kernel reads the stored bytes, so it serves every row K (odd included, where the pad nibble meets
+    x = 0) and every group of >= BLOCK_K codes; a group smaller than the tile clamps BLOCK_K to it. Symmetric and
+    asymmetric weights, M = 1 (15 of 16 rows masked), M at and past 16, the masked and unmasked (EVEN) paths, split
+    K whose last split overshoots K. fp32 activations on a GPU take the bytes tl.dot kernel (no fp32 register-operand
+    dot on sm_90); under the interpreter they run the planes kernel's fp32 dot."""
+    gen = torch.Generator().manual_seed(31)
+    cases = [(40, 296, 128, False), (37, 301, None, True), (64, 512, 32, False), (64, 512, None, False),
+             (2 * config.block_n, 2 * 128 * config.split_k, 128, True), (48, 300, 64, False)]
+    for n, k, group, symmetric in cases:
+        w = make_weight(n, k, group, symmetric, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+        for m in (1, 16, 17):
+            x = torch.randn(m, k, generator=gen).to(dtype).to(kernel_device)
+            out = torch.full((m, n), float("nan"), dtype=dtype, device=kernel_device)
+            assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
+        plan = next(p for key, p in _plans_of(w).items() if key[-1] == config)
+        fallback = dtype == torch.float32 and kernel_device.type == "cuda"
+        name = getattr(plan.kernel, "fn", plan.kernel).__name__
+        assert name == ("_int4_gemm_kernel" if fallback else "_int4_gemm_planes_kernel"), (n, k, group)
+        if not fallback:  # inline PTX on a GPU, Triton ops under the interpreter; EVEN only for whole tiles
+            assert plan.consts["ASM"] is (kernel_device.type == "cuda")
+            assert plan.consts["EVEN"] is (n % config.block_n == 0 and k % plan.consts["BLOCK_K"] == 0
+                                           and plan.ints[-1] * plan.split_k == k)
+
+
+def _run_planes_ptx(ptx: str, pair: int) -> tuple[int, int]:
+    """Execute the planes kernel's inline PTX on one 16-bit operand $2: the four instructions it uses, as PTX
+    defines them (prmt.b32 default mode; lop3's immediate is the truth table over 0xF0, 0xCC, 0xAA)."""
+    import re
+
+    m32 = 0xFFFFFFFF
+    regs = {"$2": pair}
+
+    def val(tok: str) -> int:
+        return int(tok, 16) if tok.startswith("0x") else int(tok) if tok.isdigit() else regs[tok]
+
+    for line in ptx.splitlines():
+        ins = re.match(r"\s*([a-z0-9.]+)\s+(.*);", line)
+        if ins is None or ins.group(1) == ".reg":
+            continue
+        op, args = ins.group(1), [a.strip() for a in ins.group(2).split(",")]
+        d, src = args[0], [val(a) for a in args[1:]]
+        if op == "cvt.u32.u16":
+            regs[d] = src[0] & 0xFFFF
+        elif op == "prmt.b32":
+            pool = (src[0] & m32) | ((src[1] & m32) << 32)
+            regs[d] = sum(((pool >> (8 * ((src[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "lop3.b32":
+            a, b, c, lut = src
+            regs[d] = sum(((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i
+                          for i in range(32))
+        elif op == "shr.u32":
+            regs[d] = (src[0] & m32) >> src[1]
+        else:
+            raise AssertionError(f"the planes PTX uses {op}, which this emulator does not define")
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_planes_ptx_gives_the_bits_of_the_interpreter_path(dtype):
+    """The GPU's planes dequantization is inline PTX, which the interpreter cannot run; CI checks its bits here
+    instead: for every pair of bytes (element 0 in the low byte, as Triton packs them), the two results hold the
+    low and high nibbles ORed into BIAS's mantissa, element 0 in the low half, as _byte_planes' Triton ops give."""
+    from sdsie.kernels.int4_gemm import _PLANES_PTX_BF16, _PLANES_PTX_FP16
+
+    ptx, magic = (_PLANES_PTX_FP16.value, 0x6400) if dtype == torch.float16 else (_PLANES_PTX_BF16.value, 0x4300)
+    bias = torch.tensor([magic], dtype=torch.int16).view(dtype).item()
+    assert bias == (1024.0 if dtype == torch.float16 else 128.0)
+    for pair in range(1 << 16):
+        b0, b1 = pair & 0xFF, pair >> 8
+        lo, hi = _run_planes_ptx(ptx, pair)
+        assert lo == ((b0 & 0xF) | magic) | (((b1 & 0xF) | magic) << 16), hex(pair)
+        assert hi == ((b0 >> 4) | magic) | (((b1 >> 4) | magic) << 16), hex(pair)
+    codes = torch.tensor([magic | q for q in range(16)], dtype=torch.int16).view(dtype).float()
+    assert codes.tolist() == [bias + q for q in range(16)]  # exact: BIAS + q
+
+
+def test_planes_config_validation():
+    assert Int4KernelConfig(16, 64, 128, swap_ab=True, planes=True).planes
+    with pytest.raises(ValueError, match="planes is a swap_ab layout"):
+        Int4KernelConfig(16, 64, 128, planes=True)
+    with pytest.raises(ValueError, match="planes is a swap_ab layout"):
+        Int4KernelConfig(16, 64, 128, swap_ab=True, one_dot=True, planes=True)
+    with pytest.raises(ValueError, match="planes must be a bool"):
+        Int4KernelConfig(16, 64, 128, swap_ab=True, planes=1)
+
+
 def test_the_heuristic_takes_swap_ab_up_to_m16_and_the_launch_runs_it(kernel_device):
     """Without a tuned entry, M in 3..16 gets a swap_ab configuration, M = 17 the bytes tl.dot kernel; an automatic
     call at M = 5 on a words shape launches the swap kernel and is correct."""
@@ -474,7 +567,8 @@ class _RecordingKernel:
 @pytest.mark.parametrize("config", [Int4KernelConfig(1, 32, 128, split_k=2, num_stages=3),
                                     Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2),
                                     Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True),
-                                    Int4KernelConfig(16, 32, 128, swap_ab=True, one_dot=True)], ids=str)
+                                    Int4KernelConfig(16, 32, 128, swap_ab=True, one_dot=True),
+                                    Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True, planes=True)], ids=str)
 def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, monkeypatch, config):
     if kernel_device.type == "cuda":  # it replaces the GPU driver with a stub; on a GPU every other test runs the path
         pytest.skip("a CPU stand-in for the compiled launch path: on a GPU every kernel test takes the real one")
@@ -487,7 +581,8 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
     gen = torch.Generator().manual_seed(19)
     w = make_weight(64, 512, 128, False, 0.05, kernel_device, gen)
     recorders = {name: _RecordingKernel(getattr(int4_gemm, name))
-                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel", "_int4_gemm_swap_kernel")}
+                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel", "_int4_gemm_swap_kernel",
+                              "_int4_gemm_planes_kernel")}
     for name, rec in recorders.items():
         monkeypatch.setattr(int4_gemm, name, rec)
     monkeypatch.setattr(int4_gemm, "_interpreting", lambda: False)  # keep the "compiled" kernel, as on a GPU
@@ -498,7 +593,7 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
         x = torch.randn(m, 512, generator=gen).to(kernel_device)
         out = torch.full((m, 64), float("nan"), device=kernel_device) if trial == 2 else None
         assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
-    kernel = recorders["_int4_gemv_kernel" if config.gemv else
+    kernel = recorders["_int4_gemv_kernel" if config.gemv else "_int4_gemm_planes_kernel" if config.planes else
                        "_int4_gemm_swap_kernel" if config.swap_ab else "_int4_gemm_kernel"]
     assert kernel.fast_launches == 2
 

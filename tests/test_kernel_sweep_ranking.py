@@ -58,6 +58,7 @@ def test_sweep_times_each_kernel_at_the_rows_it_serves():
     assert ms(Int4KernelConfig(1, 128, 256)) == [1, 2]
     assert ms(Int4KernelConfig(2, 128, 256)) == ms(Int4KernelConfig(4, 64, 256)) == [2, 4, 8]
     assert ms(Int4KernelConfig(16, 64, 128)) == [2, 4, 8, 16]
+    assert ms(Int4KernelConfig(16, 256, 128, swap_ab=True, planes=True)) == list(SWEEP_M)  # M = 1 too
     assert {c.block_m for c in sweep_configs()} == {1, 2, 4, 16}  # multi-row GEMV programs are swept
 
 
@@ -172,8 +173,10 @@ def test_a_focused_sweep_times_the_named_configurations_beside_the_incumbent():
     one_dot = focus_configs(everything, ["onedot"])
     assert one_dot and all(c.one_dot for c in one_dot)
     assert len(one_dot) == sum(c.one_dot for c in everything)
-    swap = focus_configs(everything, ["swap"])  # the eight-dot and one-dot swap_ab kernels
+    swap = focus_configs(everything, ["swap"])  # the eight-dot, one-dot and planes swap_ab kernels
     assert set(one_dot) < set(swap) and all(c.swap_ab for c in swap)
+    planes = focus_configs(everything, ["planes"])
+    assert planes and all(c.planes for c in planes) and set(planes) < set(swap) and not set(planes) & set(one_dot)
     assert focus_configs(everything, None) == everything
     with pytest.raises(ValueError, match="matches no sweep configuration"):
         focus_configs(everything, ["no-such-kernel"])

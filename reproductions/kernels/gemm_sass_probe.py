@@ -13,6 +13,9 @@
   operand's layout up to the load only along a chain that feeds a single dot.
 * package swap_ab one_dot: the same kernel with `Int4KernelConfig.one_dot`, the eight code tensors joined into
   natural k order for one K = BK dot per tile against one contiguous x tile (one wgmma wait per tile, not eight).
+* package planes: `_int4_gemm_planes_kernel` (`Int4KernelConfig.planes`, session 12), weights on the left as bytes:
+  the low and high nibbles of one loaded byte tile are two dots against x's even and odd columns, each an
+  elementwise function of the tile, dequantized in inline PTX (two bytes per call) in the wgmma's register layout.
 
 All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
 whether Triton 3.6 keeps a dequantized tile out of shared memory when one loaded tile feeds one wgmma, and when it
@@ -36,6 +39,7 @@ from reproductions.kernels.inspect_ptx import sass_loop
 from sdsie.kernels.int4_gemm import (
     _code_pairs_16,
     _int4_gemm_kernel,
+    _int4_gemm_planes_kernel,
     _int4_gemm_swap_kernel,
     _load_group_params,
 )
@@ -120,10 +124,10 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
     via_shared = len(re.findall(rf"%(?!x)\w+ = ttg\.local_alloc %\S+ : \(tensor<{block_n}x\d+x(?:bf16|f16)", ttgir))
     return {"sass_per_code": len(body) / codes_per_thread, "bar": ops["BAR"], "sts": ops["STS"],
             "hmma": ops["HMMA"], "hgmma": ops["HGMMA"], "left_operand_in_registers": a_regs,
-            "weight_tiles_through_shared": via_shared}
+            "weight_tiles_through_shared": via_shared, "local_memory_ops": ops["LDL"] + ops["STL"]}
 
 
-KERNELS = ("package bytes", "words variant", "package swap_ab", "package swap_ab one_dot")
+KERNELS = ("package bytes", "words variant", "package swap_ab", "package swap_ab one_dot", "package planes")
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
@@ -154,6 +158,14 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
                          {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
                           "DOT_IEEE": False, "STAGES": 3, "ONE_DOT": one_dot}, warps)
             out[name] = counts(k, codes, bn)
+    if "package planes" in kernels:
+        names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "KB", "G", "k_per_split", "stride_xm", "stride_xk",
+                           "stride_qn", "stride_ym"]
+        k = _compile(_int4_gemm_planes_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
+                     + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
+                     {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
+                      "DOT_IEEE": False, "STAGES": 3, "ASM": True}, warps)
+        out["package planes"] = counts(k, codes, bn)
     return out
 
 
@@ -171,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {c['sass_per_code']:.2f} SASS per code, {c['bar']} barriers, {c['sts']} shared stores, "
               f"{c['hmma']} HMMA + {c['hgmma']} HGMMA per tile"
               f"{', wgmma left operand from registers' if c['left_operand_in_registers'] else ''}, "
-              f"{c['weight_tiles_through_shared']} dequantized weight tiles through shared memory per tile")
+              f"{c['weight_tiles_through_shared']} dequantized weight tiles through shared memory per tile, "
+              f"{c['local_memory_ops']} local-memory (spill) instructions")
     return 0
 
 

@@ -179,10 +179,11 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,onedot)]."""
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,onedot)
+    (,planes)]."""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
-            f"{',swap' if cfg.swap_ab else ''}{',onedot' if cfg.one_dot else ''}]")
+            f"{',swap' if cfg.swap_ab else ''}{',onedot' if cfg.one_dot else ''}{',planes' if cfg.planes else ''}]")
 
 
 def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
@@ -412,12 +413,23 @@ def sweep_configs() -> list[Int4KernelConfig]:
     # x): 3.73 / 4.12 SASS per code at BN 256 / 128 with 2 / 6 barriers, against 3.77 / 4.94 with 10 / 14
     cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True, one_dot=True)
              for bn in (128, 256) for sk in (1, 4, 8)]
+    # planes (session 12): the weights' bytes as they are stored, low and high nibbles two dots per tile against x's
+    # even and odd columns, dequantized in the wgmma's register layout by inline PTX (no round trip of the codes
+    # through shared memory). Offline 2.6-3.3 SASS per code for all 16 rows (one_dot: 3.5-4.1); BN 512 with 8 warps
+    # is the leanest, BN 256 with 4 warps spills a few registers. Timed at M = 1 too: 16 rows cost it no more.
+    cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=w, num_stages=3, swap_ab=True, planes=True)
+             for bn, w, splits in ((128, 4, (1, 4, 8, 16)), (256, 8, (1, 4, 8)), (512, 8, (1, 4, 8)), (256, 4, (4,)))
+             for sk in splits]
+    cfgs += [Int4KernelConfig(16, 256, 128, split_k=sk, num_warps=8, num_stages=4, swap_ab=True, planes=True)
+             for sk in (1, 4)]
     return cfgs
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, tl.dot configs at M >= 2."""
+    at M in MULTI_ROW_SWEEP_M, tl.dot configs at M >= 2, planes configs at every M."""
+    if cfg.planes:
+        return True
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
     if cfg.gemv:

@@ -4,7 +4,7 @@ Weights stay packed (uint8, two codes per byte along K) in global memory and are
 on chip; see `sdsie.quant.format` for the layout. Accumulation is fp32; the output dtype
 equals the activation dtype (fp16, bf16 or fp32).
 
-Two kernels, one launcher (`int4_matmul`):
+Four kernels, one launcher (`int4_matmul`):
 
 * `_int4_gemv_kernel` (M == 1, and small M: one program per 1, 2 or 4 rows and N tile, the rows sharing each
   loaded weight tile): no `tl.dot` (it would pad M to 16); multiply elementwise and reduce once with `tl.sum`.
@@ -14,6 +14,11 @@ Two kernels, one launcher (`int4_matmul`):
   shift per two codes, one LOP3 and one FMA per code (v3, reproductions/kernels/NOTES.md).
 * `_int4_gemm_kernel` (M > 1): the even and odd nibbles are two `tl.dot`s against the even and
   odd columns of x, with the same zero-point folding per group.
+* `_int4_gemm_swap_kernel` (small M, `Int4KernelConfig.swap_ab`): int32 words, the dequantized weights as the
+  left operand of a Hopper wgmma (y^T = W x^T), so x pads only to 16 columns.
+* `_int4_gemm_planes_kernel` (`Int4KernelConfig.planes`): the same orientation on the stored bytes, the low and
+  high nibbles of one loaded tile as two dots, dequantized in the wgmma's registers by inline PTX on a GPU and by
+  the same bit operations in Triton ops under the interpreter.
 
 `int4_matmul` keeps a launch plan per (weight object, M, x layout, config) and, after the first
 call, hands arguments straight to Triton's compiled kernel (host time before a launch is latency
@@ -576,6 +581,122 @@ def _int4_gemm_swap_kernel(
                      pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
 
 
+def _byte_planes_ptx(magic: int) -> str:
+    """Two bytes (one 16-bit operand) -> their low and high nibbles ORed into the mantissa of `magic`'s two halves."""
+    # PRMT spreads the two bytes into the halves of a register; one LOP3 per pair ORs each half's low nibble into
+    # the magic's mantissa; one shift brings the high nibbles down for the second LOP3. Both results are register
+    # pairs in the order the wgmma takes them: nothing to repack (reproductions/kernels/NOTES.md, session 12).
+    return f"""{{
+    .reg .b32 t, u;
+    cvt.u32.u16 t, $2;
+    prmt.b32 t, t, 0, 0x4140;
+    lop3.b32 $0, t, 0x000F000F, {magic:#010x}, 0xea;
+    shr.u32 u, t, 4;
+    lop3.b32 $1, u, 0x000F000F, {magic:#010x}, 0xea;
+    }}"""
+
+
+_PLANES_PTX_FP16 = tl.constexpr(_byte_planes_ptx(0x64006400))  # 1024.0 in both halves
+_PLANES_PTX_BF16 = tl.constexpr(_byte_planes_ptx(0x43004300))  # 128.0 in both halves
+
+
+@triton.jit
+def _byte_planes_asm(b, CODE_DTYPE: tl.constexpr):
+    """_byte_planes on a GPU in inline PTX: two bytes, four codes, per call."""
+    if CODE_DTYPE == tl.float16:  # Triton checks every return against the others: one return, after the branch
+        lo, hi = tl.inline_asm_elementwise(asm=_PLANES_PTX_FP16, constraints="=r,=r,h", args=[b],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        lo, hi = tl.inline_asm_elementwise(asm=_PLANES_PTX_BF16, constraints="=r,=r,h", args=[b],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    return lo, hi
+
+
+@triton.jit
+def _byte_planes(b, CODE_DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """uint8 bytes -> (low nibbles, high nibbles) as BIAS + q in fp16/bf16, exact: q ORed into the mantissa of
+    BIAS = 1024.0 (fp16, 0x6400) or 128.0 (bf16, 0x4300), where the format steps by 1 (Marlin's trick). No shift for
+    the low nibble. ASM (a GPU; the interpreter runs no inline PTX): the same bits, two codes per instruction."""
+    if ASM:
+        lo, hi = _byte_planes_asm(b, CODE_DTYPE)
+    else:
+        MAGIC: tl.constexpr = 0x6400 if CODE_DTYPE == tl.float16 else 0x4300
+        b16 = b.to(tl.int16)
+        lo = ((b16 & 0xF) | MAGIC).to(CODE_DTYPE, bitcast=True)
+        hi = ((b16 >> 4) | MAGIC).to(CODE_DTYPE, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _int4_gemm_planes_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K, KB, G, k_per_split,
+    stride_xm, stride_xk, stride_qn, stride_ym,
+    GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+):
+    # Small M on the tensor cores, weights as the left operand (as _int4_gemm_swap_kernel), taken as bytes:
+    # y^T [BN, BM] = lo [BN, BK/2] @ x_even^T [BK/2, BM] + hi [BN, BK/2] @ x_odd^T [BK/2, BM], lo and hi the low and
+    # high nibbles of one loaded byte tile (k = 2j and 2j + 1). Both planes are elementwise functions of that tile,
+    # so Triton loads it from shared memory straight into the wgmma's register layout and dequantizes it there: no
+    # dequantized tile goes through shared memory (the words kernel's eight dots or one join force that round trip;
+    # reproductions/kernels/gemm_sass_probe.py counts both). Any K: bytes need no whole words.
+    # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL.
+    # EVEN: N % BLOCK_N == 0, K % BLOCK_K == 0 and the splits cover K exactly (no masks on the weights or x's K).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    BKB: tl.constexpr = BLOCK_K // 2  # byte columns per tile
+    CODE_DTYPE: tl.constexpr = tl.float16 if x_ptr.dtype.element_ty == tl.float16 else tl.bfloat16
+    BIAS: tl.constexpr = 1024.0 if CODE_DTYPE == tl.float16 else 128.0  # _byte_planes' offset
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = offs_n < N
+    k_begin = pid_k * k_per_split
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # sum (q - z) x, scaled per group (per channel: at the end)
+    if PER_CHANNEL:
+        s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
+    for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=STAGES):
+        offs_b = k0 // 2 + tl.arange(0, BKB)  # [BKB] byte columns
+        offs_b = tl.max_contiguous(tl.multiple_of(offs_b, BKB), BKB)
+        w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + offs_b[None, :]
+        ke = k0 + 2 * tl.arange(0, BKB)  # [BKB] even k
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + ke[:, None] * stride_xk  # [BKB, BM]
+        if EVEN:
+            b = tl.load(w_ptrs, eviction_policy="evict_first")  # [BN, BKB] uint8
+            xe = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            xo = tl.load(x_ptrs + stride_xk, mask=m_mask[None, :], other=0.0)
+        else:  # a partial tile: past N or K the bytes read 0 and x reads 0 (K odd: the pad nibble meets x = 0)
+            b = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_b[None, :] < KB), other=0,
+                        eviction_policy="evict_first")
+            xe = tl.load(x_ptrs, mask=m_mask[None, :] & (ke[:, None] < K), other=0.0)
+            xo = tl.load(x_ptrs + stride_xk, mask=m_mask[None, :] & (ke[:, None] + 1 < K), other=0.0)
+        if not PER_CHANNEL:
+            s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]
+        lo, hi = _byte_planes(b, CODE_DTYPE, ASM)  # [BN, BKB] each, BIAS + q
+        # (BIAS + q) - (BIAS + z) = q - z, exact in 16 bits for the format's integer zero-points
+        if DOT_IEEE:  # the same exact values in fp32: Triton 3.6's interpreter gets bf16 subtraction and dots wrong
+            off = (BIAS + z)[:, None]
+            part = tl.dot(lo.to(tl.float32) - off, xe.to(tl.float32), input_precision="ieee")
+            part = tl.dot(hi.to(tl.float32) - off, xo.to(tl.float32), part, input_precision="ieee")  # [BN, BM]
+        else:
+            off = (BIAS + z).to(CODE_DTYPE)[:, None]
+            part = tl.dot(lo - off, xe)
+            part = tl.dot(hi - off, xo, part)  # [BN, BM]
+        if PER_CHANNEL:
+            acc += part
+        else:
+            acc += s[:, None] * part
+    if PER_CHANNEL:
+        acc = s[:, None] * acc
+
+    _store_or_reduce(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
+                     pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host code
 # ----------------------------------------------------------------------------------------------
@@ -602,9 +723,10 @@ class Int4KernelConfig:
     x_tile: bool = True  # GEMV only: x as one contiguous tile split in registers, else eight gathers
     swap_ab: bool = False  # tl.dot only: dequantized weights as the dot's left operand (_int4_gemm_swap_kernel)
     one_dot: bool = False  # swap_ab only: one K = block_k dot per tile in natural k order, not eight of block_k / 8
+    planes: bool = False  # swap_ab only: bytes, two dots per tile (low and high nibbles; _int4_gemm_planes_kernel)
 
     def __post_init__(self) -> None:
-        for flag in ("x_tile", "swap_ab", "one_dot"):
+        for flag in ("x_tile", "swap_ab", "one_dot", "planes"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
@@ -621,6 +743,9 @@ class Int4KernelConfig:
                              f"block_k >= 128), got {self}")
         if self.one_dot and not self.swap_ab:
             raise ValueError(f"one_dot is a form of the swap_ab kernel: it needs swap_ab=True, got {self}")
+        if self.planes and (not self.swap_ab or self.one_dot):
+            raise ValueError(f"planes is a swap_ab layout of its own: it needs swap_ab=True and one_dot=False, "
+                             f"got {self}")
 
     @property
     def gemv(self) -> bool:
@@ -838,7 +963,15 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
                       STAGES=cfg.num_stages)
         extra = CODE_MAGIC
-    elif cfg.swap_ab and words and block_k >= 128 and (x2.dtype != torch.float32 or x2.device.type != "cuda"):
+    elif cfg.planes and (x2.dtype != torch.float32 or x2.device.type != "cuda"):
+        # Bytes as they are stored, any K; fp32 activations on a GPU take the bytes tl.dot kernel (as swap_ab below).
+        kernel, grid = _int4_gemm_planes_kernel, (n_tiles, split_k, m_tiles)
+        even_bytes = n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
+        consts.update(BLOCK_M=cfg.block_m, EVEN=even_bytes, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
+                      ASM=x2.device.type == "cuda" and not _interpreting())
+        extra = ()
+    elif cfg.swap_ab and not cfg.planes and words and block_k >= 128 and (
+            x2.dtype != torch.float32 or x2.device.type != "cuda"):
         # Bytes rows, groups of fewer than 128 codes (a tile lies in one group, and each of its dots takes
         # block_k / 8 >= 16 codes) and fp32 activations on a GPU (an fp32 dot with a register left operand does
         # not compile for sm_90 in Triton 3.6) run the bytes tl.dot kernel below with the same tiles.

@@ -267,6 +267,11 @@ def test_planes_config_validation():
         Int4KernelConfig(16, 64, 128, planes=True)
     with pytest.raises(ValueError, match="planes is a swap_ab layout"):
         Int4KernelConfig(16, 64, 128, swap_ab=True, one_dot=True, planes=True)
+    assert Int4KernelConfig(16, 64, 32, swap_ab=True, planes=True).block_k == 32  # dots of block_k / 2 codes
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        Int4KernelConfig(16, 64, 16, swap_ab=True, planes=True)
+    with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):  # the words kernel's dots: block_k / 8
+        Int4KernelConfig(16, 64, 64, swap_ab=True)
     with pytest.raises(ValueError, match="planes must be a bool"):
         Int4KernelConfig(16, 64, 128, swap_ab=True, planes=1)
 

@@ -738,9 +738,9 @@ class Int4KernelConfig:
         if self.block_m not in GEMV_ROWS and (self.block_m < 16 or self.block_k < 32 or self.block_n < 16):
             raise ValueError(f"block_m must be a GEMV row count {GEMV_ROWS} or a tl.dot tile (block_m >= 16, block_n "
                              f">= 16, block_k >= 32), got {self}")
-        if self.swap_ab and (self.block_m in GEMV_ROWS or self.block_k < 128):
-            raise ValueError(f"swap_ab is a tl.dot layout whose dots take block_k / 8 >= 16 codes (block_m >= 16, "
-                             f"block_k >= 128), got {self}")
+        if self.swap_ab and (self.block_m in GEMV_ROWS or self.block_k < (32 if self.planes else 128)):
+            raise ValueError(f"swap_ab is a tl.dot layout whose dots take >= 16 codes: block_m >= 16 and block_k >= "
+                             f"128 (block_k / 8 per dot), or >= 32 with planes (block_k / 2 per dot), got {self}")
         if self.one_dot and not self.swap_ab:
             raise ValueError(f"one_dot is a form of the swap_ab kernel: it needs swap_ab=True, got {self}")
         if self.planes and (not self.swap_ab or self.one_dot):

@@ -276,19 +276,19 @@ def test_planes_config_validation():
         Int4KernelConfig(16, 64, 128, swap_ab=True, planes=1)
 
 
-def test_the_heuristic_takes_swap_ab_up_to_m16_and_the_launch_runs_it(kernel_device):
-    """Without a tuned entry, M in 3..16 gets a swap_ab configuration, M = 17 the bytes tl.dot kernel; an automatic
-    call at M = 5 on a words shape launches the swap kernel and is correct."""
+def test_the_heuristic_takes_planes_up_to_m16_and_the_launch_runs_it(kernel_device):
+    """Without a tuned entry, M in 3..16 gets a planes configuration, M = 17 the bytes tl.dot kernel; an automatic
+    call at M = 5 launches the planes kernel and is correct."""
     from sdsie.kernels import select_config
 
     cpu = torch.device("cpu")
-    assert [select_config(m, 4096, 4096, cpu, 128).swap_ab for m in (3, 16, 17)] == [True, True, False]
+    assert [select_config(m, 4096, 4096, cpu, 128).planes for m in (3, 16, 17)] == [True, True, False]
     gen = torch.Generator().manual_seed(29)
     w = make_weight(64, 256, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16).to(kernel_device)
     assert_close_to_reference(int4_matmul(x, w), x, w)
     (plan,) = _plans_of(w).values()
-    assert getattr(plan.kernel, "fn", plan.kernel).__name__ == "_int4_gemm_swap_kernel"
+    assert getattr(plan.kernel, "fn", plan.kernel).__name__ == "_int4_gemm_planes_kernel"
 
 
 def test_gemv_rows_config_validation():

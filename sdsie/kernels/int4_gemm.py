@@ -761,9 +761,9 @@ _GEMV_CONFIGS = (  # v3: many rows per program so each x value serves several we
     Int4KernelConfig(1, 64, 256, split_k=8, num_warps=2),
     Int4KernelConfig(1, 32, 256, split_k=8, num_warps=2),
 )
-_GEMM_CONFIGS = (  # M <= 16: weights as the dot's left operand (session 7); larger M: the bytes tl.dot kernel
-    Int4KernelConfig(16, 128, 128, split_k=1, num_warps=4, num_stages=3, swap_ab=True),
-    Int4KernelConfig(16, 64, 128, split_k=4, num_warps=4, num_stages=3, swap_ab=True),
+_GEMM_CONFIGS = (  # M <= 16: planes, the H200 sweep's winners at M = 4-16 (session 12); larger M: the bytes tl.dot
+    Int4KernelConfig(16, 256, 128, split_k=4, num_warps=4, num_stages=3, swap_ab=True, planes=True),
+    Int4KernelConfig(16, 64, 128, split_k=8, num_warps=4, num_stages=3, swap_ab=True, planes=True),
     Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4),
 )
 

@@ -106,7 +106,7 @@ def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
     # bytes path (K % 8 != 0), masked words path, and the unmasked (EVEN) words path: N a multiple of
     # block_n, K a whole number of block_k tiles per split
     shapes = [(37, 300), (130, 1031)]
-    if config.gemv or config.swap_ab:  # the words paths, masked and unmasked
+    if config.gemv or config.swap_ab:  # the words (GEMV) or planes paths, masked and unmasked (EVEN)
         shapes += [(40, 296), (2 * config.block_n, 2 * config.block_k * config.split_k)]
     for n, k in shapes:
         w = make_weight(n, k, group, symmetric=False, scale_mag=0.02, device=kernel_device, gen=gen,
@@ -151,35 +151,8 @@ def test_rows_per_program_set_the_grid_and_the_kernel(kernel_device):
         assert plan.grid[0] == -(-5 // rows) and plan.consts["ROWS"] == rows
 
 
-SWAP = Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True)
-SWAP_ONE_DOT = Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True, one_dot=True)
-
-
-@pytest.mark.parametrize("config", [SWAP, SWAP_ONE_DOT], ids=["eight_dots", "one_dot"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_swap_ab_runs_where_words_allow_and_falls_back_to_the_bytes_kernel(kernel_device, dtype, config):
-    """swap_ab (eight dots per tile or one_dot) takes int32 words in tiles of >= 128 codes inside one group:
-    K % 8 == 0 with group 128 or per channel. K % 8 != 0 or a group of 32 run the bytes tl.dot kernel with the same
-    tiles. Every activation dtype (each builds its codes with its own magic; fp32 through bf16 codes under the
-    interpreter, the bytes kernel on a GPU), M below, at and above 16, all correct."""
-    gen = torch.Generator().manual_seed(23)
-    cases = [((40, 296, 128), "_int4_gemm_swap_kernel"), ((64, 512, None), "_int4_gemm_swap_kernel"),
-             ((48, 300, 128), "_int4_gemm_kernel"), ((64, 512, 32), "_int4_gemm_kernel")]
-    for (n, k, group), kernel in cases:
-        w = make_weight(n, k, group, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
-        for m in (3, 16, 17):
-            x = torch.randn(m, k, generator=gen).to(dtype).to(kernel_device)
-            assert_close_to_reference(int4_matmul(x, w, config=config), x, w)
-        plan = next(p for key, p in _plans_of(w).items() if key[-1] == config)
-        if dtype == torch.float32 and kernel_device.type == "cuda":  # no fp32 register-operand dot on sm_90
-            kernel = "_int4_gemm_kernel"
-        assert getattr(plan.kernel, "fn", plan.kernel).__name__ == kernel, (n, k, group)
-        if kernel == "_int4_gemm_swap_kernel":  # the config's form reaches the kernel
-            assert plan.consts["ONE_DOT"] is config.one_dot
-
-
-PLANES = (Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True, planes=True),
-          Int4KernelConfig(16, 64, 128, num_warps=4, num_stages=3, swap_ab=True, planes=True))
+PLANES = (Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True),
+          Int4KernelConfig(16, 64, 128, num_warps=4, num_stages=3, swap_ab=True))
 
 
 @pytest.mark.parametrize("config", PLANES, ids=str)
@@ -261,19 +234,13 @@ def test_the_planes_ptx_gives_the_bits_of_the_interpreter_path(dtype):
     assert codes.tolist() == [bias + q for q in range(16)]  # exact: BIAS + q
 
 
-def test_planes_config_validation():
-    assert Int4KernelConfig(16, 64, 128, swap_ab=True, planes=True).planes
-    with pytest.raises(ValueError, match="planes is a swap_ab layout"):
-        Int4KernelConfig(16, 64, 128, planes=True)
-    with pytest.raises(ValueError, match="planes is a swap_ab layout"):
-        Int4KernelConfig(16, 64, 128, swap_ab=True, one_dot=True, planes=True)
-    assert Int4KernelConfig(16, 64, 32, swap_ab=True, planes=True).block_k == 32  # dots of block_k / 2 codes
+def test_swap_ab_config_validation():
+    """swap_ab runs the planes kernel, whose dots take block_k / 2 >= 16 codes: any tl.dot tile (block_k >= 32)."""
+    assert Int4KernelConfig(16, 64, 32, swap_ab=True).block_k == 32
     with pytest.raises(ValueError, match="block_k >= 32"):
-        Int4KernelConfig(16, 64, 16, swap_ab=True, planes=True)
-    with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):  # the words kernel's dots: block_k / 8
-        Int4KernelConfig(16, 64, 64, swap_ab=True)
-    with pytest.raises(ValueError, match="planes must be a bool"):
-        Int4KernelConfig(16, 64, 128, swap_ab=True, planes=1)
+        Int4KernelConfig(16, 64, 16, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):
+        Int4KernelConfig(4, 64, 128, swap_ab=True)
 
 
 def test_the_heuristic_takes_planes_up_to_m16_and_the_launch_runs_it(kernel_device):
@@ -282,7 +249,7 @@ def test_the_heuristic_takes_planes_up_to_m16_and_the_launch_runs_it(kernel_devi
     from sdsie.kernels import select_config
 
     cpu = torch.device("cpu")
-    assert [select_config(m, 4096, 4096, cpu, 128).planes for m in (3, 16, 17)] == [True, True, False]
+    assert [select_config(m, 4096, 4096, cpu, 128).swap_ab for m in (3, 16, 17)] == [True, True, False]
     gen = torch.Generator().manual_seed(29)
     w = make_weight(64, 256, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16).to(kernel_device)
@@ -430,10 +397,6 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
         Int4KernelConfig(16, 32, 256, swap_ab=1)
     with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):
         Int4KernelConfig(2, 32, 256, swap_ab=True)
-    with pytest.raises(ValueError, match="swap_ab is a tl.dot layout"):
-        Int4KernelConfig(16, 32, 64, swap_ab=True)
-    with pytest.raises(ValueError, match="one_dot is a form of the swap_ab kernel"):
-        Int4KernelConfig(16, 32, 128, one_dot=True)
     with pytest.raises(ValueError, match="M=17 is outside the tuned buckets"):
         tuned_key(17, 8, 64, 32)
     with pytest.raises(ValueError, match="M=0 is outside"):
@@ -572,8 +535,7 @@ class _RecordingKernel:
 @pytest.mark.parametrize("config", [Int4KernelConfig(1, 32, 128, split_k=2, num_stages=3),
                                     Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2),
                                     Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True),
-                                    Int4KernelConfig(16, 32, 128, swap_ab=True, one_dot=True),
-                                    Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True, planes=True)], ids=str)
+                                    Int4KernelConfig(16, 32, 128, swap_ab=True)], ids=str)
 def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, monkeypatch, config):
     if kernel_device.type == "cuda":  # it replaces the GPU driver with a stub; on a GPU every other test runs the path
         pytest.skip("a CPU stand-in for the compiled launch path: on a GPU every kernel test takes the real one")
@@ -586,8 +548,7 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
     gen = torch.Generator().manual_seed(19)
     w = make_weight(64, 512, 128, False, 0.05, kernel_device, gen)
     recorders = {name: _RecordingKernel(getattr(int4_gemm, name))
-                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel", "_int4_gemm_swap_kernel",
-                              "_int4_gemm_planes_kernel")}
+                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel", "_int4_gemm_planes_kernel")}
     for name, rec in recorders.items():
         monkeypatch.setattr(int4_gemm, name, rec)
     monkeypatch.setattr(int4_gemm, "_interpreting", lambda: False)  # keep the "compiled" kernel, as on a GPU
@@ -598,8 +559,8 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
         x = torch.randn(m, 512, generator=gen).to(kernel_device)
         out = torch.full((m, 64), float("nan"), device=kernel_device) if trial == 2 else None
         assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
-    kernel = recorders["_int4_gemv_kernel" if config.gemv else "_int4_gemm_planes_kernel" if config.planes else
-                       "_int4_gemm_swap_kernel" if config.swap_ab else "_int4_gemm_kernel"]
+    kernel = recorders["_int4_gemv_kernel" if config.gemv else
+                       "_int4_gemm_planes_kernel" if config.swap_ab else "_int4_gemm_kernel"]
     assert kernel.fast_launches == 2
 
 

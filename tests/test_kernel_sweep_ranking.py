@@ -58,7 +58,7 @@ def test_sweep_times_each_kernel_at_the_rows_it_serves():
     assert ms(Int4KernelConfig(1, 128, 256)) == [1, 2]
     assert ms(Int4KernelConfig(2, 128, 256)) == ms(Int4KernelConfig(4, 64, 256)) == [2, 4, 8]
     assert ms(Int4KernelConfig(16, 64, 128)) == [2, 4, 8, 16]
-    assert ms(Int4KernelConfig(16, 256, 128, swap_ab=True, planes=True)) == list(SWEEP_M)  # M = 1 too
+    assert ms(Int4KernelConfig(16, 256, 128, swap_ab=True)) == list(SWEEP_M)  # planes: M = 1 too
     assert {c.block_m for c in sweep_configs()} == {1, 2, 4, 16}  # multi-row GEMV programs are swept
 
 
@@ -170,20 +170,18 @@ def test_a_focused_sweep_times_the_named_configurations_beside_the_incumbent():
     from reproductions.kernels.int4_bench import config_name, focus_configs, sweep_configs, with_incumbent
 
     everything = sweep_configs()
-    one_dot = focus_configs(everything, ["onedot"])
-    assert one_dot and all(c.one_dot for c in one_dot)
-    assert len(one_dot) == sum(c.one_dot for c in everything)
-    swap = focus_configs(everything, ["swap"])  # the eight-dot, one-dot and planes swap_ab kernels
-    assert set(one_dot) < set(swap) and all(c.swap_ab for c in swap)
-    planes = focus_configs(everything, ["planes"])
-    assert planes and all(c.planes for c in planes) and set(planes) < set(swap) and not set(planes) & set(one_dot)
+    swap = focus_configs(everything, ["swap"])  # the planes kernel's configurations
+    assert swap and all(c.swap_ab for c in swap)
+    assert len(swap) == sum(c.swap_ab for c in everything)
+    gather = focus_configs(everything, ["gather"])
+    assert gather and all(not c.x_tile for c in gather) and not set(gather) & set(swap)
     assert focus_configs(everything, None) == everything
     with pytest.raises(ValueError, match="matches no sweep configuration"):
         focus_configs(everything, ["no-such-kernel"])
     incumbent = Int4KernelConfig(2, 128, 256, split_k=4, num_stages=3)  # a GEMV-rows choice the filter drops
-    assert config_name(incumbent) not in {config_name(c) for c in one_dot}
-    assert with_incumbent(one_dot, incumbent) == [incumbent, *one_dot]
-    assert with_incumbent(one_dot, one_dot[1]) == one_dot  # already timed: not twice
+    assert config_name(incumbent) not in {config_name(c) for c in swap}
+    assert with_incumbent(swap, incumbent) == [incumbent, *swap]
+    assert with_incumbent(swap, swap[1]) == swap  # already timed: not twice
 
 
 def test_a_focused_sweep_replaces_only_the_keys_it_measured():

@@ -5,16 +5,13 @@
 * package bytes: `_int4_gemm_kernel` unpacks bytes to bf16 one code at a time before its two `tl.dot`s, x the left
   operand.
 * words variant (not in the package; NOTES.md, session 6): int32 words, two bf16 codes per LOP3 (nibbles i and
-  i + 4, `_code_pairs_16`), eight K = BK/8 dots against x gathered at k = 8c + i, x still the left operand. It
-  exists to count instructions and has never run on a GPU.
-* package swap_ab: `_int4_gemm_swap_kernel`, the same words and dots with the operands swapped, so the weight
-  tile is the left operand of a Hopper wgmma, which takes it from registers (session 7). Triton still converts each
-  dequantized tile's layout through shared memory on the way: one word feeds eight dots, and it hoists the dot
-  operand's layout up to the load only along a chain that feeds a single dot.
-* package swap_ab one_dot: the same kernel with `Int4KernelConfig.one_dot`, the eight code tensors joined into
-  natural k order for one K = BK dot per tile against one contiguous x tile (one wgmma wait per tile, not eight).
-* package planes: `_int4_gemm_planes_kernel` (`Int4KernelConfig.planes`, session 12), weights on the left as bytes:
-  the low and high nibbles of one loaded byte tile are two dots against x's even and odd columns, each an
+  i + 4, `_code_pairs_16` below), eight K = BK/8 dots against x gathered at k = 8c + i, x still the left operand.
+  It exists to count instructions and has never run on a GPU. (Session 7's swap_ab words kernel put the same words
+  and dots on a wgmma's left side, and its one_dot form joined them into one dot; both paid a round trip of the
+  codes through shared memory, which the hoist check below shows, and the planes kernel replaced both in session
+  12. Their counts are in NOTES.md.)
+* package planes: `_int4_gemm_planes_kernel` (`Int4KernelConfig.swap_ab`, session 12), weights on the wgmma's left
+  as bytes: the low and high nibbles of one loaded byte tile are two dots against x's even and odd columns, each an
   elementwise function of the tile, dequantized in inline PTX (two bytes per call) in the wgmma's register layout.
 
 All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
@@ -37,12 +34,31 @@ from triton.compiler import ASTSource, compile
 
 from reproductions.kernels.inspect_ptx import sass_loop
 from sdsie.kernels.int4_gemm import (
-    _code_pairs_16,
     _int4_gemm_kernel,
     _int4_gemm_planes_kernel,
-    _int4_gemm_swap_kernel,
     _load_group_params,
 )
+
+
+@triton.jit
+def _code_pairs_16(w, i: tl.constexpr, magic, CODE_DTYPE: tl.constexpr):
+    """Nibbles i and i + 4 of int32 words w (codes k = 8c + i and 8c + i + 4) as 16 + q in fp16/bf16: two tensors
+    shaped like w, built with one shift and one and-or (LOP3, magic a run-time argument) per two codes.
+
+    The shift drops nibble i into the mantissa of 16.0 in the low 16-bit half and nibble i + 4 into the high half
+    (bf16: bits 3..6 of 0x4180, fp16: bits 6..9 of 0x4C00); the halves are then split off (PRMT in SASS). The
+    caller folds the +16 out with the sum of x. (Session 7's words swap kernel's extraction, kept here for the
+    probes after that kernel left the package.)"""
+    BASE: tl.constexpr = 6 if CODE_DTYPE == tl.float16 else 3  # mantissa bit where a code starts
+    MASK: tl.constexpr = 0x03C003C0 if CODE_DTYPE == tl.float16 else 0x00780078
+    if 4 * i <= BASE:
+        t = w << (BASE - 4 * i)
+    else:
+        t = w >> (4 * i - BASE)
+    pair = (t & MASK) | magic
+    lo = pair.to(tl.int16).to(CODE_DTYPE, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(CODE_DTYPE, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
@@ -127,7 +143,7 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
             "weight_tiles_through_shared": via_shared, "local_memory_ops": ops["LDL"] + ops["STL"]}
 
 
-KERNELS = ("package bytes", "words variant", "package swap_ab", "package swap_ab one_dot", "package planes")
+KERNELS = ("package bytes", "words variant", "package planes")
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
@@ -149,15 +165,6 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
         k = _compile(_gemm_words_variant, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 9,
                      set(names) - {"M", "stride_xk", "magic"}, {"GROUP": 128, **tiles}, warps)
         out["words variant"] = counts(k, codes, bn)
-    names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "NCOLS", "G", "k_per_split", "stride_xm", "stride_xk",
-                       "stride_qn", "stride_ym", "magic"]
-    for name, one_dot in (("package swap_ab", False), ("package swap_ab one_dot", True)):
-        if name in kernels:
-            k = _compile(_int4_gemm_swap_kernel, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
-                         + ["i32"] * 11, set(names) - {"M", "G", "stride_xk", "magic"},
-                         {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
-                          "DOT_IEEE": False, "STAGES": 3, "ONE_DOT": one_dot}, warps)
-            out[name] = counts(k, codes, bn)
     if "package planes" in kernels:
         names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "KB", "G", "k_per_split", "stride_xm", "stride_xk",
                            "stride_qn", "stride_ym"]

@@ -179,11 +179,11 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,onedot)
-    (,planes)]."""
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)]. (Session 12's
+    raw sweeps also name ',planes', a flag that the planes kernel's swap_ab replaced when the words kernel went.)"""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
-            f"{',swap' if cfg.swap_ab else ''}{',onedot' if cfg.one_dot else ''}{',planes' if cfg.planes else ''}]")
+            f"{',swap' if cfg.swap_ab else ''}]")
 
 
 def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
@@ -402,43 +402,33 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(4, 128, 256, split_k=sk, num_warps=4, x_tile=False) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(rows, 128, 256, split_k=sk, num_warps=4, num_stages=3)
              for rows in (2, 4) for sk in (1, 4)]
-    # Weights as the tl.dot's left operand (swap_ab, session 7): offline SASS 3.5-3.8 instructions per code at
-    # BN 256 and 4.3-4.9 at BN 128 for all 16 rows, against 6.1-7.5 for the bytes tl.dot kernel above
-    cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True)
-             for bn in (64, 128, 256) for sk in (1, 2, 4, 8)]
-    cfgs += [Int4KernelConfig(16, 256, 128, split_k=sk, num_warps=8, num_stages=3, swap_ab=True) for sk in (1, 4)]
-    cfgs += [Int4KernelConfig(16, 128, 128, split_k=sk, num_warps=4, num_stages=4, swap_ab=True) for sk in (1, 4)]
-    # swap_ab with one K = BK dot per tile (one_dot, session 7, not yet on a GPU): one wgmma wait and one
-    # shared-memory round trip of the codes per tile instead of eight, and the codes less their zero-point (no sum of
-    # x): 3.73 / 4.12 SASS per code at BN 256 / 128 with 2 / 6 barriers, against 3.77 / 4.94 with 10 / 14
-    cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True, one_dot=True)
-             for bn in (128, 256) for sk in (1, 4, 8)]
-    # planes (session 12): the weights' bytes as they are stored, low and high nibbles two dots per tile against x's
-    # even and odd columns, dequantized in the wgmma's register layout by inline PTX (no round trip of the codes
-    # through shared memory). Offline 2.6-3.3 SASS per code for all 16 rows (one_dot: 3.5-4.1); BN 512 with 8 warps
-    # is the leanest, BN 256 with 4 warps spills a few registers. Timed at M = 1 too: 16 rows cost it no more.
-    cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=w, num_stages=3, swap_ab=True, planes=True)
+    # Weights as the wgmma's left operand (swap_ab: the planes kernel, session 12; it replaced session 7's words
+    # kernel and its one_dot form): the weights' bytes as they are stored, low and high nibbles two dots per tile
+    # against x's even and odd columns, dequantized in the wgmma's register layout by inline PTX (no round trip of the
+    # codes through shared memory). Offline 2.6-3.3 SASS per code for all 16 rows (one_dot: 3.5-4.1); BN 512 with 8
+    # warps is the leanest, BN 256 with 4 warps spills a few registers. Timed at M = 1 too: 16 rows cost it no more.
+    cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=w, num_stages=3, swap_ab=True)
              for bn, w, splits in ((128, 4, (1, 4, 8, 16)), (256, 8, (1, 4, 8)), (512, 8, (1, 4, 8)), (256, 4, (4,)))
              for sk in splits]
-    cfgs += [Int4KernelConfig(16, 256, 128, split_k=sk, num_warps=8, num_stages=4, swap_ab=True, planes=True)
+    cfgs += [Int4KernelConfig(16, 256, 128, split_k=sk, num_warps=8, num_stages=4, swap_ab=True)
              for sk in (1, 4)]
     # The first planes sweep (M = 1 and 16) picked BN 128-256 with 4 warps, 167-255 registers a thread: the register
     # operand of a [BN, 64]-byte tile's two dots alone is BN / 2 registers. BK 64 halves it (cuobjdump offline: 122
     # registers at BN 128 with 4 warps, 128 at BN 256 with 8, so 16 warps an SM instead of 8-12) for 3.6-3.9 SASS per
     # code instead of 3.0-3.3; BN 64 at BK 128 keeps 95 registers (20 warps) at 4.8.
-    cfgs += [Int4KernelConfig(16, 128, 64, split_k=sk, num_warps=4, num_stages=p, swap_ab=True, planes=True)
+    cfgs += [Int4KernelConfig(16, 128, 64, split_k=sk, num_warps=4, num_stages=p, swap_ab=True)
              for sk in (4, 8, 16) for p in (3, 4)]
-    cfgs += [Int4KernelConfig(16, 256, 64, split_k=sk, num_warps=8, num_stages=4, swap_ab=True, planes=True)
+    cfgs += [Int4KernelConfig(16, 256, 64, split_k=sk, num_warps=8, num_stages=4, swap_ab=True)
              for sk in (1, 4, 8)]
-    cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True, planes=True)
+    cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True)
              for sk in (8, 16)]
     return cfgs
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, tl.dot configs at M >= 2, planes configs at every M."""
-    if cfg.planes:
+    at M in MULTI_ROW_SWEEP_M, swap_ab (planes) configs at every M, the other tl.dot configs at M >= 2."""
+    if cfg.swap_ab:
         return True
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
@@ -652,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", type=int, nargs="+", default=list(SWEEP_M), metavar="M",
                    help="with --sweep: these M only (a focused sweep: the incumbent timed beside, table merged)")
     p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
-                   help="with --sweep: the configurations whose names contain TEXT (e.g. onedot, swap)")
+                   help="with --sweep: the configurations whose names contain TEXT (e.g. swap, gather)")
     a = p.parse_args(argv)
     if not a.sweep and (a.only is not None or tuple(a.m) != SWEEP_M):
         p.error("--m and --only focus a sweep: they need --sweep")

@@ -66,13 +66,13 @@ def parse_config(text: str) -> Int4KernelConfig:
     """'1,128,256,s2,w4,p4' (config_name without brackets; p2 and tile x by default) -> Int4KernelConfig."""
     parts = text.split(",")
     if len(parts) < 5 or not parts[3].startswith("s") or not parts[4].startswith("w"):
-        raise ValueError(f"config {text!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap][,onedot]")
-    kw = {"num_stages": 2, "x_tile": True, "swap_ab": False, "one_dot": False}
+        raise ValueError(f"config {text!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap]")
+    kw = {"num_stages": 2, "x_tile": True, "swap_ab": False}
     for p in parts[5:]:
         if p.startswith("p"):
             kw["num_stages"] = int(p[1:])
-        elif p in ("gather", "swap", "onedot"):
-            kw[{"gather": "x_tile", "swap": "swap_ab", "onedot": "one_dot"}[p]] = p != "gather"
+        elif p in ("gather", "swap"):
+            kw[{"gather": "x_tile", "swap": "swap_ab"}[p]] = p != "gather"
         else:
             raise ValueError(f"config {text!r}: unknown part {p!r}")
     return Int4KernelConfig(int(parts[0]), int(parts[1]), int(parts[2]), split_k=int(parts[3][1:]),

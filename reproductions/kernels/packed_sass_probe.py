@@ -6,9 +6,9 @@ offline and count their SASS per code.
 Session 10's third prediction (reproductions/kernels/NOTES.md): FFMA and LOP3 are 62% of what the tuned GEMV
 executes, and only packed arithmetic halves them. The toy loops below do the GEMV's inner product on [BN, BC] int32
 word tiles (8 codes per word) the packed way: one and-or per two codes puts 16 + q of codes i and i + 4 into the
-two bf16 halves of a register (the swap kernel's `_code_pairs_16`), one bf16x2 subtraction of 16 + z leaves q - z
-exactly, and bf16x2 multiply-adds sum a word's eight products in four packed steps before one conversion to fp32 per
-pair. Two forms:
+two bf16 halves of a register (`_code_pairs_16`, session 7's words swap kernel's extraction), one bf16x2
+subtraction of 16 + z leaves q - z exactly, and bf16x2 multiply-adds sum a word's eight products in four packed
+steps before one conversion to fp32 per pair. Two forms:
 
 * `join`: the halves `_code_pairs_16` splits off as bf16 tensors, joined into a [BN, BC, 2] tensor, so that
   Triton's layout holds each pair in one thread (it then emits bf16x2 instructions for the pair);
@@ -27,13 +27,13 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
+from reproductions.kernels.gemm_sass_probe import _code_pairs_16
 from reproductions.kernels.inspect_ptx import sass_loop
-from sdsie.kernels.int4_gemm import _code_pairs_16
 
 
 @triton.jit
 def _pair(w, i: tl.constexpr, magic, zp):
-    """Codes i and i + 4 of words w [BN, BC] as q - z in bf16, [BN, BC, 2]: the swap kernel's own extraction
+    """Codes i and i + 4 of words w [BN, BC] as q - z in bf16, [BN, BC, 2]: the words swap kernel's extraction
     (16 + q per half, `_code_pairs_16`), joined, less zp = 16 + z [BN, 1, 1]."""
     lo, hi = _code_pairs_16(w, i, magic, tl.bfloat16)
     return tl.join(lo, hi) - zp

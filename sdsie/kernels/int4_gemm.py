@@ -4,7 +4,7 @@ Weights stay packed (uint8, two codes per byte along K) in global memory and are
 on chip; see `sdsie.quant.format` for the layout. Accumulation is fp32; the output dtype
 equals the activation dtype (fp16, bf16 or fp32).
 
-Four kernels, one launcher (`int4_matmul`):
+Three kernels, one launcher (`int4_matmul`):
 
 * `_int4_gemv_kernel` (M == 1, and small M: one program per 1, 2 or 4 rows and N tile, the rows sharing each
   loaded weight tile): no `tl.dot` (it would pad M to 16); multiply elementwise and reduce once with `tl.sum`.
@@ -14,11 +14,10 @@ Four kernels, one launcher (`int4_matmul`):
   shift per two codes, one LOP3 and one FMA per code (v3, reproductions/kernels/NOTES.md).
 * `_int4_gemm_kernel` (M > 1): the even and odd nibbles are two `tl.dot`s against the even and
   odd columns of x, with the same zero-point folding per group.
-* `_int4_gemm_swap_kernel` (small M, `Int4KernelConfig.swap_ab`): int32 words, the dequantized weights as the
-  left operand of a Hopper wgmma (y^T = W x^T), so x pads only to 16 columns.
-* `_int4_gemm_planes_kernel` (`Int4KernelConfig.planes`): the same orientation on the stored bytes, the low and
-  high nibbles of one loaded tile as two dots, dequantized in the wgmma's registers by inline PTX on a GPU and by
-  the same bit operations in Triton ops under the interpreter.
+* `_int4_gemm_planes_kernel` (small M, `Int4KernelConfig.swap_ab`): the dequantized weights as the left operand of
+  a Hopper wgmma (y^T = W x^T), so x pads only to 16 columns; the low and high nibbles of one loaded byte tile are
+  two dots, dequantized in the wgmma's registers by inline PTX on a GPU and by the same bit operations in Triton
+  ops under the interpreter. (It replaced session 7's words kernel, whose codes went through shared memory: NOTES.)
 
 `int4_matmul` keeps a launch plan per (weight object, M, x layout, config) and, after the first
 call, hands arguments straight to Triton's compiled kernel (host time before a launch is latency
@@ -450,137 +449,6 @@ def _int4_gemm_kernel(
                      pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
 
 
-@triton.jit
-def _code_pairs_16(w, i: tl.constexpr, magic, CODE_DTYPE: tl.constexpr):
-    """Nibbles i and i + 4 of int32 words w (codes k = 8c + i and 8c + i + 4) as 16 + q in fp16/bf16: two tensors
-    shaped like w, built with one shift and one and-or (LOP3, magic a run-time argument) per two codes.
-
-    The shift drops nibble i into the mantissa of 16.0 in the low 16-bit half and nibble i + 4 into the high half
-    (bf16: bits 3..6 of 0x4180, fp16: bits 6..9 of 0x4C00); the halves are then split off (PRMT in SASS). The
-    caller folds the +16 out with the sum of x, as `_codes_16` does for bytes."""
-    BASE: tl.constexpr = 6 if CODE_DTYPE == tl.float16 else 3  # mantissa bit where a code starts
-    MASK: tl.constexpr = 0x03C003C0 if CODE_DTYPE == tl.float16 else 0x00780078
-    if 4 * i <= BASE:
-        t = w << (BASE - 4 * i)
-    else:
-        t = w >> (4 * i - BASE)
-    pair = (t & MASK) | magic
-    lo = pair.to(tl.int16).to(CODE_DTYPE, bitcast=True)
-    hi = (pair >> 16).to(tl.int16).to(CODE_DTYPE, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _codes_natural_16(w, magic, CODE_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """All eight codes of int32 words w [BN, BK/8] as 16 + q in fp16/bf16, [BN, BK] in natural k order (k = 8c + j)."""
-    lo0, hi0 = _code_pairs_16(w, 0, magic, CODE_DTYPE)
-    lo1, hi1 = _code_pairs_16(w, 1, magic, CODE_DTYPE)
-    lo2, hi2 = _code_pairs_16(w, 2, magic, CODE_DTYPE)
-    lo3, hi3 = _code_pairs_16(w, 3, magic, CODE_DTYPE)
-    # join appends the fastest dim: [BN, BC, a, b, c] holds nibble j = 4a + 2b + c (lo_i is nibble i, hi_i nibble i + 4)
-    codes = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)), tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
-    return tl.reshape(codes, [BLOCK_N, BLOCK_K])
-
-
-@triton.jit
-def _x_codes_tile(x_tile, kc, m_mask, i: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
-    """x^T at k = kc + i, [len(kc), BM] (rows past M read as 0; columns past K too unless EVEN)."""
-    if EVEN:
-        return tl.load(x_tile + i * stride_xk, mask=m_mask[None, :], other=0.0)
-    return tl.load(x_tile + i * stride_xk, mask=m_mask[None, :] & (kc[:, None] + i < K), other=0.0)
-
-
-@triton.jit
-def _dot_acc(a, b, acc, DOT_IEEE: tl.constexpr):
-    """acc + a @ b on the tensor cores, or (fp32 activations, the interpreter) as an fp32 IEEE dot."""
-    if DOT_IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _int4_gemm_swap_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
-    M, N, K, NCOLS, G, k_per_split,
-    stride_xm, stride_xk, stride_qn, stride_ym, magic,
-    GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ONE_DOT: tl.constexpr,
-):
-    # Small M on the tensor cores with the operands swapped: y^T [BN, BM] = dequant(W) [BN, BK] @ x^T [BK, BM].
-    # The weight tile is the dot's left operand, so it fills the 64-row side of a Hopper wgmma, which reads it from
-    # registers; x pads only to BLOCK_M = 16 columns. (Triton 3.6 still converts each dequantized [BN, BK/8] tile's
-    # layout through shared memory before its dot: gemm_sass_probe counts 8 per K tile.) qw is viewed as int32
-    # words (8 codes, k = 8c + j in nibble j); a tile's codes are taken four pairs at a time, nibbles (i, i + 4),
-    # each pair a K = BLOCK_K / 8 dot against x gathered at k = 8c + i and 8c + i + 4
-    # (reproductions/kernels/NOTES.md, session 7). ONE_DOT: the eight code tensors joined into natural k order for one
-    # K = BLOCK_K dot against one contiguous x tile (one wgmma wait and one shared-memory round trip per tile, not 8).
-    # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL; BLOCK_K >= 128.
-    # EVEN: N % BLOCK_N == 0 and every split covers whole BLOCK_K tiles of K (no masks on the weights).
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    BC: tl.constexpr = BLOCK_K // 8  # word columns per tile
-    CODE_DTYPE: tl.constexpr = tl.float16 if x_ptr.dtype.element_ty == tl.float16 else tl.bfloat16
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    m_mask = offs_m < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < N
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # scaled products (per channel: raw, 16 + q or q - z)
-    xs = tl.zeros([BLOCK_M], tl.float32)  # per channel, eight dots: sum of x
-    if PER_CHANNEL:
-        s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
-        w = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BC, EVEN)  # [BN, BC] int32
-        if ONE_DOT:
-            if not PER_CHANNEL:
-                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
-            # The codes less their zero-point, (16 + q) - (16 + z) = q - z: exact in 16 bits for the integer
-            # zero-points of the format (sdsie.quant.format), so the dot gives sum (q - z) x and no sum of x is needed.
-            codes = _codes_natural_16(w, magic, CODE_DTYPE, BLOCK_N, BLOCK_K)  # [BN, BK]
-            if DOT_IEEE:  # the same exact values in fp32: Triton 3.6's interpreter gets bf16 subtraction wrong too
-                codes = codes.to(tl.float32) - (16.0 + z)[:, None]
-            else:
-                codes = codes - (16.0 + z).to(CODE_DTYPE)[:, None]
-            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-            xt = _x_codes_tile(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, offs_k, m_mask, 0,
-                               K, stride_xk, EVEN)  # [BK, BM]
-            part = _dot_acc(codes, xt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), DOT_IEEE)  # [BN, BM]
-            if PER_CHANNEL:
-                acc += part
-            else:
-                acc += s[:, None] * part
-        else:
-            kc = k0 + tl.arange(0, BC) * 8  # [BC] first k of each word
-            x_tile = x_ptr + offs_m[None, :] * stride_xm + kc[:, None] * stride_xk  # [BC, BM]
-            part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # sum (16 + q) x over the tile
-            xsum = tl.zeros([BLOCK_M], tl.float32)
-            for i in tl.static_range(4):
-                lo, hi = _code_pairs_16(w, i, magic, CODE_DTYPE)  # [BN, BC] codes at k = 8c + i and 8c + i + 4
-                xl = _x_codes_tile(x_tile, kc, m_mask, i, K, stride_xk, EVEN)  # [BC, BM]
-                xh = _x_codes_tile(x_tile, kc, m_mask, i + 4, K, stride_xk, EVEN)
-                part = _dot_acc(lo, xl, part, DOT_IEEE)
-                part = _dot_acc(hi, xh, part, DOT_IEEE)  # [BN, BM]
-                xsum += tl.sum(xl.to(tl.float32) + xh.to(tl.float32), axis=0)
-            if PER_CHANNEL:
-                acc += part
-                xs += xsum
-            else:
-                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
-                acc += s[:, None] * (part - (16.0 + z)[:, None] * xsum[None, :])
-    if PER_CHANNEL:
-        if ONE_DOT:
-            acc = s[:, None] * acc
-        else:
-            acc = s[:, None] * (acc - (16.0 + z)[:, None] * xs[None, :])
-
-    _store_or_reduce(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym,
-                     pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
-
-
 def _byte_planes_ptx(magic: int) -> str:
     """Two bytes (one 16-bit operand) -> their low and high nibbles ORed into the mantissa of `magic`'s two halves."""
     # PRMT spreads the two bytes into the halves of a register; one LOP3 per pair ORs each half's low nibble into
@@ -636,12 +504,13 @@ def _int4_gemm_planes_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
 ):
-    # Small M on the tensor cores, weights as the left operand (as _int4_gemm_swap_kernel), taken as bytes:
+    # Small M on the tensor cores with the operands swapped, so the weight tile fills the 64-row side of a Hopper
+    # wgmma, which takes it from registers, and x pads only to BLOCK_M = 16 columns. The weights are taken as bytes:
     # y^T [BN, BM] = lo [BN, BK/2] @ x_even^T [BK/2, BM] + hi [BN, BK/2] @ x_odd^T [BK/2, BM], lo and hi the low and
     # high nibbles of one loaded byte tile (k = 2j and 2j + 1). Both planes are elementwise functions of that tile,
     # so Triton loads it from shared memory straight into the wgmma's register layout and dequantizes it there: no
-    # dequantized tile goes through shared memory (the words kernel's eight dots or one join force that round trip;
-    # reproductions/kernels/gemm_sass_probe.py counts both). Any K: bytes need no whole words.
+    # dequantized tile goes through shared memory (session 7's words kernel, whose one loaded word fed eight dots or
+    # a join, paid that round trip; reproductions/kernels/NOTES.md, sessions 7 and 12). Any K: bytes need no words.
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL.
     # EVEN: N % BLOCK_N == 0, K % BLOCK_K == 0 and the splits cover K exactly (no masks on the weights or x's K).
     pid_n = tl.program_id(0)
@@ -704,8 +573,6 @@ def _int4_gemm_planes_kernel(
 
 GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
 CODE_MAGIC = (0x43800000, 0x41800000)  # 256.0 and 16.0 in fp32: the GEMV's magic_lo, magic_hi arguments
-# 16.0 in both 16-bit halves: the swap kernel's magic argument, by the dtype its codes are built in
-CODE_PAIR_MAGIC = {torch.float16: 0x4C004C00, torch.bfloat16: 0x41804180}
 
 
 @dataclass(frozen=True)
@@ -721,12 +588,10 @@ class Int4KernelConfig:
     num_warps: int = 4
     num_stages: int = 2  # GEMV: <= 2 prefetches the next weight tile in registers; >= 3 pipelines through cp.async
     x_tile: bool = True  # GEMV only: x as one contiguous tile split in registers, else eight gathers
-    swap_ab: bool = False  # tl.dot only: dequantized weights as the dot's left operand (_int4_gemm_swap_kernel)
-    one_dot: bool = False  # swap_ab only: one K = block_k dot per tile in natural k order, not eight of block_k / 8
-    planes: bool = False  # swap_ab only: bytes, two dots per tile (low and high nibbles; _int4_gemm_planes_kernel)
+    swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
 
     def __post_init__(self) -> None:
-        for flag in ("x_tile", "swap_ab", "one_dot", "planes"):
+        for flag in ("x_tile", "swap_ab"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
@@ -738,14 +603,8 @@ class Int4KernelConfig:
         if self.block_m not in GEMV_ROWS and (self.block_m < 16 or self.block_k < 32 or self.block_n < 16):
             raise ValueError(f"block_m must be a GEMV row count {GEMV_ROWS} or a tl.dot tile (block_m >= 16, block_n "
                              f">= 16, block_k >= 32), got {self}")
-        if self.swap_ab and (self.block_m in GEMV_ROWS or self.block_k < (32 if self.planes else 128)):
-            raise ValueError(f"swap_ab is a tl.dot layout whose dots take >= 16 codes: block_m >= 16 and block_k >= "
-                             f"128 (block_k / 8 per dot), or >= 32 with planes (block_k / 2 per dot), got {self}")
-        if self.one_dot and not self.swap_ab:
-            raise ValueError(f"one_dot is a form of the swap_ab kernel: it needs swap_ab=True, got {self}")
-        if self.planes and (not self.swap_ab or self.one_dot):
-            raise ValueError(f"planes is a swap_ab layout of its own: it needs swap_ab=True and one_dot=False, "
-                             f"got {self}")
+        if self.swap_ab and self.block_m in GEMV_ROWS:
+            raise ValueError(f"swap_ab is a tl.dot layout (block_m >= 16), got {self}")
 
     @property
     def gemv(self) -> bool:
@@ -762,8 +621,8 @@ _GEMV_CONFIGS = (  # v3: many rows per program so each x value serves several we
     Int4KernelConfig(1, 32, 256, split_k=8, num_warps=2),
 )
 _GEMM_CONFIGS = (  # M <= 16: planes, the H200 sweep's winners at M = 4-16 (session 12); larger M: the bytes tl.dot
-    Int4KernelConfig(16, 256, 128, split_k=4, num_warps=4, num_stages=3, swap_ab=True, planes=True),
-    Int4KernelConfig(16, 64, 128, split_k=8, num_warps=4, num_stages=3, swap_ab=True, planes=True),
+    Int4KernelConfig(16, 256, 128, split_k=4, num_warps=4, num_stages=3, swap_ab=True),
+    Int4KernelConfig(16, 64, 128, split_k=8, num_warps=4, num_stages=3, swap_ab=True),
     Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4),
 )
 
@@ -963,22 +822,14 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
                       STAGES=cfg.num_stages)
         extra = CODE_MAGIC
-    elif cfg.planes and (x2.dtype != torch.float32 or x2.device.type != "cuda"):
-        # Bytes as they are stored, any K; fp32 activations on a GPU take the bytes tl.dot kernel (as swap_ab below).
+    elif cfg.swap_ab and (x2.dtype != torch.float32 or x2.device.type != "cuda"):
+        # Bytes as they are stored, any K. fp32 activations on a GPU run the bytes tl.dot kernel below with the same
+        # tiles: an fp32 dot with a register left operand does not compile for sm_90 in Triton 3.6.
         kernel, grid = _int4_gemm_planes_kernel, (n_tiles, split_k, m_tiles)
         even_bytes = n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
         consts.update(BLOCK_M=cfg.block_m, EVEN=even_bytes, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
                       ASM=x2.device.type == "cuda" and not _interpreting())
         extra = ()
-    elif cfg.swap_ab and not cfg.planes and words and block_k >= 128 and (
-            x2.dtype != torch.float32 or x2.device.type != "cuda"):
-        # Bytes rows, groups of fewer than 128 codes (a tile lies in one group, and each of its dots takes
-        # block_k / 8 >= 16 codes) and fp32 activations on a GPU (an fp32 dot with a register left operand does
-        # not compile for sm_90 in Triton 3.6) run the bytes tl.dot kernel below with the same tiles.
-        qw = qw.view(torch.int32)
-        kernel, grid = _int4_gemm_swap_kernel, (n_tiles, split_k, m_tiles)
-        consts.update(BLOCK_M=cfg.block_m, EVEN=even, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages, ONE_DOT=cfg.one_dot)
-        extra = (CODE_PAIR_MAGIC[torch.float16 if x2.dtype == torch.float16 else torch.bfloat16],)
     else:
         kernel, grid = _int4_gemm_kernel, (n_tiles, split_k, m_tiles)
         consts.update(BLOCK_M=cfg.block_m, DOT_IEEE=dot_ieee, IS_FP32=x2.dtype == torch.float32)

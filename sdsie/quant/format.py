@@ -108,8 +108,8 @@ class Int4Weight:
                     f"zeros must match scales ({self.scales.dtype} {tuple(self.scales.shape)}), "
                     f"got {self.zeros.dtype} {tuple(self.zeros.shape)}"
                 )
-            # the kernels rely on it: the one_dot and planes GEMMs subtract BIAS + z from 16-bit codes (BIAS 16, 128
-            # or 1024), exact for these only
+            # the kernels rely on it: the planes GEMM subtracts BIAS + z from 16-bit codes (BIAS 128 or 1024),
+            # exact for these only
             z = self.zeros
             if z.device.type != "meta" and not bool(((z == z.round()) & (z >= 0) & (z <= 15)).all()):
                 raise ValueError("zeros must be integer-valued zero-points in [0, 15]")

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from reproductions.kernels.ncu_probe import make_call, parse_config, read_raw_csv, summarize_launch, summarize_source
+from reproductions.kernels.ncu_probe import (
+    make_call,
+    parse_config,
+    parse_target,
+    read_raw_csv,
+    summarize_launch,
+    summarize_source,
+)
 from sdsie.kernels import Int4KernelConfig
 
 
@@ -33,7 +40,18 @@ def test_bad_config_names_are_refused(text, message):
         parse_config(text)
 
 
+def test_targets_name_their_rows_and_configuration():
+    assert parse_target("int4:gate_up_14336x4096:128") == ("int4", "gate_up_14336x4096", "128", 1, None)
+    assert parse_target("int4:gate_up_14336x4096:128:m16:16,256,128,s4,w4,p3,swap") == (
+        "int4", "gate_up_14336x4096", "128", 16, "16,256,128,s4,w4,p3,swap")
+    assert parse_target("bf16:down_4096x14336:pc:m4") == ("bf16", "down_4096x14336", "pc", 4, None)
+    assert parse_target("int4:kv_1024x4096:pc:1,64,256,s16,w2") == ("int4", "kv_1024x4096", "pc", 1,
+                                                                    "1,64,256,s16,w2")
+
+
 @pytest.mark.parametrize("target, message", [
+    ("int4:gate_up_14336x4096:128:m17", "M must be 1..16"),
+    ("int4:gate_up_14336x4096:128:16,256,128,s4,w4,p3,swap:m16", "M before CONFIG"),
     ("fp8:gate_up_14336x4096:128", "KIND"),
     ("int4:gate_up:128", "SHAPE"),
     ("int4:gate_up_14336x4096:64", "GROUP must be 128 or pc"),

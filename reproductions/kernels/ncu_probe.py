@@ -1,4 +1,5 @@
-"""Hardware counters of one M = 1 matmul launch under Nsight Compute: why the INT4 GEMV overlaps so little.
+"""Hardware counters of one matmul launch (M = 1 unless the target names M) under Nsight Compute: why the INT4 GEMV
+overlaps so little, and (session 12) what holds the small-M planes kernel.
 
 Session 9's two-ceiling model (NOTES.md) found the mid shapes' graphed M = 1 times at or above the sum of their SASS
 issue time and their bytes' copy time. This probe reads what the counters say about one launch: the warp stall
@@ -7,8 +8,9 @@ achieved occupancy, and how evenly the SMs were kept busy (sm__cycles_active min
 
     run      one process per target, under ncu: builds the weights, warms the call up (compilation, workspaces),
              then profiles exactly one call between cudaProfilerStart and cudaProfilerStop
-             (ncu --profile-from-start off). TARGET is KIND:SHAPE:GROUP[:CONFIG], KIND one of int4, bf16,
-             tinygemm; GROUP 128 or pc; CONFIG an int4 config_name without brackets (1,128,256,s2,w4,p4).
+             (ncu --profile-from-start off). TARGET is KIND:SHAPE:GROUP[:mM][:CONFIG], KIND one of int4, bf16,
+             tinygemm; GROUP 128 or pc; M the rows of x (1 to 16, default 1); CONFIG an int4 config_name without
+             brackets (1,128,256,s2,w4,p4; 16,256,128,s4,w4,p3,swap for the planes kernel).
     summarize  ncu's raw CSV pages (--csv --page raw), one per target, into one JSON of the metrics read here.
 
     ncu --clock-control none --profile-from-start off --csv --page raw --section ... \
@@ -79,20 +81,35 @@ def parse_config(text: str) -> Int4KernelConfig:
                             num_warps=int(parts[4][1:]), **kw)
 
 
-def make_call(target: str, device: str) -> Callable[[], object]:
-    """The M = 1 call TARGET names, on fresh random weights (group-128 or per-channel INT4; bf16 of the shape)."""
+def parse_target(target: str) -> tuple[str, str, str, int, str | None]:
+    """KIND:SHAPE:GROUP[:mM][:CONFIG] -> (kind, shape, group, M, config text or None); M is 1 unless given."""
     fields = target.split(":")
-    if len(fields) not in (3, 4) or fields[0] not in KINDS or fields[1] not in LLAMA_SHAPES:
-        raise ValueError(f"target {target!r}: expected KIND:SHAPE:GROUP[:CONFIG] with KIND in {KINDS} and SHAPE in "
-                         f"{sorted(LLAMA_SHAPES)}")
-    kind, shape, group_text = fields[:3]
+    if not 3 <= len(fields) <= 5 or fields[0] not in KINDS or fields[1] not in LLAMA_SHAPES:
+        raise ValueError(f"target {target!r}: expected KIND:SHAPE:GROUP[:mM][:CONFIG] with KIND in {KINDS} and SHAPE "
+                         f"in {sorted(LLAMA_SHAPES)}")
+    kind, shape, group_text, rest = fields[0], fields[1], fields[2], fields[3:]
     if group_text not in ("128", "pc"):
         raise ValueError(f"target {target!r}: GROUP must be 128 or pc, got {group_text!r}")
-    if len(fields) == 4 and kind != "int4":
+    m = 1
+    if rest and re.fullmatch(r"m\d+", rest[0]):
+        m = int(rest.pop(0)[1:])
+        if not 1 <= m <= 16:
+            raise ValueError(f"target {target!r}: M must be 1..16, got {m}")
+    if len(rest) > 1:
+        raise ValueError(f"target {target!r}: expected KIND:SHAPE:GROUP[:mM][:CONFIG], with M before CONFIG")
+    config = rest[0] if rest else None
+    if config is not None and kind != "int4":
         raise ValueError(f"target {target!r}: only int4 takes a CONFIG")
+    return kind, shape, group_text, m, config
+
+
+def make_call(target: str, device: str) -> Callable[[], object]:
+    """The call TARGET names (M rows, 1 unless given), on fresh random weights (group-128 or per-channel INT4; bf16
+    of the shape)."""
+    kind, shape, group_text, m, config_text = parse_target(target)
     n, k = LLAMA_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(device)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
     if kind == "bf16":
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device)
         return lambda: F.linear(x, w)
@@ -102,7 +119,7 @@ def make_call(target: str, device: str) -> Callable[[], object]:
         if pack is None:
             raise ValueError(f"target {target!r}: tinygemm has no per-channel layout here")
         return lambda: torch.ops.aten._weight_int4pack_mm(x, pack[0], 128, pack[1])
-    config = parse_config(fields[3]) if len(fields) == 4 else None
+    config = parse_config(config_text) if config_text is not None else None
     return lambda: int4_matmul(x, w4, config=config)
 
 

@@ -49,6 +49,12 @@ def test_targets_name_their_rows_and_configuration():
                                                                     "1,64,256,s16,w2")
 
 
+def test_the_rows_a_target_names_reach_the_call():
+    out = make_call("bf16:kv_1024x4096:128:m4", "cpu")()  # the smallest shape: bf16 weights build on the CPU
+    assert out.shape == (4, 1024)
+    assert make_call("bf16:kv_1024x4096:128", "cpu")().shape == (1, 1024)
+
+
 @pytest.mark.parametrize("target, message", [
     ("int4:gate_up_14336x4096:128:m17", "M must be 1..16"),
     ("int4:gate_up_14336x4096:128:16,256,128,s4,w4,p3,swap:m16", "M before CONFIG"),

@@ -77,8 +77,6 @@ def test_an_eager_step_repeats_with_stale_cache_positions_scribbled():
     assert not any(m._forward_hooks for m in model.modules())  # the arm removes its hooks
 
 
-
-
 def test_prefill_and_whole_runs_repeat_bit_for_bit_on_the_cpu():
     model = random_target(TINY, 0, "cpu", torch.bfloat16)
     prompt = torch.tensor([3, 1, 4, 1, 5, 9])

@@ -24,7 +24,8 @@ tokens, then repeats one 1-token forward from the same cache state:
   logits are rarely close enough for a token to flip, the cache shows any difference in any step.
 
 Session 11's run on the H200 (`telemetry/raw/replay_probe_s11_h200.json`) predates the prefill arm and the engine
-arms' cache comparison: it compared whole runs by their tokens only.
+arms' cache comparison: it compared whole runs by their tokens only. Session 12's (`replay_probe_s12_h200.json`) ran
+every arm: all repeated bit for bit.
 
 Each arm reports how many of its repeats differ from its first (0 everywhere: the step repeats). Eager arms also run
 without CUDA (the graph arms are then reported as not run, with the reason).

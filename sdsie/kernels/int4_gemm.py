@@ -811,7 +811,8 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     qw = w.qweight
     # Whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
     words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
-    even = words and n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
+    # whole tiles only: N a multiple of block_n, the splits covering K exactly in block_k tiles (no masks needed)
+    whole_tiles = n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
     # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so under
     # TRITON_INTERPRET the tl.dot kernels' operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use the
     # tensor cores. Everything else in the kernels is the same code on both.
@@ -819,15 +820,14 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     if cfg.gemv:
         qw = qw.view(torch.int32) if words else qw
         kernel, grid = _int4_gemv_kernel, (m_tiles, n_tiles, split_k)
-        consts.update(PER_COL=8 if words else 2, EVEN=even, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
+        consts.update(PER_COL=8 if words else 2, EVEN=words and whole_tiles, X_TILE=cfg.x_tile, ROWS=cfg.block_m,
                       STAGES=cfg.num_stages)
         extra = CODE_MAGIC
     elif cfg.swap_ab and (x2.dtype != torch.float32 or x2.device.type != "cuda"):
         # Bytes as they are stored, any K. fp32 activations on a GPU run the bytes tl.dot kernel below with the same
         # tiles: an fp32 dot with a register left operand does not compile for sm_90 in Triton 3.6.
         kernel, grid = _int4_gemm_planes_kernel, (n_tiles, split_k, m_tiles)
-        even_bytes = n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
-        consts.update(BLOCK_M=cfg.block_m, EVEN=even_bytes, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
+        consts.update(BLOCK_M=cfg.block_m, EVEN=whole_tiles, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
                       ASM=x2.device.type == "cuda" and not _interpreting())
         extra = ()
     else:

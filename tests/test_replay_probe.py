@@ -11,6 +11,7 @@ from torch import nn
 from reproductions.standin.replay_probe import (
     OutputTrace,
     engine_arm,
+    main,
     prefill_arm,
     random_target,
     repeat_step,
@@ -114,3 +115,11 @@ def test_scribbling_changes_every_stale_position_and_nothing_before_them():
         for old, new in ((k0, layer.keys), (v0, layer.values)):
             assert torch.equal(old[..., :6, :], new[..., :6, :])
             assert (old[..., 6:, :] != new[..., 6:, :]).all()
+
+
+@pytest.mark.parametrize("flag", ["--replays", "--runs"])
+def test_the_cli_refuses_fewer_than_two_repeats_before_running_any_arm(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["--device", "cpu", flag, "1", "--out", str(tmp_path / "probe.json")])
+    assert err.value.code == 2 and f"{flag} must be at least 2" in capsys.readouterr().err
+    assert not (tmp_path / "probe.json").exists()

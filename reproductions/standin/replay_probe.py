@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    for flag, value in (("--replays", a.replays), ("--runs", a.runs)):
+        if value < 2:  # each arm compares repeats with its first run; found before the arms run, not after
+            p.error(f"{flag} must be at least 2 (a repeat to compare with the first run), got {value}")
     result = run_probe(a.preset, a.replays, a.runs, a.device, a.seed)
     result["environment"] = capture_environment()
     a.out.parent.mkdir(parents=True, exist_ok=True)

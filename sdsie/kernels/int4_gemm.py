@@ -471,13 +471,9 @@ _PLANES_PTX_BF16 = tl.constexpr(_byte_planes_ptx(0x43004300))  # 128.0 in both h
 @triton.jit
 def _byte_planes_asm(b, CODE_DTYPE: tl.constexpr):
     """_byte_planes on a GPU in inline PTX: two bytes, four codes, per call."""
-    if CODE_DTYPE == tl.float16:  # Triton checks every return against the others: one return, after the branch
-        lo, hi = tl.inline_asm_elementwise(asm=_PLANES_PTX_FP16, constraints="=r,=r,h", args=[b],
-                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-    else:
-        lo, hi = tl.inline_asm_elementwise(asm=_PLANES_PTX_BF16, constraints="=r,=r,h", args=[b],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-    return lo, hi
+    PTX: tl.constexpr = _PLANES_PTX_FP16 if CODE_DTYPE == tl.float16 else _PLANES_PTX_BF16
+    return tl.inline_asm_elementwise(asm=PTX, constraints="=r,=r,h", args=[b], dtype=(CODE_DTYPE.value,) * 2,
+                                     is_pure=True, pack=2)
 
 
 @triton.jit

@@ -56,7 +56,8 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     costs fewer instructions per code than the bytes tl.dot kernel's (offline at BN 256: 3.1 against 6.4)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.gemm_sass_probe import probe, hoist_check; "
-            "print(json.dumps([hoist_check(), probe(16, 256, 128, 4, ('package bytes', 'package planes'))]))")
+            "print(json.dumps([hoist_check(), probe(16, 256, 128, 4, ('package bytes', 'package planes', "
+            "'package planes, Triton ops'))]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     if out.returncode != 0:
@@ -68,6 +69,9 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     assert not bytes_["left_operand_in_registers"]
     assert planes["weight_tiles_through_shared"] == 0
     assert planes["sass_per_code"] < 3.5 < bytes_["sass_per_code"]
+    ops = r["package planes, Triton ops"]  # ASM off, as the interpreter runs it: the PTX is what saves the repacking
+    assert ops["weight_tiles_through_shared"] == 0 and ops["sass_per_code"] > planes["sass_per_code"] + 1.0
+    assert 64 <= planes["registers"] <= 255  # cuobjdump's count: BN 256 with 4 warps uses the whole register file
 
 
 def test_the_packed_probe_compiles_its_toy_loops_to_bf16x2_arithmetic():

@@ -13,12 +13,13 @@
 * package planes: `_int4_gemm_planes_kernel` (`Int4KernelConfig.swap_ab`, session 12), weights on the wgmma's left
   as bytes: the low and high nibbles of one loaded byte tile are two dots against x's even and odd columns, each an
   elementwise function of the tile, dequantized in inline PTX (two bytes per call) in the wgmma's register layout.
+  "package planes, Triton ops" compiles the same kernel with the interpreter's dequantization (Triton ops, ASM off).
 
 All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
 whether Triton 3.6 keeps a dequantized tile out of shared memory when one loaded tile feeds one wgmma, and when it
 feeds two. Then, per kernel: SASS instructions per code a thread handles in the K loop, barriers, shared stores and
-MMA instructions per tile, whether a wgmma takes its left operand from registers, and how many dequantized weight
-tiles go through shared memory per K tile (TTGIR).
+MMA instructions per tile, whether a wgmma takes its left operand from registers, how many dequantized weight
+tiles go through shared memory per K tile (TTGIR), spill instructions and registers a thread (cuobjdump).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import triton
 import triton.language as tl
@@ -128,6 +132,20 @@ def _compile(fn, names, types, div16, consts, num_warps):
                    options={"num_warps": num_warps, "num_stages": 3})
 
 
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the kernel holds (cuobjdump -res-usage, shipped with Triton): what caps warps per SM."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = re.search(r"REG:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no register count:\n{text[-2000:]}")
+    return int(found.group(1))
+
+
 def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
     body = sass_loop(kernel.asm["cubin"])
     ops = collections.Counter(op.split()[0].split(".")[0] for op in body)
@@ -140,10 +158,11 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
     via_shared = len(re.findall(rf"%(?!x)\w+ = ttg\.local_alloc %\S+ : \(tensor<{block_n}x\d+x(?:bf16|f16)", ttgir))
     return {"sass_per_code": len(body) / codes_per_thread, "bar": ops["BAR"], "sts": ops["STS"],
             "hmma": ops["HMMA"], "hgmma": ops["HGMMA"], "left_operand_in_registers": a_regs,
-            "weight_tiles_through_shared": via_shared, "local_memory_ops": ops["LDL"] + ops["STL"]}
+            "weight_tiles_through_shared": via_shared, "local_memory_ops": ops["LDL"] + ops["STL"],
+            "registers": registers(kernel.asm["cubin"])}
 
 
-KERNELS = ("package bytes", "words variant", "package planes")
+KERNELS = ("package bytes", "words variant", "package planes", "package planes, Triton ops")
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
@@ -165,14 +184,15 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
         k = _compile(_gemm_words_variant, names, ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 9,
                      set(names) - {"M", "stride_xk", "magic"}, {"GROUP": 128, **tiles}, warps)
         out["words variant"] = counts(k, codes, bn)
-    if "package planes" in kernels:
-        names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "KB", "G", "k_per_split", "stride_xm", "stride_xk",
-                           "stride_qn", "stride_ym"]
-        k = _compile(_int4_gemm_planes_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
-                     + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
-                     {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
-                      "DOT_IEEE": False, "STAGES": 3, "ASM": True}, warps)
-        out["package planes"] = counts(k, codes, bn)
+    names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "KB", "G", "k_per_split", "stride_xm", "stride_xk",
+                       "stride_qn", "stride_ym"]
+    for name, asm in (("package planes", True), ("package planes, Triton ops", False)):  # ASM: the GPU's inline PTX
+        if name in kernels:
+            k = _compile(_int4_gemm_planes_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
+                         + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
+                         {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
+                          "DOT_IEEE": False, "STAGES": 3, "ASM": asm}, warps)
+            out[name] = counts(k, codes, bn)
     return out
 
 
@@ -186,12 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     tiles = hoist_check()
     print(f"one loaded int32 tile dequantized for 1 wgmma: {tiles[1]} dequantized tiles through shared memory; "
           f"for 2 wgmmas: {tiles[2]}")
-    for name, c in probe(*(int(v) for v in m.groups())).items():
+    bm, bn, bk, warps = (int(v) for v in m.groups())
+    kernels = KERNELS
+    if bk < 128:  # its dots take BK / 8 codes, and a dot takes at least 16
+        kernels = tuple(k for k in KERNELS if k != "words variant")
+        print(f"words variant: not compiled at BK {bk} (its eight dots take BK / 8 < 16 codes)")
+    for name, c in probe(bm, bn, bk, warps, kernels).items():
         print(f"{name}: {c['sass_per_code']:.2f} SASS per code, {c['bar']} barriers, {c['sts']} shared stores, "
               f"{c['hmma']} HMMA + {c['hgmma']} HGMMA per tile"
               f"{', wgmma left operand from registers' if c['left_operand_in_registers'] else ''}, "
               f"{c['weight_tiles_through_shared']} dequantized weight tiles through shared memory per tile, "
-              f"{c['local_memory_ops']} local-memory (spill) instructions")
+              f"{c['local_memory_ops']} local-memory (spill) instructions, {c['registers']} registers a thread")
     return 0
 
 

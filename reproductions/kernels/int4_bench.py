@@ -413,7 +413,7 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(16, 256, 128, split_k=sk, num_warps=8, num_stages=4, swap_ab=True)
              for sk in (1, 4)]
     # The first planes sweep (M = 1 and 16) picked BN 128-256 with 4 warps, 167-255 registers a thread: the register
-    # operand of a [BN, 64]-byte tile's two dots alone is BN / 2 registers. BK 64 halves it (cuobjdump offline: 122
+    # operand of a [BN, 64]-byte tile's two dots alone is BN / 2 registers. BK 64 halves it (gemm_sass_probe: 122
     # registers at BN 128 with 4 warps, 128 at BN 256 with 8, so 16 warps an SM instead of 8-12) for 3.6-3.9 SASS per
     # code instead of 3.0-3.3; BN 64 at BK 128 keeps 95 registers (20 warps) at 4.8.
     cfgs += [Int4KernelConfig(16, 128, 64, split_k=sk, num_warps=4, num_stages=p, swap_ab=True)

@@ -234,6 +234,27 @@ def test_the_planes_ptx_gives_the_bits_of_the_interpreter_path(dtype):
     assert codes.tolist() == [bias + q for q in range(16)]  # exact: BIAS + q
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_planes_reads_x_as_words_only_where_its_pairs_are_aligned(kernel_device, dtype):
+    """The planes kernel reads x's (even, odd) pairs as int32 words (X_WORDS) when K is even and x's rows are
+    contiguous with an even row stride and 16-byte aligned; an x offset by one element, a transposed view or an
+    odd row stride take the two strided gathers. Both are correct on the masked and unmasked (EVEN) paths."""
+    gen = torch.Generator().manual_seed(37)
+    config = PLANES[0]
+    for n, k in [(40, 296), (2 * config.block_n, 2 * 128 * config.split_k)]:
+        w = make_weight(n, k, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+        base = torch.randn(5, k + 2, generator=gen).to(dtype).to(kernel_device)
+        cases = {"contiguous": (base[:, :k].contiguous(), True),
+                 "one element in": (base[:, 1:k + 1], False),  # data 2 bytes past an aligned address
+                 "odd row stride": (torch.randn(5, k + 1, generator=gen).to(dtype).to(kernel_device)[:, :k], False),
+                 "transposed": (base[:, :k].t().contiguous().t(), False)}  # stride along K is 5
+        for name, (x, words) in cases.items():
+            out = torch.full((x.shape[0], n), float("nan"), dtype=dtype, device=kernel_device)
+            assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
+            key = (x.shape[0], dtype, x.stride(0), x.stride(1), x.data_ptr() % 16 == 0, config)
+            assert _plans_of(w)[key].consts["X_WORDS"] is words, (name, n, k)
+
+
 def test_swap_ab_config_validation():
     """swap_ab runs the planes kernel, whose dots take block_k / 2 >= 16 codes: any tl.dot tile (block_k >= 32)."""
     assert Int4KernelConfig(16, 64, 32, swap_ab=True).block_k == 32

@@ -157,12 +157,17 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
     # TTGIR names values after the Python variables: the kernels here call their x tiles x*, so those are left out.
     via_shared = len(re.findall(rf"%(?!x)\w+ = ttg\.local_alloc %\S+ : \(tensor<{block_n}x\d+x(?:bf16|f16)", ttgir))
     return {"sass_per_code": len(body) / codes_per_thread, "bar": ops["BAR"], "sts": ops["STS"],
+            "ldg": ops["LDG"], "ldgsts": ops["LDGSTS"],
             "hmma": ops["HMMA"], "hgmma": ops["HGMMA"], "left_operand_in_registers": a_regs,
             "weight_tiles_through_shared": via_shared, "local_memory_ops": ops["LDL"] + ops["STL"],
             "registers": registers(kernel.asm["cubin"])}
 
 
-KERNELS = ("package bytes", "words variant", "package planes", "package planes, Triton ops")
+KERNELS = ("package bytes", "words variant", "package planes", "package planes, Triton ops",
+           "package planes, x gathers")
+# name -> (ASM: the GPU's inline PTX, X_WORDS: x's pairs as int32 words)
+_PLANES = {"package planes": (True, True), "package planes, Triton ops": (False, True),
+           "package planes, x gathers": (True, False)}
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
@@ -186,12 +191,12 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
         out["words variant"] = counts(k, codes, bn)
     names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "KB", "G", "k_per_split", "stride_xm", "stride_xk",
                        "stride_qn", "stride_ym"]
-    for name, asm in (("package planes", True), ("package planes, Triton ops", False)):  # ASM: the GPU's inline PTX
+    for name, (asm, x_words) in _PLANES.items():
         if name in kernels:
             k = _compile(_int4_gemm_planes_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
                          + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
                          {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
-                          "DOT_IEEE": False, "STAGES": 3, "ASM": asm}, warps)
+                          "DOT_IEEE": False, "STAGES": 3, "ASM": asm, "X_WORDS": x_words}, warps)
             out[name] = counts(k, codes, bn)
     return out
 
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"words variant: not compiled at BK {bk} (its eight dots take BK / 8 < 16 codes)")
     for name, c in probe(bm, bn, bk, warps, kernels).items():
         print(f"{name}: {c['sass_per_code']:.2f} SASS per code, {c['bar']} barriers, {c['sts']} shared stores, "
-              f"{c['hmma']} HMMA + {c['hgmma']} HGMMA per tile"
+              f"{c['hmma']} HMMA + {c['hgmma']} HGMMA, {c['ldg']} LDG + {c['ldgsts']} LDGSTS per tile"
               f"{', wgmma left operand from registers' if c['left_operand_in_registers'] else ''}, "
               f"{c['weight_tiles_through_shared']} dequantized weight tiles through shared memory per tile, "
               f"{c['local_memory_ops']} local-memory (spill) instructions, {c['registers']} registers a thread")

@@ -422,6 +422,11 @@ def sweep_configs() -> list[Int4KernelConfig]:
              for sk in (1, 4, 8)]
     cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True)
              for sk in (8, 16)]
+    # Session 13: x's pairs read as int32 words through cp.async (X_WORDS) took the loop's last global loads off its
+    # critical path and its spills with them (BN 256, 4 warps: 2.6 SASS per code, no local memory), so a fourth
+    # stage may now pay where a tile waited on x before.
+    cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=4, swap_ab=True)
+             for bn, splits in ((64, (8, 16)), (128, (4, 8)), (256, (4,))) for sk in splits]
     return cfgs
 
 

@@ -492,13 +492,37 @@ def _byte_planes(b, CODE_DTYPE: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _x_even_odd(x_ptr, offs_m, m_mask, offs_b, K, KB, stride_xm, stride_xk, CODE_DTYPE: tl.constexpr,
+                EVEN: tl.constexpr, X_WORDS: tl.constexpr):
+    """x's columns k = 2j and 2j + 1 for the byte columns j = offs_b [BKB]: two [BKB, BM] tiles, 0 past M and K."""
+    if X_WORDS:  # word j of a row holds x[2j] in its low half, x[2j + 1] in its high half (little-endian)
+        xw_ptrs = x_ptr.to(tl.pointer_type(tl.int32)) + offs_m[None, :] * (stride_xm // 2) + offs_b[:, None]
+        if EVEN:
+            xw = tl.load(xw_ptrs, mask=m_mask[None, :], other=0)  # [BKB, BM] int32
+        else:
+            xw = tl.load(xw_ptrs, mask=m_mask[None, :] & (offs_b[:, None] < KB), other=0)
+        xe = xw.to(tl.int16).to(CODE_DTYPE, bitcast=True)
+        xo = (xw >> 16).to(tl.int16).to(CODE_DTYPE, bitcast=True)
+    else:
+        ke = 2 * offs_b  # [BKB] even k
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + ke[:, None] * stride_xk  # [BKB, BM]
+        if EVEN:
+            xe = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            xo = tl.load(x_ptrs + stride_xk, mask=m_mask[None, :], other=0.0)
+        else:
+            xe = tl.load(x_ptrs, mask=m_mask[None, :] & (ke[:, None] < K), other=0.0)
+            xo = tl.load(x_ptrs + stride_xk, mask=m_mask[None, :] & (ke[:, None] + 1 < K), other=0.0)
+    return xe, xo
+
+
+@triton.jit
 def _int4_gemm_planes_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, KB, G, k_per_split,
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+    EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, X_WORDS: tl.constexpr,
 ):
     # Small M on the tensor cores with the operands swapped, so the weight tile fills the 64-row side of a Hopper
     # wgmma, which takes it from registers, and x pads only to BLOCK_M = 16 columns. The weights are taken as bytes:
@@ -509,6 +533,9 @@ def _int4_gemm_planes_kernel(
     # a join, paid that round trip; reproductions/kernels/NOTES.md, sessions 7 and 12). Any K: bytes need no words.
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL.
     # EVEN: N % BLOCK_N == 0, K % BLOCK_K == 0 and the splits cover K exactly (no masks on the weights or x's K).
+    # X_WORDS: K even, x's rows contiguous and 4-byte aligned: x's (even, odd) pairs are read as int32 words, one
+    # contiguous tile the pipeliner stages through cp.async like the weights. Else x_even and x_odd are two strided
+    # 2-byte gathers, which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -528,17 +555,12 @@ def _int4_gemm_planes_kernel(
         offs_b = k0 // 2 + tl.arange(0, BKB)  # [BKB] byte columns
         offs_b = tl.max_contiguous(tl.multiple_of(offs_b, BKB), BKB)
         w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + offs_b[None, :]
-        ke = k0 + 2 * tl.arange(0, BKB)  # [BKB] even k
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + ke[:, None] * stride_xk  # [BKB, BM]
         if EVEN:
             b = tl.load(w_ptrs, eviction_policy="evict_first")  # [BN, BKB] uint8
-            xe = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            xo = tl.load(x_ptrs + stride_xk, mask=m_mask[None, :], other=0.0)
-        else:  # a partial tile: past N or K the bytes read 0 and x reads 0 (K odd: the pad nibble meets x = 0)
+        else:  # a partial tile: past N or K the bytes read 0 (and x reads 0 below; K odd: the pad nibble meets x = 0)
             b = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_b[None, :] < KB), other=0,
                         eviction_policy="evict_first")
-            xe = tl.load(x_ptrs, mask=m_mask[None, :] & (ke[:, None] < K), other=0.0)
-            xo = tl.load(x_ptrs + stride_xk, mask=m_mask[None, :] & (ke[:, None] + 1 < K), other=0.0)
+        xe, xo = _x_even_odd(x_ptr, offs_m, m_mask, offs_b, K, KB, stride_xm, stride_xk, CODE_DTYPE, EVEN, X_WORDS)
         if not PER_CHANNEL:
             s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]
         lo, hi = _byte_planes(b, CODE_DTYPE, ASM)  # [BN, BKB] each, BIAS + q
@@ -823,8 +845,11 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         # Bytes as they are stored, any K. fp32 activations on a GPU run the bytes tl.dot kernel below with the same
         # tiles: an fp32 dot with a register left operand does not compile for sm_90 in Triton 3.6.
         kernel, grid = _int4_gemm_planes_kernel, (n_tiles, split_k, m_tiles)
+        # x's pairs as int32 words: 16-bit x, K even, rows contiguous and 16-byte aligned (the plan key pins all four)
+        x_words = (x2.dtype != torch.float32 and k % 2 == 0 and x2.stride(1) == 1 and x2.stride(0) % 2 == 0
+                   and x2.data_ptr() % 16 == 0)
         consts.update(BLOCK_M=cfg.block_m, EVEN=whole_tiles, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
-                      ASM=x2.device.type == "cuda" and not _interpreting())
+                      ASM=x2.device.type == "cuda" and not _interpreting(), X_WORDS=x_words)
         extra = ()
     else:
         kernel, grid = _int4_gemm_kernel, (n_tiles, split_k, m_tiles)

@@ -122,6 +122,19 @@ def test_ab_bench_loads_another_kernel_version_beside_this_one(tmp_path):
         load_baseline(other)
 
 
+def test_ab_bench_refuses_a_row_count_below_one(tmp_path, capsys):
+    """--m names the rows to compare at group 128; M < 1 is refused before anything is timed or imported."""
+    import pytest
+
+    from reproductions.kernels.ab_bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--baseline", str(tmp_path / "base.py"), "--out", str(tmp_path / "ab.json"), "--m", "4", "0"])
+    assert exc.value.code == 2
+    assert "every M must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "ab.json").exists()
+
+
 def test_host_overhead_stubs_reach_the_compiled_fast_path(tmp_path, monkeypatch):
     """The host-time tool times the kernel module's own launch path: with its kernels stubbed, the first call
     builds the plan and keeps the stub as the compiled kernel, and later calls go through the fast path (the stub's

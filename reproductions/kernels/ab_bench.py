@@ -91,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, required=True, help="a copy of sdsie/kernels/int4_gemm.py to compare")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="*", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
+    p.add_argument("--m", type=int, nargs="+", metavar="M",
+                   help="time these M at group 128 instead of AB_CASES (M = 1 both layouts, and M = 2)")
     a = p.parse_args(argv)
+    if a.m is not None and any(m < 1 for m in a.m):
+        p.error(f"--m {a.m}: every M must be >= 1")
+    cases = AB_CASES if a.m is None else [(m, 128) for m in a.m]
     if cuda_missing("ab_bench"):
         return 2
     base = load_baseline(a.baseline)
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for shape in a.shapes:
         n, k = LLAMA_SHAPES[shape]
-        for m, g in AB_CASES:
+        for m, g in cases:
             r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda")
             results.append(r)
             gm = {v: statistics.median(t) for v, t in r["graph_us"].items()}

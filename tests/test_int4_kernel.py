@@ -17,6 +17,7 @@ bounds |(q - z) * s| and the folded form s * (sum q x - z sum x).
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -238,7 +239,8 @@ def test_the_planes_ptx_gives_the_bits_of_the_interpreter_path(dtype):
 def test_planes_reads_x_as_words_only_where_its_pairs_are_aligned(kernel_device, dtype):
     """The planes kernel reads x's (even, odd) pairs as int32 words (X_WORDS) when K is even and x's rows are
     contiguous with an even row stride and 16-byte aligned; an x offset by one element, a transposed view or an
-    odd row stride take the two strided gathers. Both are correct on the masked and unmasked (EVEN) paths."""
+    odd row stride take the two strided gathers, and so does a configuration with x_tile=False. Both are correct
+    on the masked and unmasked (EVEN) paths."""
     gen = torch.Generator().manual_seed(37)
     config = PLANES[0]
     for n, k in [(40, 296), (2 * config.block_n, 2 * 128 * config.split_k)]:
@@ -253,6 +255,11 @@ def test_planes_reads_x_as_words_only_where_its_pairs_are_aligned(kernel_device,
             assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
             key = (x.shape[0], dtype, x.stride(0), x.stride(1), x.data_ptr() % 16 == 0, config)
             assert _plans_of(w)[key].consts["X_WORDS"] is words, (name, n, k)
+        gathers = Int4KernelConfig(**{**asdict(config), "x_tile": False})  # the configuration asks for the gathers
+        x = cases["contiguous"][0]
+        assert_close_to_reference(int4_matmul(x, w, config=gathers), x, w)
+        key = (x.shape[0], dtype, x.stride(0), x.stride(1), True, gathers)
+        assert _plans_of(w)[key].consts["X_WORDS"] is False
 
 
 def test_swap_ab_config_validation():

@@ -605,7 +605,9 @@ class Int4KernelConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2  # GEMV: <= 2 prefetches the next weight tile in registers; >= 3 pipelines through cp.async
-    x_tile: bool = True  # GEMV only: x as one contiguous tile split in registers, else eight gathers
+    # GEMV: x as one contiguous tile split in registers, else eight gathers. planes (swap_ab): x's pairs as int32
+    # words through cp.async where x allows it, else two strided gathers (loaded in each K tile, not staged)
+    x_tile: bool = True
     swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
 
     def __post_init__(self) -> None:
@@ -846,8 +848,8 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         # tiles: an fp32 dot with a register left operand does not compile for sm_90 in Triton 3.6.
         kernel, grid = _int4_gemm_planes_kernel, (n_tiles, split_k, m_tiles)
         # x's pairs as int32 words: 16-bit x, K even, rows contiguous and 16-byte aligned (the plan key pins all four)
-        x_words = (x2.dtype != torch.float32 and k % 2 == 0 and x2.stride(1) == 1 and x2.stride(0) % 2 == 0
-                   and x2.data_ptr() % 16 == 0)
+        x_words = (cfg.x_tile and x2.dtype != torch.float32 and k % 2 == 0 and x2.stride(1) == 1
+                   and x2.stride(0) % 2 == 0 and x2.data_ptr() % 16 == 0)
         consts.update(BLOCK_M=cfg.block_m, EVEN=whole_tiles, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
                       ASM=x2.device.type == "cuda" and not _interpreting(), X_WORDS=x_words)
         extra = ()

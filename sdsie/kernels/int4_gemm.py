@@ -533,9 +533,10 @@ def _int4_gemm_planes_kernel(
     # a join, paid that round trip; reproductions/kernels/NOTES.md, sessions 7 and 12). Any K: bytes need no words.
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL.
     # EVEN: N % BLOCK_N == 0, K % BLOCK_K == 0 and the splits cover K exactly (no masks on the weights or x's K).
-    # X_WORDS: K even, x's rows contiguous and 4-byte aligned: x's (even, odd) pairs are read as int32 words, one
-    # contiguous tile the pipeliner stages through cp.async like the weights. Else x_even and x_odd are two strided
-    # 2-byte gathers, which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
+    # X_WORDS: K even, x's rows contiguous and even-strided, x 16-byte aligned (the words need 4 bytes; the host asks
+    # for the 16 that the plan key pins): x's (even, odd) pairs are read as int32 words, one contiguous tile the
+    # pipeliner stages through cp.async like the weights. Else x_even and x_odd are two strided 2-byte gathers,
+    # which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

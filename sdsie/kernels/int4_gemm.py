@@ -80,10 +80,18 @@ def _codes_16(b, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _load_bytes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB: tl.constexpr):
-    """A [BLOCK_N, BLOCK_KB] tile of packed bytes (two codes each) starting at column k0."""
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_KB)  # [BKB] byte columns
-    offs_b = tl.max_contiguous(tl.multiple_of(offs_b, BLOCK_KB), BLOCK_KB)
+def _byte_cols(k0, BLOCK_KB: tl.constexpr):
+    """The BLOCK_KB byte columns of the K tile starting at code k0 (a multiple of 2 * BLOCK_KB): [BKB]."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_KB)
+    return tl.max_contiguous(tl.multiple_of(offs_b, BLOCK_KB), BLOCK_KB)
+
+
+@triton.jit
+def _load_bytes(qw_ptr, offs_n, offs_b, N, KB, stride_qn, EVEN: tl.constexpr):
+    """A [BN, BKB] tile of packed bytes (two codes each) at byte columns offs_b; past N or KB they read 0, and
+    EVEN (whole tiles) loads without masks."""
+    if EVEN:
+        return tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], eviction_policy="evict_first")
     mask = (offs_n[:, None] < N) & (offs_b[None, :] < KB)
     ptrs = qw_ptr + offs_n[:, None] * stride_qn + offs_b[None, :]
     return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")  # [BN, BKB] uint8
@@ -413,7 +421,7 @@ def _int4_gemm_kernel(
     qx = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # per-channel only
     xs = tl.zeros([BLOCK_M], tl.float32)  # per-channel only
     for k0 in range(k_begin, k_end, BLOCK_K):
-        b = _load_bytes(qw_ptr, offs_n, k0, N, KB, stride_qn, BLOCK_KB)  # [BN, BKB]
+        b = _load_bytes(qw_ptr, offs_n, _byte_cols(k0, BLOCK_KB), N, KB, stride_qn, False)  # [BN, BKB]
         ke = k0 + 2 * tl.arange(0, BLOCK_KB)  # [BKB] even columns
         x_base = x_ptr + offs_m[:, None] * stride_xm
         m_mask = offs_m[:, None] < M
@@ -553,14 +561,9 @@ def _int4_gemm_planes_kernel(
     if PER_CHANNEL:
         s, z = _load_group_params(s_ptr, z_ptr, 0, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
     for k0 in tl.range(k_begin, k_begin + k_per_split, BLOCK_K, num_stages=STAGES):
-        offs_b = k0 // 2 + tl.arange(0, BKB)  # [BKB] byte columns
-        offs_b = tl.max_contiguous(tl.multiple_of(offs_b, BKB), BKB)
-        w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + offs_b[None, :]
-        if EVEN:
-            b = tl.load(w_ptrs, eviction_policy="evict_first")  # [BN, BKB] uint8
-        else:  # a partial tile: past N or K the bytes read 0 (and x reads 0 below; K odd: the pad nibble meets x = 0)
-            b = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_b[None, :] < KB), other=0,
-                        eviction_policy="evict_first")
+        offs_b = _byte_cols(k0, BKB)  # [BKB]
+        # a partial tile: past N or K the bytes read 0, and so does x (K odd: the pad nibble meets x = 0)
+        b = _load_bytes(qw_ptr, offs_n, offs_b, N, KB, stride_qn, EVEN)  # [BN, BKB] uint8
         xe, xo = _x_even_odd(x_ptr, offs_m, m_mask, offs_b, K, KB, stride_xm, stride_xk, CODE_DTYPE, EVEN, X_WORDS)
         if not PER_CHANNEL:
             s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]

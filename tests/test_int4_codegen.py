@@ -53,11 +53,11 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     Its two nibble planes are elementwise functions of one loaded byte tile, so the register layout reaches back to
     the shared-memory load and no dequantized tile is stored (session 7's words kernel, whose one loaded word fed
     several dots, stored one per dot: the hoist check's two). The inline PTX dequantizes two bytes per call; the loop
-    costs fewer instructions per code than the bytes tl.dot kernel's (offline at BN 256: 3.1 against 6.4)."""
+    costs fewer instructions per code than the bytes tl.dot kernel's (offline at BN 256: 2.6 against 6.4)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.gemm_sass_probe import probe, hoist_check; "
             "print(json.dumps([hoist_check(), probe(16, 256, 128, 4, ('package bytes', 'package planes', "
-            "'package planes, Triton ops'))]))")
+            "'package planes, Triton ops', 'package planes, x gathers'))]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     if out.returncode != 0:
@@ -72,6 +72,12 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     ops = r["package planes, Triton ops"]  # ASM off, as the interpreter runs it: the PTX is what saves the repacking
     assert ops["weight_tiles_through_shared"] == 0 and ops["sass_per_code"] > planes["sass_per_code"] + 1.0
     assert 64 <= planes["registers"] <= 255  # cuobjdump's count: BN 256 with 4 warps uses the whole register file
+    # X_WORDS acts: x's pairs as words join the weights in cp.async (no global load left in the loop); the two
+    # strided gathers load synchronously in every tile and store x to shared memory there (session 13)
+    gathers = r["package planes, x gathers"]
+    assert planes["ldg"] == 0 < gathers["ldg"]
+    assert planes["ldgsts"] > gathers["ldgsts"] and planes["sts"] < gathers["sts"]
+    assert planes["sass_per_code"] < gathers["sass_per_code"]
 
 
 def test_the_packed_probe_compiles_its_toy_loops_to_bf16x2_arithmetic():

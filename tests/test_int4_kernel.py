@@ -152,46 +152,6 @@ def test_rows_per_program_set_the_grid_and_the_kernel(kernel_device):
         assert plan.grid[0] == -(-5 // rows) and plan.consts["ROWS"] == rows
 
 
-PERSISTENT = (Int4KernelConfig(1, 16, 128, num_warps=4, num_stages=3, persistent=1),
-              Int4KernelConfig(1, 32, 256, num_warps=4, num_stages=4, persistent=2),
-              Int4KernelConfig(1, 16, 64, num_warps=2, num_stages=2, x_tile=False, persistent=3))
-
-
-@pytest.mark.parametrize("config", PERSISTENT, ids=str)
-@pytest.mark.parametrize("group", [32, 128, None])
-def test_persistent_gemv_walks_every_row_block_of_every_row(kernel_device, monkeypatch, config, group):
-    """The persistent GEMV launches min(row blocks, programs per SM x SMs) programs per row of x, each walking its
-    row blocks over all of K in one loop: with 3 SMs, programs of 1-3 blocks (one more for some than others), on the
-    masked words, bytes and unmasked (EVEN) paths, M of 1 and 3; every output is written (NaN-poisoned) and right."""
-    from sdsie.kernels import int4_gemm
-
-    monkeypatch.setattr(int4_gemm, "_num_sms", lambda device: 3)
-    gen = torch.Generator().manual_seed(hash((config, group)) % 2**31)
-    n_blocks = 3 * config.persistent + 2  # every program walks a block more than the last two
-    cases = [(1, config.block_n * n_blocks - 3, 296),  # masked words: a partial last block
-             (3, config.block_n * n_blocks, 2 * config.block_k),  # unmasked words (EVEN)
-             (1, config.block_n * n_blocks, 300)]  # bytes (K % 8 != 0)
-    for m, n, k in cases:
-        w = make_weight(n, k, group, symmetric=False, scale_mag=0.02, device=kernel_device, gen=gen,
-                        scale_dtype=torch.bfloat16)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(kernel_device)
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=kernel_device)
-        assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
-        (plan,) = _plans_of(w).values()
-        assert getattr(plan.kernel, "fn", plan.kernel).__name__ == "_int4_gemv_persistent_kernel"
-        assert plan.grid == (m, 3 * config.persistent, 1)
-        assert plan.consts["EVEN"] == (n % config.block_n == 0 and k % config.block_k == 0 and k % 8 == 0)
-
-
-def test_persistent_config_validation():
-    with pytest.raises(ValueError, match="one-row GEMV without a K split"):
-        Int4KernelConfig(1, 32, 256, split_k=2, persistent=1)
-    with pytest.raises(ValueError, match="one-row GEMV without a K split"):
-        Int4KernelConfig(2, 32, 256, persistent=1)
-    with pytest.raises(ValueError, match="persistent must be an int >= 0"):
-        Int4KernelConfig(1, 32, 256, persistent=-1)
-
-
 PLANES = (Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True),
           Int4KernelConfig(16, 64, 128, num_warps=4, num_stages=3, swap_ab=True))
 
@@ -603,8 +563,7 @@ class _RecordingKernel:
 @pytest.mark.parametrize("config", [Int4KernelConfig(1, 32, 128, split_k=2, num_stages=3),
                                     Int4KernelConfig(2, 32, 128), Int4KernelConfig(16, 32, 64, split_k=2),
                                     Int4KernelConfig(16, 32, 128, split_k=2, swap_ab=True),
-                                    Int4KernelConfig(16, 32, 128, swap_ab=True),
-                                    Int4KernelConfig(1, 16, 128, num_stages=3, persistent=1)], ids=str)
+                                    Int4KernelConfig(16, 32, 128, swap_ab=True)], ids=str)
 def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, monkeypatch, config):
     if kernel_device.type == "cuda":  # it replaces the GPU driver with a stub; on a GPU every other test runs the path
         pytest.skip("a CPU stand-in for the compiled launch path: on a GPU every kernel test takes the real one")
@@ -617,8 +576,7 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
     gen = torch.Generator().manual_seed(19)
     w = make_weight(64, 512, 128, False, 0.05, kernel_device, gen)
     recorders = {name: _RecordingKernel(getattr(int4_gemm, name))
-                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel", "_int4_gemm_planes_kernel",
-                              "_int4_gemv_persistent_kernel")}
+                 for name in ("_int4_gemv_kernel", "_int4_gemm_kernel", "_int4_gemm_planes_kernel")}
     for name, rec in recorders.items():
         monkeypatch.setattr(int4_gemm, name, rec)
     monkeypatch.setattr(int4_gemm, "_interpreting", lambda: False)  # keep the "compiled" kernel, as on a GPU
@@ -629,7 +587,7 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
         x = torch.randn(m, 512, generator=gen).to(kernel_device)
         out = torch.full((m, 64), float("nan"), device=kernel_device) if trial == 2 else None
         assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
-    kernel = recorders["_int4_gemv_persistent_kernel" if config.persistent else "_int4_gemv_kernel" if config.gemv else
+    kernel = recorders["_int4_gemv_kernel" if config.gemv else
                        "_int4_gemm_planes_kernel" if config.swap_ab else "_int4_gemm_kernel"]
     assert kernel.fast_launches == 2
 

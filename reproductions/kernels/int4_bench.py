@@ -179,12 +179,11 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,persistN)].
-    (Session 12's raw sweeps also name ',planes', a flag that the planes kernel's swap_ab replaced when the words
-    kernel went.)"""
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)]. (Session 12's
+    raw sweeps also name ',planes', a flag that the planes kernel's swap_ab replaced when the words kernel went.)"""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
-            f"{',swap' if cfg.swap_ab else ''}{f',persist{cfg.persistent}' if cfg.persistent else ''}]")
+            f"{',swap' if cfg.swap_ab else ''}]")
 
 
 def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
@@ -433,16 +432,6 @@ def sweep_configs() -> list[Int4KernelConfig]:
     # Not yet timed.
     cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, x_tile=False, swap_ab=True)
              for sk in (8, 16)]
-    # Session 14: the M = 1 GEMV as a few programs per SM, each walking several row blocks over all of K in one
-    # pipelined loop (persistent), for the mid shapes: their 224-256 programs run in one partial wave, each filling
-    # and draining its own pipeline, where the LM head's 1002 programs reach 74% of copy (NOTES, session 14). Small
-    # row blocks give every program near the same number of them; offline (sm_90) 80-128 registers a thread against
-    # the tuned loop's 168, at more instructions per code (x split for fewer rows).
-    cfgs += [Int4KernelConfig(1, bn, bk, num_warps=4, num_stages=p, persistent=pps)
-             for bn, bk, p, progs in ((16, 512, 3, (1, 2, 3)), (16, 512, 4, (2,)), (32, 256, 4, (1, 2, 3)),
-                                      (32, 512, 3, (1, 2)), (64, 256, 3, (1, 2)), (64, 512, 3, (1, 2)))
-             for pps in progs]
-    cfgs += [Int4KernelConfig(1, 16, 256, num_warps=2, num_stages=4, persistent=pps) for pps in (2, 4)]
     return cfgs
 
 

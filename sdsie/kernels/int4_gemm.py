@@ -397,52 +397,6 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
-def _int4_gemv_persistent_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,  # ws_ptr, lock_ptr, k_per_split: the GEMV's signature, unused
-    M, N, K, NCOLS, G, k_per_split,
-    stride_xm, stride_xk, stride_qn, stride_ym, magic_lo, magic_hi,
-    GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_COL: tl.constexpr,
-    EVEN: tl.constexpr, X_TILE: tl.constexpr, STAGES: tl.constexpr,
-):
-    # grid: (M, P) with P <= cdiv(N, BLOCK_N). Program p of row m computes y[m]'s row blocks p, p + P, p + 2P, ...,
-    # each over all of K, in one flattened loop over (block, K tile): the pipeliner keeps STAGES - 1 weight tiles in
-    # flight across block boundaries, so a program's loads never drain between blocks, and P programs a few per SM
-    # stream the weight once with no K split (no partial sums, no semaphore). The one-row GEMV's tile functions.
-    # EVEN: N % BLOCK_N == 0 and K % BLOCK_K == 0 (no masks needed).
-    pid_m = tl.program_id(0)
-    pid = tl.program_id(1)
-    n_programs = tl.num_programs(1)
-    BLOCK_COLS: tl.constexpr = BLOCK_K // PER_COL
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    n_blocks = tl.cdiv(N - pid * BLOCK_N, n_programs * BLOCK_N)  # this program's row blocks
-    x_row = x_ptr + pid_m * stride_xm
-    acc = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)  # scaled (or, per channel, raw) products of the current block
-    xs = tl.zeros([BLOCK_COLS], tl.float32)  # per channel only: sum of x
-    raw = tl.zeros([BLOCK_N, BLOCK_COLS], tl.int32)  # the bytes path loads its own tiles
-    for it in tl.range(0, n_blocks * k_tiles, num_stages=STAGES):
-        kt = it % k_tiles
-        k0 = kt * BLOCK_K
-        offs_n = (pid + (it // k_tiles) * n_programs) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        n_mask = offs_n < N
-        if PER_COL == 8:
-            raw = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
-        s_t = 1.0
-        sz_t = 0.0
-        if not PER_CHANNEL:
-            s_t, sz_t = _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP, BLOCK_N, BLOCK_K, PER_COL,
-                                           HAS_ZEROS)
-        prod, xcol = _row_tile(raw, qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo,
-                               magic_hi, BLOCK_COLS, PER_COL, EVEN, X_TILE)
-        acc, xs = _accumulate(acc, xs, prod, xcol, s_t, sz_t, PER_CHANNEL)
-        if kt == k_tiles - 1:  # the block's last K tile: write its outputs and start the next block
-            out = _row_out(acc, xs, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL, HAS_ZEROS)  # [BN]
-            tl.store(y_ptr + pid_m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
-            acc = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
-            xs = tl.zeros([BLOCK_COLS], tl.float32)
-
-
-@triton.jit
 def _int4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, KB, G, k_per_split,
@@ -659,9 +613,6 @@ class Int4KernelConfig:
     # words through cp.async where x allows it, else two strided gathers (loaded in each K tile, not staged)
     x_tile: bool = True
     swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
-    # one-row GEMV only: this many programs per SM, each walking several row blocks over all of K in one pipelined
-    # loop (_int4_gemv_persistent_kernel); 0 = a program per (row block, K split)
-    persistent: int = 0
 
     def __post_init__(self) -> None:
         for flag in ("x_tile", "swap_ab"):
@@ -678,11 +629,6 @@ class Int4KernelConfig:
                              f">= 16, block_k >= 32), got {self}")
         if self.swap_ab and self.block_m in GEMV_ROWS:
             raise ValueError(f"swap_ab is a tl.dot layout (block_m >= 16), got {self}")
-        if not isinstance(self.persistent, int) or self.persistent < 0:
-            raise ValueError(f"Int4KernelConfig.persistent must be an int >= 0 (programs per SM), "
-                             f"got {self.persistent!r}")
-        if self.persistent and (self.block_m != 1 or self.split_k != 1):
-            raise ValueError(f"persistent is a one-row GEMV without a K split (block_m 1, split_k 1), got {self}")
 
     @property
     def gemv(self) -> bool:
@@ -895,13 +841,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     # TRITON_INTERPRET the tl.dot kernels' operands go through an fp32 IEEE dot; on the GPU bf16/fp16 use the
     # tensor cores. Everything else in the kernels is the same code on both.
     dot_ieee = x2.dtype == torch.float32 or _interpreting()
-    if cfg.persistent:
-        qw = qw.view(torch.int32) if words else qw
-        programs = min(n_tiles, cfg.persistent * _num_sms(x2.device))
-        kernel, grid = _int4_gemv_persistent_kernel, (m, programs, 1)
-        consts.update(PER_COL=8 if words else 2, EVEN=words and whole_tiles, X_TILE=cfg.x_tile, STAGES=cfg.num_stages)
-        extra = CODE_MAGIC
-    elif cfg.gemv:
+    if cfg.gemv:
         qw = qw.view(torch.int32) if words else qw
         kernel, grid = _int4_gemv_kernel, (m_tiles, n_tiles, split_k)
         consts.update(PER_COL=8 if words else 2, EVEN=words and whole_tiles, X_TILE=cfg.x_tile, ROWS=cfg.block_m,

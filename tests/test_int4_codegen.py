@@ -80,6 +80,26 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     assert planes["sass_per_code"] < gathers["sass_per_code"]
 
 
+def test_scales_in_row_pairs_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
+    """SZ_WORDS acts in the compiled loop (sm_90, BN 64, 4 warps): read two rows a word, the scales and zero-points
+    are staged through cp.async with the weights and no global load is left in the loop; as 2-byte values a thread's
+    share is under the 4 bytes cp.async takes, so they are loaded synchronously in every tile (session 14's ncu: the
+    down_proj BN 64 tile's hottest wait). The left operand stays in registers either way."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from reproductions.kernels.gemm_sass_probe import probe; "
+            "print(json.dumps(probe(16, 64, 128, 4, ('package planes', 'package planes, 2-byte scales'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"compiling the planes kernel for sm_90 failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    pairs, halves = r["package planes"], r["package planes, 2-byte scales"]
+    assert pairs["ldg"] == 0 < halves["ldg"]
+    assert pairs["ldgsts"] > halves["ldgsts"]
+    assert pairs["left_operand_in_registers"] and halves["left_operand_in_registers"]
+    assert pairs["weight_tiles_through_shared"] == 0 == halves["weight_tiles_through_shared"]
+
+
 def test_the_packed_probe_compiles_its_toy_loops_to_bf16x2_arithmetic():
     """reproductions/kernels/packed_sass_probe.py: Triton ops on a joined pair of bf16 codes become packed bf16x2
     instructions (the premise of its SASS counts, NOTES.md session 11)."""

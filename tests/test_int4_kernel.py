@@ -262,6 +262,39 @@ def test_planes_reads_x_as_words_only_where_its_pairs_are_aligned(kernel_device,
         assert _plans_of(w)[key].consts["X_WORDS"] is False
 
 
+def test_planes_reads_scales_in_row_pairs_only_on_wgmma_tiles_whose_threads_hold_under_a_word(kernel_device):
+    """SZ_WORDS: the planes kernel reads a group's 16-bit scales and zero-points as int32 words of two rows where a
+    thread's share of the tile's 2-byte values is under the 4 bytes cp.async takes (BN < 64 x warps), on wgmma tiles
+    (BN >= 64), for N even and 4-byte aligned tensors; fp32 scales, an odd N, a scales tensor 2 bytes off a word, BN 32
+    and BN 256 with 4 warps take the 2-byte loads. Every case is correct, symmetric and not, masked and EVEN."""
+    gen = torch.Generator().manual_seed(41)
+    bn64 = Int4KernelConfig(16, 64, 128, split_k=2, num_warps=4, num_stages=3, swap_ab=True)
+    bn256 = Int4KernelConfig(16, 256, 128, num_warps=4, num_stages=3, swap_ab=True)
+    bn256w8 = Int4KernelConfig(16, 256, 128, num_warps=8, num_stages=3, swap_ab=True)
+
+    def off_a_word(t: torch.Tensor) -> torch.Tensor:  # the same values, stored 2 bytes past a 4-byte boundary
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    for symmetric in (False, True):
+        for n, k in [(128, 512), (40, 296)]:
+            w = make_weight(n, k, 128, symmetric, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+            fp32 = Int4Weight(w.qweight, w.scales.float(), None if symmetric else w.zeros.float(), k, w.group_size)
+            shifted = Int4Weight(w.qweight, off_a_word(w.scales), None if symmetric else off_a_word(w.zeros), k,
+                                 w.group_size)
+            odd = make_weight(n - 1, k, 128, symmetric, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+            cases = [(w, bn64, True), (w, PLANES[0], False), (w, bn256, False), (w, bn256w8, True),
+                     (fp32, bn64, False), (shifted, bn64, False), (odd, bn64, False)]
+            for weight, config, pairs in cases:
+                x = torch.randn(5, k, generator=gen).to(torch.bfloat16).to(kernel_device)
+                out = torch.full((5, weight.out_features), float("nan"), dtype=torch.bfloat16, device=kernel_device)
+                assert_close_to_reference(int4_matmul(x, weight, config=config, out=out), x, weight)
+                plan = next(p for key, p in _plans_of(weight).items() if key[-1] == config)
+                assert plan.consts["SZ_WORDS"] is pairs, (symmetric, n, k, config, weight.scales.dtype)
+
+
 def test_swap_ab_config_validation():
     """swap_ab runs the planes kernel, whose dots take block_k / 2 >= 16 codes: any tl.dot tile (block_k >= 32)."""
     assert Int4KernelConfig(16, 64, 32, swap_ab=True).block_k == 32

@@ -164,10 +164,11 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
 
 
 KERNELS = ("package bytes", "words variant", "package planes", "package planes, Triton ops",
-           "package planes, x gathers")
-# name -> (ASM: the GPU's inline PTX, X_WORDS: x's pairs as int32 words)
-_PLANES = {"package planes": (True, True), "package planes, Triton ops": (False, True),
-           "package planes, x gathers": (True, False)}
+           "package planes, x gathers", "package planes, 2-byte scales")
+# name -> (ASM: the GPU's inline PTX, X_WORDS: x's pairs as int32 words, SZ_WORDS: scales and zero-points two rows
+# a word)
+_PLANES = {"package planes": (True, True, True), "package planes, Triton ops": (False, True, True),
+           "package planes, x gathers": (True, False, True), "package planes, 2-byte scales": (True, True, False)}
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
@@ -191,12 +192,13 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
         out["words variant"] = counts(k, codes, bn)
     names = _COMMON + ["ws_ptr", "lock_ptr", "M", "N", "K", "KB", "G", "k_per_split", "stride_xm", "stride_xk",
                        "stride_qn", "stride_ym"]
-    for name, (asm, x_words) in _PLANES.items():
+    for name, (asm, x_words, sz_words) in _PLANES.items():
         if name in kernels:
             k = _compile(_int4_gemm_planes_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
                          + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
                          {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
-                          "DOT_IEEE": False, "STAGES": 3, "ASM": asm, "X_WORDS": x_words}, warps)
+                          "DOT_IEEE": False, "STAGES": 3, "ASM": asm, "X_WORDS": x_words,
+                          "SZ_WORDS": sz_words}, warps)
             out[name] = counts(k, codes, bn)
     return out
 

@@ -218,6 +218,30 @@ def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr
 
 
 @triton.jit
+def _param_pairs(p_ptr, g, offs_p, mask_p, N, BLOCK_N: tl.constexpr):
+    """One 16-bit parameter (scales or zero-points, [G, N]) of group g for the rows 2p and 2p + 1 of offs_p
+    [BN / 2], read as one int32 word per pair, -> [BN] fp32 in row order."""
+    words = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + g * (N // 2) + offs_p, mask=mask_p, other=0)  # [BN / 2]
+    DTYPE: tl.constexpr = p_ptr.dtype.element_ty
+    even = words.to(tl.int16).to(DTYPE, bitcast=True)  # row 2p: the word's low half (little-endian)
+    odd = (words >> 16).to(tl.int16).to(DTYPE, bitcast=True)  # row 2p + 1
+    return tl.reshape(tl.join(even, odd), [BLOCK_N]).to(tl.float32)  # [BN / 2, 2] -> [BN]: row 2p + j
+
+
+@triton.jit
+def _load_group_param_pairs(s_ptr, z_ptr, g, offs_p, mask_p, N, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_load_group_params for 16-bit parameters, N even and 4-byte aligned tensors: the rows' values in pairs, so a
+    thread's share of a [BN] tile is a whole 4-byte word and the pipeliner can stage it through cp.async (2 bytes
+    cannot be; below BN 256 every K tile of the planes kernel waited on these loads: ncu, NOTES.md session 14)."""
+    s = _param_pairs(s_ptr, g, offs_p, mask_p, N, BLOCK_N)
+    if HAS_ZEROS:
+        z = _param_pairs(z_ptr, g, offs_p, mask_p, N, BLOCK_N)
+    else:
+        z = tl.full(s.shape, 8.0, tl.float32)
+    return s, z
+
+
+@triton.jit
 def _store_or_reduce(acc, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_ym, pid_m, pid_n, pid_k,
                      num_n_tiles, SPLIT_K: tl.constexpr):
     """Write acc [BM, BN] to y, or (split K) to the workspace, the last split reducing all of them."""
@@ -531,6 +555,7 @@ def _int4_gemm_planes_kernel(
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, X_WORDS: tl.constexpr,
+    SZ_WORDS: tl.constexpr,
 ):
     # Small M on the tensor cores with the operands swapped, so the weight tile fills the 64-row side of a Hopper
     # wgmma, which takes it from registers, and x pads only to BLOCK_M = 16 columns. The weights are taken as bytes:
@@ -545,6 +570,9 @@ def _int4_gemm_planes_kernel(
     # for the 16 that the plan key pins): x's (even, odd) pairs are read as int32 words, one contiguous tile the
     # pipeliner stages through cp.async like the weights. Else x_even and x_odd are two strided 2-byte gathers,
     # which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
+    # SZ_WORDS: 16-bit scales and zero-points, N even, both 4-byte aligned: a group's values are read as int32 words
+    # of two rows each (_load_group_param_pairs), which the pipeliner stages like the weights. Else 2-byte loads per
+    # row, synchronous in every K tile below BN 256 (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -555,6 +583,7 @@ def _int4_gemm_planes_kernel(
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
+    offs_p = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # [BN / 2] row pairs (SZ_WORDS)
     k_begin = pid_k * k_per_split
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # sum (q - z) x, scaled per group (per channel: at the end)
@@ -566,7 +595,11 @@ def _int4_gemm_planes_kernel(
         b = _load_bytes(qw_ptr, offs_n, offs_b, N, KB, stride_qn, EVEN)  # [BN, BKB] uint8
         xe, xo = _x_even_odd(x_ptr, offs_m, m_mask, offs_b, K, KB, stride_xm, stride_xk, CODE_DTYPE, EVEN, X_WORDS)
         if not PER_CHANNEL:
-            s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]
+            if SZ_WORDS:
+                s, z = _load_group_param_pairs(s_ptr, z_ptr, k0 // GROUP, offs_p, (2 * offs_p < N) & (k0 < K), N,
+                                               HAS_ZEROS, BLOCK_N)  # [BN]
+            else:
+                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]
         lo, hi = _byte_planes(b, CODE_DTYPE, ASM)  # [BN, BKB] each, BIAS + q
         # (BIAS + q) - (BIAS + z) = q - z, exact in 16 bits for the format's integer zero-points
         if DOT_IEEE:  # the same exact values in fp32: Triton 3.6's interpreter gets bf16 subtraction and dots wrong
@@ -854,8 +887,15 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         # x's pairs as int32 words: 16-bit x, K even, rows contiguous and 16-byte aligned (the plan key pins all four)
         x_words = (cfg.x_tile and x2.dtype != torch.float32 and k % 2 == 0 and x2.stride(1) == 1
                    and x2.stride(0) % 2 == 0 and x2.data_ptr() % 16 == 0)
+        # the scales' and zero-points' values two rows a word where a thread's share of a tile's 2-byte values is
+        # under the 4 bytes cp.async takes (BN < 64 per warp; BN 256 with 4 warps already stages them, and the
+        # pairs' regrouping would only add 2 barriers a tile there), on wgmma tiles (BN >= 64: at BN 32, group 32,
+        # with zero-points, the H200 gave wrong sums on every row, session 14): 16-bit, N even, 4-byte aligned
+        sz_words = (64 <= cfg.block_n < 64 * cfg.num_warps and n % 2 == 0 and w.scales.element_size() == 2
+                    and w.scales.data_ptr() % 4 == 0
+                    and (w.zeros is None or (w.zeros.dtype == w.scales.dtype and w.zeros.data_ptr() % 4 == 0)))
         consts.update(BLOCK_M=cfg.block_m, EVEN=whole_tiles, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
-                      ASM=x2.device.type == "cuda" and not _interpreting(), X_WORDS=x_words)
+                      ASM=x2.device.type == "cuda" and not _interpreting(), X_WORDS=x_words, SZ_WORDS=sz_words)
         extra = ()
     else:
         kernel, grid = _int4_gemm_kernel, (n_tiles, split_k, m_tiles)

@@ -136,6 +136,11 @@ def test_valid_parts_construct() -> None:
         ({"group_size": 0}, "group_size 0 is not supported"),
         ({"group_size": -32}, "group_size -32 is not supported"),
         ({"scales": torch.ones(2, 4, device="meta")}, "share one device"),
+        # the kernels read group g, row n at g * N + n, and a row's bytes one after another: another layout of the
+        # same values would be read wrong, silently (a column-major [G, N] gave errors of 3.1 before this check)
+        ({"scales": torch.ones(4, 2).T}, r"scales must be a contiguous \[G, N\] tensor"),
+        ({"zeros": torch.full((4, 2), 8.0).T}, r"zeros must be a contiguous \[G, N\] tensor"),
+        ({"qweight": torch.zeros(32, 4, dtype=torch.uint8).T}, r"qweight's bytes must be contiguous along K"),
     ],
 )
 def test_int4weight_rejects_invalid_parts(change: dict, match: str) -> None:

@@ -97,11 +97,20 @@ class Int4Weight:
             raise ValueError(
                 f"qweight must have shape [N, ceil(K/2)] = [N, {(k + 1) // 2}], got {tuple(self.qweight.shape)}"
             )
+        if self.qweight.shape[1] > 1 and self.qweight.stride(1) != 1:
+            # the kernels step through a row's bytes one at a time (rows may be strided: a slice of wider rows)
+            raise ValueError(f"qweight's bytes must be contiguous along K (stride 1), got strides "
+                             f"{self.qweight.stride()}")
         n = self.qweight.shape[0]
         if self.scales.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"scales must be fp16/bf16/fp32, got {self.scales.dtype}")
         if tuple(self.scales.shape) != (self.n_groups, n):
             raise ValueError(f"scales must have shape [G, N] = {(self.n_groups, n)}, got {tuple(self.scales.shape)}")
+        # the kernels index group g, row n at g * N + n: any other layout would be read as the wrong values
+        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [G, N] tensor, got strides {t.stride()} "
+                                 f"(call .contiguous() first)")
         if self.zeros is not None:
             if self.zeros.dtype != self.scales.dtype or self.zeros.shape != self.scales.shape:
                 raise ValueError(

@@ -13,7 +13,11 @@
 * package planes: `_int4_gemm_planes_kernel` (`Int4KernelConfig.swap_ab`, session 12), weights on the wgmma's left
   as bytes: the low and high nibbles of one loaded byte tile are two dots against x's even and odd columns, each an
   elementwise function of the tile, dequantized in inline PTX (two bytes per call) in the wgmma's register layout.
-  "package planes, Triton ops" compiles the same kernel with the interpreter's dequantization (Triton ops, ASM off).
+  "package planes, Triton ops" compiles the same kernel with the interpreter's dequantization (Triton ops, ASM off),
+  "package planes, x gathers" with x's two strided gathers instead of its words (X_WORDS off, session 13), and
+  "package planes, 2-byte scales" with the scales and zero-points loaded a row at a time instead of two rows a word
+  (SZ_WORDS off, session 14). "package planes" sets every flag as the host does for 16-bit, aligned tensors; the
+  host leaves SZ_WORDS off at BN 256 with 4 warps and at BN 32, which the probe does not.
 
 All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
 whether Triton 3.6 keeps a dequantized tile out of shared memory when one loaded tile feeds one wgmma, and when it

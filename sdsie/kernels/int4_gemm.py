@@ -570,9 +570,10 @@ def _int4_gemm_planes_kernel(
     # for the 16 that the plan key pins): x's (even, odd) pairs are read as int32 words, one contiguous tile the
     # pipeliner stages through cp.async like the weights. Else x_even and x_odd are two strided 2-byte gathers,
     # which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
-    # SZ_WORDS: 16-bit scales and zero-points, N even, both 4-byte aligned: a group's values are read as int32 words
-    # of two rows each (_load_group_param_pairs), which the pipeliner stages like the weights. Else 2-byte loads per
-    # row, synchronous in every K tile below BN 256 (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
+    # SZ_WORDS (the host sets it for 16-bit scales and zero-points, N even, both 4-byte aligned, on wgmma tiles whose
+    # threads would hold under 4 bytes of them): a group's values are read as int32 words of two rows each
+    # (_load_group_param_pairs), which the pipeliner stages like the weights. Else 2-byte loads per row, synchronous
+    # in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

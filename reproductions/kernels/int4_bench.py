@@ -437,9 +437,9 @@ def sweep_configs() -> list[Int4KernelConfig]:
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, swap_ab (planes) configs at every M, the other tl.dot configs at M >= 2."""
-    if cfg.swap_ab:
-        return True
+    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2. Planes was timed at M = 1 in sessions
+    12 and 13 and lost all 20 cases to the GEMV, by 15-67% (kernel_sweep_s12_planes_m1_m16_h200.json,
+    kernel_sweep_s13_xwords_h200.json), so a sweep no longer spends lease time on it there."""
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
     if cfg.gemv:

@@ -207,35 +207,39 @@ def _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, str
 
 
 @triton.jit
-def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr):
-    """Scales and zero-points for group index/indices g (broadcast against offs_n), as fp32."""
-    s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        z = tl.load(z_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
-    else:
-        z = tl.full(s.shape, 8.0, tl.float32)
-    return s, z
-
-
-@triton.jit
 def _param_pairs(p_ptr, g, offs_p, mask_p, N, BLOCK_N: tl.constexpr):
     """One 16-bit parameter (scales or zero-points, [G, N]) of group g for the rows 2p and 2p + 1 of offs_p
-    [BN / 2], read as one int32 word per pair, -> [BN] fp32 in row order."""
+    [BN / 2], read as one int32 word per pair, -> [BN] in row order."""
     words = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + g * (N // 2) + offs_p, mask=mask_p, other=0)  # [BN / 2]
     DTYPE: tl.constexpr = p_ptr.dtype.element_ty
     even = words.to(tl.int16).to(DTYPE, bitcast=True)  # row 2p: the word's low half (little-endian)
     odd = (words >> 16).to(tl.int16).to(DTYPE, bitcast=True)  # row 2p + 1
-    return tl.reshape(tl.join(even, odd), [BLOCK_N]).to(tl.float32)  # [BN / 2, 2] -> [BN]: row 2p + j
+    return tl.reshape(tl.join(even, odd), [BLOCK_N])  # [BN / 2, 2] -> [BN]: row 2p + j
 
 
 @triton.jit
-def _load_group_param_pairs(s_ptr, z_ptr, g, offs_p, mask_p, N, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_load_group_params for 16-bit parameters, N even and 4-byte aligned tensors: the rows' values in pairs, so a
-    thread's share of a [BN] tile is a whole 4-byte word and the pipeliner can stage it through cp.async (2 bytes
-    cannot be; below BN 256 every K tile of the planes kernel waited on these loads: ncu, NOTES.md session 14)."""
-    s = _param_pairs(s_ptr, g, offs_p, mask_p, N, BLOCK_N)
+def _group_param(p_ptr, g, offs, mask, N, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One parameter ([G, N]) of group index/indices g as fp32: at offs (broadcast against g), or with PAIRS at the
+    row pairs offs [BN / 2] (_param_pairs)."""
+    if PAIRS:
+        v = _param_pairs(p_ptr, g, offs, mask, N, BLOCK_N)
+    else:
+        v = tl.load(p_ptr + g * N + offs, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr, PAIRS: tl.constexpr = False,
+                       BLOCK_N: tl.constexpr = 1):
+    """Scales and zero-points for group index/indices g (broadcast against offs_n), as fp32.
+
+    PAIRS (16-bit parameters, N even, 4-byte aligned tensors): offs_n and mask are the [BN / 2] row pairs of a
+    [BN] tile, whose values are read as one int32 word a pair, so a thread's share is a whole 4-byte word and the
+    pipeliner can stage it through cp.async (2 bytes cannot be; below BN 64 x warps every K tile of the planes
+    kernel waited on these loads: ncu, NOTES.md session 14)."""
+    s = _group_param(s_ptr, g, offs_n, mask, N, PAIRS, BLOCK_N)
     if HAS_ZEROS:
-        z = _param_pairs(z_ptr, g, offs_p, mask_p, N, BLOCK_N)
+        z = _group_param(z_ptr, g, offs_n, mask, N, PAIRS, BLOCK_N)
     else:
         z = tl.full(s.shape, 8.0, tl.float32)
     return s, z
@@ -572,8 +576,8 @@ def _int4_gemm_planes_kernel(
     # which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
     # SZ_WORDS (the host sets it for 16-bit scales and zero-points, N even, both 4-byte aligned, on wgmma tiles whose
     # threads would hold under 4 bytes of them): a group's values are read as int32 words of two rows each
-    # (_load_group_param_pairs), which the pipeliner stages like the weights. Else 2-byte loads per row, synchronous
-    # in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
+    # (_load_group_params with PAIRS), which the pipeliner stages like the weights. Else 2-byte loads per row,
+    # synchronous in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -597,8 +601,8 @@ def _int4_gemm_planes_kernel(
         xe, xo = _x_even_odd(x_ptr, offs_m, m_mask, offs_b, K, KB, stride_xm, stride_xk, CODE_DTYPE, EVEN, X_WORDS)
         if not PER_CHANNEL:
             if SZ_WORDS:
-                s, z = _load_group_param_pairs(s_ptr, z_ptr, k0 // GROUP, offs_p, (2 * offs_p < N) & (k0 < K), N,
-                                               HAS_ZEROS, BLOCK_N)  # [BN]
+                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_p, (2 * offs_p < N) & (k0 < K), N,
+                                          HAS_ZEROS, True, BLOCK_N)  # [BN]
             else:
                 s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]
         lo, hi = _byte_planes(b, CODE_DTYPE, ASM)  # [BN, BKB] each, BIAS + q
@@ -892,9 +896,9 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         # under the 4 bytes cp.async takes (BN < 64 per warp; BN 256 with 4 warps already stages them, and the
         # pairs' regrouping would only add 2 barriers a tile there), on wgmma tiles (BN >= 64: at BN 32, group 32,
         # with zero-points, the H200 gave wrong sums on every row, session 14): 16-bit, N even, 4-byte aligned
+        # (Int4Weight guarantees the zero-points share the scales' dtype and layout)
         sz_words = (64 <= cfg.block_n < 64 * cfg.num_warps and n % 2 == 0 and w.scales.element_size() == 2
-                    and w.scales.data_ptr() % 4 == 0
-                    and (w.zeros is None or (w.zeros.dtype == w.scales.dtype and w.zeros.data_ptr() % 4 == 0)))
+                    and w.scales.data_ptr() % 4 == 0 and (w.zeros is None or w.zeros.data_ptr() % 4 == 0))
         consts.update(BLOCK_M=cfg.block_m, EVEN=whole_tiles, DOT_IEEE=dot_ieee, STAGES=cfg.num_stages,
                       ASM=x2.device.type == "cuda" and not _interpreting(), X_WORDS=x_words, SZ_WORDS=sz_words)
         extra = ()

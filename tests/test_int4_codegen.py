@@ -80,11 +80,12 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     assert planes["sass_per_code"] < gathers["sass_per_code"]
 
 
-def test_scales_in_row_pairs_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
-    """SZ_WORDS acts in the compiled loop (sm_90, BN 64, 4 warps): read two rows a word, the scales and zero-points
-    are staged through cp.async with the weights and no global load is left in the loop; as 2-byte values a thread's
-    share is under the 4 bytes cp.async takes, so they are loaded synchronously in every tile (session 14's ncu: the
-    down_proj BN 64 tile's hottest wait). The left operand stays in registers either way."""
+def test_scales_as_words_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
+    """SZ_WORDS acts in the compiled loop (sm_90, BN 64, 4 warps): read as int32 words (the scales a word per row,
+    the zero-points two rows a word), they are staged through cp.async with the weights and no global load is left
+    in the loop; as 2-byte values a thread's share is under the 4 bytes cp.async takes, so they are loaded
+    synchronously in every tile (session 14's ncu: the down_proj BN 64 tile's hottest wait). The words add no
+    barrier (pairs for the scales too added two, session 14). The left operand stays in registers either way."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.gemm_sass_probe import probe; "
             "print(json.dumps(probe(16, 64, 128, 4, ('package planes', 'package planes, 2-byte scales'))))")
@@ -96,6 +97,7 @@ def test_scales_in_row_pairs_join_the_weights_in_cp_async_on_a_bn64_planes_tile(
     pairs, halves = r["package planes"], r["package planes, 2-byte scales"]
     assert pairs["ldg"] == 0 < halves["ldg"]
     assert pairs["ldgsts"] > halves["ldgsts"]
+    assert pairs["bar"] == halves["bar"]
     assert pairs["left_operand_in_registers"] and halves["left_operand_in_registers"]
     assert pairs["weight_tiles_through_shared"] == 0 == halves["weight_tiles_through_shared"]
 

@@ -262,11 +262,12 @@ def test_planes_reads_x_as_words_only_where_its_pairs_are_aligned(kernel_device,
         assert _plans_of(w)[key].consts["X_WORDS"] is False
 
 
-def test_planes_reads_scales_in_row_pairs_only_on_wgmma_tiles_whose_threads_hold_under_a_word(kernel_device):
-    """SZ_WORDS: the planes kernel reads a group's 16-bit scales and zero-points as int32 words of two rows where a
-    thread's share of the tile's 2-byte values is under the 4 bytes cp.async takes (BN < 64 x warps), on wgmma tiles
-    (BN >= 64), for N even and 4-byte aligned tensors; fp32 scales, an odd N, a scales tensor 2 bytes off a word, BN 32
-    and BN 256 with 4 warps take the 2-byte loads. Every case is correct, symmetric and not, masked and EVEN."""
+def test_planes_reads_scales_as_words_only_on_wgmma_tiles_whose_threads_hold_under_a_word(kernel_device):
+    """SZ_WORDS: the planes kernel reads a group's 16-bit scales and zero-points as int32 words (the scales a word
+    per row, the zero-points two rows a word) where a thread's share of the tile's 2-byte values is under the 4
+    bytes cp.async takes (BN < 64 x warps), on wgmma tiles (BN >= 64), for N even and 4-byte aligned tensors; fp32
+    scales, an odd N, a scales tensor 2 bytes off a word, BN 32 and BN 256 with 4 warps take the 2-byte loads.
+    Every case is correct, symmetric and not, masked and EVEN."""
     gen = torch.Generator().manual_seed(41)
     bn64 = Int4KernelConfig(16, 64, 128, split_k=2, num_warps=4, num_stages=3, swap_ab=True)
     bn256 = Int4KernelConfig(16, 256, 128, num_warps=4, num_stages=3, swap_ab=True)

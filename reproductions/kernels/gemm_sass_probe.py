@@ -15,8 +15,8 @@
   elementwise function of the tile, dequantized in inline PTX (two bytes per call) in the wgmma's register layout.
   "package planes, Triton ops" compiles the same kernel with the interpreter's dequantization (Triton ops, ASM off),
   "package planes, x gathers" with x's two strided gathers instead of its words (X_WORDS off, session 13), and
-  "package planes, 2-byte scales" with the scales and zero-points loaded a row at a time instead of two rows a word
-  (SZ_WORDS off, session 14). "package planes" sets every flag as the host does for 16-bit, aligned tensors; the
+  "package planes, 2-byte scales" with the scales and zero-points loaded as 2-byte values instead of int32 words
+  (SZ_WORDS off, sessions 14 and 15). "package planes" sets every flag as the host does for 16-bit, aligned tensors; the
   host leaves SZ_WORDS off at BN 256 with 4 warps and at BN 32, which the probe does not.
 
 All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
@@ -169,8 +169,8 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
 
 KERNELS = ("package bytes", "words variant", "package planes", "package planes, Triton ops",
            "package planes, x gathers", "package planes, 2-byte scales")
-# name -> (ASM: the GPU's inline PTX, X_WORDS: x's pairs as int32 words, SZ_WORDS: scales and zero-points two rows
-# a word)
+# name -> (ASM: the GPU's inline PTX, X_WORDS: x's pairs as int32 words, SZ_WORDS: scales and zero-points as int32
+# words)
 _PLANES = {"package planes": (True, True, True), "package planes, Triton ops": (False, True, True),
            "package planes, x gathers": (True, False, True), "package planes, 2-byte scales": (True, True, False)}
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]

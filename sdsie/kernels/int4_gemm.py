@@ -218,28 +218,56 @@ def _param_pairs(p_ptr, g, offs_p, mask_p, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _group_param(p_ptr, g, offs, mask, N, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One parameter ([G, N]) of group index/indices g as fp32: at offs (broadcast against g), or with PAIRS at the
-    row pairs offs [BN / 2] (_param_pairs)."""
-    if PAIRS:
+def _param_row_words(p_ptr, g, offs_n, mask, N):
+    """One 16-bit parameter ([G, N]) of group g for rows offs_n [BN]: each row reads the int32 word holding its
+    pair (rows 2p and 2p + 1 read the same word) and keeps its half. No layout change, unlike _param_pairs."""
+    words = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + g * (N // 2) + offs_n // 2, mask=mask, other=0)  # [BN]
+    half = (words >> ((offs_n % 2) * 16)).to(tl.int16)  # row 2p: the low half (little-endian), 2p + 1: the high
+    return half.to(p_ptr.dtype.element_ty, bitcast=True)
+
+
+PLAIN: tl.constexpr = tl.constexpr(0)  # _group_param's forms: a 2-byte (or 4-byte) load per value
+PAIRS: tl.constexpr = tl.constexpr(1)  # an int32 word per row pair, offs the [BN / 2] pairs (_param_pairs)
+ROW_WORDS: tl.constexpr = tl.constexpr(2)  # an int32 word per row (_param_row_words)
+
+
+@triton.jit
+def _group_param(p_ptr, g, offs, mask, N, FORM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One parameter ([G, N]) of group index/indices g as fp32, at offs (broadcast against g) in one of three
+    forms: PLAIN, PAIRS or ROW_WORDS (16-bit parameters, N even, 4-byte aligned tensors)."""
+    if FORM == PAIRS:
         v = _param_pairs(p_ptr, g, offs, mask, N, BLOCK_N)
+    elif FORM == ROW_WORDS:
+        v = _param_row_words(p_ptr, g, offs, mask, N)
     else:
         v = tl.load(p_ptr + g * N + offs, mask=mask, other=0.0)
     return v.to(tl.float32)
 
 
 @triton.jit
-def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr, PAIRS: tl.constexpr = False,
-                       BLOCK_N: tl.constexpr = 1):
-    """Scales and zero-points for group index/indices g (broadcast against offs_n), as fp32.
-
-    PAIRS (16-bit parameters, N even, 4-byte aligned tensors): offs_n and mask are the [BN / 2] row pairs of a
-    [BN] tile, whose values are read as one int32 word a pair, so a thread's share is a whole 4-byte word and the
-    pipeliner can stage it through cp.async (2 bytes cannot be; below BN 64 x warps every K tile of the planes
-    kernel waited on these loads: ncu, NOTES.md session 14)."""
-    s = _group_param(s_ptr, g, offs_n, mask, N, PAIRS, BLOCK_N)
+def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr):
+    """Scales and zero-points for group index/indices g (broadcast against offs_n), as fp32."""
+    s = _group_param(s_ptr, g, offs_n, mask, N, PLAIN, 1)
     if HAS_ZEROS:
-        z = _group_param(z_ptr, g, offs_n, mask, N, PAIRS, BLOCK_N)
+        z = _group_param(z_ptr, g, offs_n, mask, N, PLAIN, 1)
+    else:
+        z = tl.full(s.shape, 8.0, tl.float32)
+    return s, z
+
+
+@triton.jit
+def _load_group_param_words(s_ptr, z_ptr, g, offs_n, n_mask, offs_p, p_mask, N, HAS_ZEROS: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """_load_group_params for 16-bit parameters, N even and 4-byte aligned tensors, read as int32 words, so a
+    thread's share of a [BN] tile is a whole 4-byte word and the pipeliner can stage it through cp.async (2 bytes
+    cannot be; below BN 64 x warps every K tile of the planes kernel waited on these loads: ncu, NOTES.md session
+    14). The scales, which multiply the accumulator, read a word per row (ROW_WORDS: no layout change). The
+    zero-points, which meet the wgmma's register operand, read a word per pair (PAIRS, offs_p [BN / 2]): offline
+    (sm_90, BN 64) a word per row there moved two dequantized weight tiles through shared memory, and pairs for the
+    scales too cost two more barriers a tile (NOTES.md sessions 14 and 15)."""
+    s = _group_param(s_ptr, g, offs_n, n_mask, N, ROW_WORDS, BLOCK_N)  # [BN]
+    if HAS_ZEROS:
+        z = _group_param(z_ptr, g, offs_p, p_mask, N, PAIRS, BLOCK_N)  # [BN]
     else:
         z = tl.full(s.shape, 8.0, tl.float32)
     return s, z
@@ -576,7 +604,7 @@ def _int4_gemm_planes_kernel(
     # which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
     # SZ_WORDS (the host sets it for 16-bit scales and zero-points, N even, both 4-byte aligned, on wgmma tiles whose
     # threads would hold under 4 bytes of them): a group's values are read as int32 words of two rows each
-    # (_load_group_params with PAIRS), which the pipeliner stages like the weights. Else 2-byte loads per row,
+    # (_load_group_param_words), which the pipeliner stages like the weights. Else 2-byte loads per row,
     # synchronous in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -601,8 +629,8 @@ def _int4_gemm_planes_kernel(
         xe, xo = _x_even_odd(x_ptr, offs_m, m_mask, offs_b, K, KB, stride_xm, stride_xk, CODE_DTYPE, EVEN, X_WORDS)
         if not PER_CHANNEL:
             if SZ_WORDS:
-                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_p, (2 * offs_p < N) & (k0 < K), N,
-                                          HAS_ZEROS, True, BLOCK_N)  # [BN]
+                s, z = _load_group_param_words(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), offs_p,
+                                               (2 * offs_p < N) & (k0 < K), N, HAS_ZEROS, BLOCK_N)  # [BN]
             else:
                 s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]
         lo, hi = _byte_planes(b, CODE_DTYPE, ASM)  # [BN, BKB] each, BIAS + q
@@ -892,9 +920,9 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         # x's pairs as int32 words: 16-bit x, K even, rows contiguous and 16-byte aligned (the plan key pins all four)
         x_words = (cfg.x_tile and x2.dtype != torch.float32 and k % 2 == 0 and x2.stride(1) == 1
                    and x2.stride(0) % 2 == 0 and x2.data_ptr() % 16 == 0)
-        # the scales' and zero-points' values two rows a word where a thread's share of a tile's 2-byte values is
-        # under the 4 bytes cp.async takes (BN < 64 per warp; BN 256 with 4 warps already stages them, and the
-        # pairs' regrouping would only add 2 barriers a tile there), on wgmma tiles (BN >= 64: at BN 32, group 32,
+        # the scales and zero-points as int32 words where a thread's share of a tile's 2-byte values is under the
+        # 4 bytes cp.async takes (BN < 64 per warp; BN 256 with 4 warps already stages them, and the zero-points'
+        # pair regrouping would only add 2 barriers a tile there), on wgmma tiles (BN >= 64: at BN 32, group 32,
         # with zero-points, the H200 gave wrong sums on every row, session 14): 16-bit, N even, 4-byte aligned
         # (Int4Weight guarantees the zero-points share the scales' dtype and layout)
         sz_words = (64 <= cfg.block_n < 64 * cfg.num_warps and n % 2 == 0 and w.scales.element_size() == 2

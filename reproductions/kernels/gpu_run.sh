@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The kernel and entropy reproductions on a GPU machine, in the order a tuning session needs them:
-# sweep -> install the tuned table -> kernel tests over every candidate (tuned ones included) ->
-# suite record (kernel_int4) and entropy record -> thorough property tests while time remains.
-# Progress goes to stdout; `.run/done` holds the exit status when everything has finished.
+# [A/B against a baseline kernel] -> sweep -> install the tuned table -> kernel tests over every candidate (tuned
+# ones included) -> suite record (kernel_int4) and entropy record -> thorough property tests while time remains.
+# Progress goes to stdout; `.run/done` holds the exit status when everything has finished. Start it detached and
+# poll for `.run/done` in later calls (one call is at most 10 minutes; the tests alone take about 8):
 #   setsid nohup bash reproductions/kernels/gpu_run.sh > .run/log 2>&1 &
+# To validate a kernel change without re-tuning (session 15's sequence, about 12 minutes):
+#   AB_BASELINE=.ab/base_int4_gemm.py AB_ARGS="--m 4 16" SWEEP=0 SDSIE_SOURCE_COMMIT=<sha> setsid nohup ...
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 mkdir -p .run && rm -f .run/done
@@ -12,14 +15,22 @@ status=0
 step environment
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step sweep
-# SWEEP_ARGS focuses the sweep (e.g. "--m 4 8 16 --only swap": those cases, the incumbent timed beside, the table
-# merged into the installed one); SUITE=0 skips the suite records.
-# shellcheck disable=SC2086
-if python3 -m reproductions.kernels.int4_bench --sweep --no-energy --out telemetry/raw ${SWEEP_ARGS:-}; then
-    cp telemetry/raw/tuned_configs.json sdsie/kernels/tuned_configs.json
-else
-    status=1
+if [ -n "${AB_BASELINE:-}" ]; then
+    step "A/B against $AB_BASELINE"
+    # shellcheck disable=SC2086
+    python3 -m reproductions.kernels.ab_bench --baseline "$AB_BASELINE" --out telemetry/raw/ab.json ${AB_ARGS:-} \
+        || status=1
+fi
+if [ "${SWEEP:-1}" != 0 ]; then
+    step sweep
+    # SWEEP_ARGS focuses the sweep (e.g. "--m 4 8 16 --only swap": those cases, the incumbent timed beside, the
+    # table merged into the installed one); SWEEP=0 skips it; SUITE=0 skips the suite records.
+    # shellcheck disable=SC2086
+    if python3 -m reproductions.kernels.int4_bench --sweep --no-energy --out telemetry/raw ${SWEEP_ARGS:-}; then
+        cp telemetry/raw/tuned_configs.json sdsie/kernels/tuned_configs.json
+    else
+        status=1
+    fi
 fi
 step kernel tests, every candidate configuration
 python3 -m pytest tests/test_int4_kernel.py tests/test_int4_modules.py -q -x -p no:cacheprovider \

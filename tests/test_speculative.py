@@ -372,3 +372,82 @@ def test_adaptive_schedule_stays_at_k_when_everything_is_kept_and_falls_to_one_w
     assert ks[:5] == [5, 4, 3, 2, 1] and max(ks[5:]) <= 3  # one kept draft at k = 1 lifts it to 3 at most
     constant = generate(TARGET, [3, 14, 15], DecodeConfig(max_new_tokens=40, k_draft=5), scout=SCOUTS["random"])
     assert constant.stats.drafted > rejected.stats.drafted  # the schedule drafts less where drafts are rejected
+
+
+# ------------------------------------------------------------------------------------------------
+# The scout's confidence ends its drafting (DecodeConfig.draft_stop_prob)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5, True, "0.4", float("nan")])
+def test_a_draft_stop_prob_outside_zero_to_one_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="draft_stop_prob must be a probability in"):
+        DecodeConfig(draft_stop_prob=bad)  # type: ignore[arg-type]
+
+
+def test_draft_prob_reads_the_drafts_probability_greedy_and_sampled() -> None:
+    logits = torch.tensor([0.0, 2.0, 1.0])
+    assert engine._draft_prob(logits, torch.tensor(1), None) == pytest.approx(torch.softmax(logits, 0)[1].item())
+    q = torch.tensor([0.1, 0.2, 0.7])  # sampling: the warped distribution the draft was sampled from
+    assert engine._draft_prob(logits, torch.tensor(2), q) == pytest.approx(0.7)
+
+
+@contextmanager
+def logged_draft_probs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """Every probability _draft_prob hands the stop rule, in order."""
+    seen: list[float] = []
+    real = engine._draft_prob
+
+    def spy(*args: object) -> float:
+        p = real(*args)  # type: ignore[arg-type]
+        seen.append(p)
+        return p
+
+    monkeypatch.setattr(engine, "_draft_prob", spy)
+    yield seen
+
+
+@pytest.mark.parametrize("scout_name", list(SCOUTS))
+@given(prompt=prompts, k=st.integers(1, 6), max_new=st.integers(1, 20),
+       stop=st.sampled_from([0.05, 0.3, 0.6, 0.95, 1.0]), schedule=st.sampled_from(["constant", "adaptive"]))
+def test_confidence_stopped_speculation_equals_plain_loop_and_stops_where_the_scout_doubts(
+    scout_name: str, prompt: list[int], k: int, max_new: int, stop: float, schedule: str
+) -> None:
+    """Lossless for any threshold and schedule; each speculate cycle drafts the schedule's length unless a draft
+    before the last fell below the threshold, and then stops right after that draft (HF's ConfidenceCriteria)."""
+    scout = SCOUTS[scout_name]
+    config = DecodeConfig(max_new_tokens=max_new, k_draft=k, k_schedule=schedule, draft_stop_prob=stop)
+    with pytest.MonkeyPatch.context() as m, logged_draft_probs(m) as seen, count_forwards(TARGET, scout) as counts:
+        result = generate(TARGET, prompt, config, scout=scout)
+    assert result.tokens == plain(prompt, max_new)
+    assert counts == [result.stats.target_forwards, result.stats.scout_forwards]
+    expected, produced, read, stops = k, 1, 0, 0
+    for c in result.cycles:
+        asked = min(expected, max_new - produced - 1)
+        if asked:
+            probs = seen[read : read + min(c.k, asked - 1)]  # the rule reads every draft but a cycle's last
+            read += len(probs)
+            assert all(p >= stop for p in probs[: c.k - 1])
+            if c.k < asked:
+                assert probs[-1] < stop
+                stops += 1
+            else:
+                assert c.k == asked
+            if schedule == "adaptive":
+                expected = engine.next_draft_length(expected, c.k, c.accepted, k)
+        produced += c.emitted
+    assert read == len(seen) and stops == result.stats.draft_stops
+
+
+def test_a_threshold_of_one_drafts_one_token_a_cycle_and_drafts_less_than_without_it() -> None:
+    """No draft reaches probability 1 with these scouts, so every speculate cycle stops after its first draft;
+    with the target's own weights as the scout everything is still kept."""
+    base = DecodeConfig(max_new_tokens=30, k_draft=5)
+    for name in ("self", "perturbed"):
+        stopped = generate(TARGET, [3, 14, 15], DecodeConfig(max_new_tokens=30, k_draft=5, draft_stop_prob=1.0),
+                           scout=SCOUTS[name])
+        assert {c.k for c in stopped.cycles if c.speculated} == {1}
+        full = generate(TARGET, [3, 14, 15], base, scout=SCOUTS[name])
+        assert stopped.tokens == full.tokens and stopped.stats.drafted < full.stats.drafted
+        # every speculate cycle stopped early, but a last one the budget had already cut to one draft
+        spec = stopped.stats.speculate_cycles
+        assert spec > 0 and stopped.stats.draft_stops in (spec, spec - 1)

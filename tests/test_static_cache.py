@@ -23,20 +23,20 @@ MIXED = ClutchConfig(theta_low=1.8, theta_high=2.4, alpha=0.5)  # engages and fa
 
 
 def _run(kv_cache: str, prompt: list[int], max_new: int, k: int | None, clutch: ClutchConfig | None, eos=None,
-         schedule: str = "constant"):
+         schedule: str = "constant", stop: float | None = None):
     cfg = DecodeConfig(max_new_tokens=max_new, kv_cache=kv_cache, eos_token_id=eos,
-                       k_draft=None if clutch else k, k_schedule=schedule)
+                       k_draft=None if clutch else k, k_schedule=schedule, draft_stop_prob=stop)
     scout = SCOUT if (k or clutch) else None
     return generate(TARGET, prompt, cfg, scout=scout, clutch=EntropyClutch(clutch) if clutch else None)
 
 
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), max_new=st.integers(1, 24),
        k=st.sampled_from([None, 1, 3, 5, 8]), gated=st.booleans(), eos=st.sampled_from([None, 2, 7]),
-       schedule=st.sampled_from(["constant", "adaptive"]))
-def test_static_cache_reproduces_the_dynamic_cache(prompt, max_new, k, gated, eos, schedule):
+       schedule=st.sampled_from(["constant", "adaptive"]), stop=st.sampled_from([None, 0.5]))
+def test_static_cache_reproduces_the_dynamic_cache(prompt, max_new, k, gated, eos, schedule, stop):
     clutch = ClutchConfig(MIXED.theta_low, MIXED.theta_high, MIXED.alpha, k_draft=k or 5) if gated else None
-    a = _run("dynamic", prompt, max_new, k, clutch, eos, schedule)
-    b = _run("static", prompt, max_new, k, clutch, eos, schedule)
+    a = _run("dynamic", prompt, max_new, k, clutch, eos, schedule, stop)
+    b = _run("static", prompt, max_new, k, clutch, eos, schedule, stop)
     assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
     assert a.decisions == b.decisions
     assert [(c.k, c.accepted) for c in a.cycles] == [(c.k, c.accepted) for c in b.cycles]
@@ -113,19 +113,22 @@ def test_cuda_graph_configurations_are_refused_with_their_reason():
 def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
     """On a GPU: replaying the captured forwards gives the eager static path's tokens, cycles and decisions
     (the same kernels on the same inputs), for plain, fixed-K5 and gated decoding, the latter two also with the
-    adaptive draft length (a verify graph per length). The eager run pads the scout's catch-up as the graphed one
+    adaptive draft length (a verify graph per length) and with the scout's confidence ending its drafts
+    (draft_stop_prob). The eager run pads the scout's catch-up as the graphed one
     does, so both run the same sizes."""
     import sdsie.decoding.engine as engine
 
     monkeypatch.setattr(engine, "_scout_pad_sizes", lambda config: engine.SCOUT_PAD_SIZES)
     target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
     prompt = [1, 5, 9, 4, 7]
-    cases = [({}, "constant")] + [(kw, schedule) for schedule in ("constant", "adaptive")
-                                  for kw in ({"scout": scout}, {"scout": scout, "clutch": MIXED})]
-    for kw, schedule in cases:
+    cases = [({}, "constant", None)] + [(kw, schedule, stop) for schedule in ("constant", "adaptive")
+                                        for kw in ({"scout": scout}, {"scout": scout, "clutch": MIXED})
+                                        for stop in (None, 0.4)]
+    for kw, schedule, stop in cases:
         runs = []
         for graphs in (False, True):
-            cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs, k_schedule=schedule)
+            cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs, k_schedule=schedule,
+                               draft_stop_prob=stop)
             clutch = EntropyClutch(kw["clutch"]) if "clutch" in kw else None
             runs.append(generate(target, prompt, cfg, scout=kw.get("scout"), clutch=clutch))
         eager, replayed = runs
@@ -284,3 +287,4 @@ def test_the_adaptive_schedule_sizes_the_targets_verify_forwards_for_every_draft
     assert engine._verify_sizes(DecodeConfig(), 5) == (1, 6)
     assert engine._verify_sizes(DecodeConfig(k_schedule="adaptive"), 5) == (1, 2, 3, 4, 5, 6)
     assert engine._verify_sizes(DecodeConfig(k_schedule="adaptive"), 0) == (1,)  # no scout: plain steps only
+    assert engine._verify_sizes(DecodeConfig(draft_stop_prob=0.4), 5) == (1, 2, 3, 4, 5, 6)  # stops: any length

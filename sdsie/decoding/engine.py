@@ -84,6 +84,11 @@ class DecodeConfig:
     k_schedule: "constant" (K drafts every speculate cycle) or "adaptive" (K_SCHEDULES: the draft length moves
     between 1 and K with the previous cycle's acceptance). Under cuda_graphs an adaptive run captures a verify
     graph for every draft length 1..K. Any schedule is lossless: only how many drafts are verified changes.
+    draft_stop_prob: stop a cycle's drafting after a draft the scout gave a probability below this (the greedy
+    scout's softmax, or the warped distribution it sampled from), even before the schedule's length; that draft
+    is still verified. HF assisted generation's assistant_confidence_threshold (default 0.4 there), held fixed
+    here where HF re-fits it during a run. Each draft then costs a host sync to read the probability, and under
+    cuda_graphs every verify length 1..K is captured. None: drafts follow the schedule alone.
     """
 
     max_new_tokens: int = 64
@@ -96,6 +101,7 @@ class DecodeConfig:
     cuda_graphs: bool = False
     pad_scout_catchup: bool = True
     k_schedule: str = "constant"
+    draft_stop_prob: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -108,6 +114,11 @@ class DecodeConfig:
             raise ValueError(f"pad_scout_catchup must be a bool, got {self.pad_scout_catchup!r}")
         if self.k_schedule not in K_SCHEDULES:
             raise ValueError(f"k_schedule must be one of {K_SCHEDULES}, got {self.k_schedule!r}")
+        if self.draft_stop_prob is not None and (
+            isinstance(self.draft_stop_prob, bool) or not isinstance(self.draft_stop_prob, (int, float))
+            or not 0.0 < self.draft_stop_prob <= 1.0
+        ):
+            raise ValueError(f"draft_stop_prob must be a probability in (0, 1], got {self.draft_stop_prob!r}")
         if self.cuda_graphs and self.kv_cache != "static":
             raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
         if self.k_draft is not None and (
@@ -126,10 +137,11 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class CycleRecord:
-    """One cycle. engaged: the clutch state that decided it (None without a clutch); k: drafts asked for
-    (0 = plain step); accepted: drafts kept; emitted: tokens appended; entropy: bits of the target
-    distribution behind the last emitted token; ema: clutch EMA after this cycle; gear_int4: the gear
-    during this cycle's target forward (None without a gear); seconds: wall time of the cycle."""
+    """One cycle. engaged: the clutch state that decided it (None without a clutch); k: drafts made
+    (0 = plain step; fewer than the schedule asked where draft_stop_prob stopped the scout); accepted:
+    drafts kept; emitted: tokens appended; entropy: bits of the target distribution behind the last
+    emitted token; ema: clutch EMA after this cycle; gear_int4: the gear during this cycle's target
+    forward (None without a gear); seconds: wall time of the cycle."""
 
     engaged: bool | None
     k: int
@@ -159,6 +171,7 @@ class DecodeStats:
     target_forwards: int = 0
     scout_forwards: int = 0
     scout_catchup_tokens: int = 0
+    draft_stops: int = 0  # speculate cycles whose drafting draft_stop_prob ended before the schedule's length
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -256,20 +269,32 @@ class _Run:
 
 
 def _draft(run: _Run, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scout drafts k tokens after `last` -> (drafts [k], q [k, V] or None when greedy)."""
+    """Scout drafts up to k tokens after `last` -> (drafts [d], q [d, V] or None when greedy); d < k only where
+    config.draft_stop_prob ended the drafting (_draft_prob)."""
     assert run.scout is not None and run.scout_cache is not None
     feed = run.ids[cache_length(run.scout_cache) : run.length]  # [F]: tokens the scout missed, then last
     run.stats.scout_catchup_tokens += feed.numel() - 1
+    stop = run.config.draft_stop_prob
     tokens, probs = [], []
-    for _ in range(k):
+    for i in range(k):
         logits = forward(run.scout, feed, run.scout_cache, last_only=True)[-1]  # [V]
         token, prob = select_token(logits, run.config.sampling, run.generator)
         tokens.append(token)
         probs.append(prob)
         feed = token[None]
-    run.stats.scout_forwards += k
+        if stop is not None and i < k - 1 and _draft_prob(logits, token, prob) < stop:
+            run.stats.draft_stops += 1
+            break
+    run.stats.scout_forwards += len(tokens)
     q = None if run.config.sampling.greedy else torch.stack(probs)
     return torch.stack(tokens), q
+
+
+def _draft_prob(logits: torch.Tensor, token: torch.Tensor, prob: torch.Tensor | None) -> float:
+    """The scout's probability of its draft on the host (a device sync): from the distribution it sampled from
+    (prob [V]), or greedy from the softmax of its logits [V]."""
+    p = prob if prob is not None else torch.softmax(logits.float(), dim=-1)
+    return float(p[token])
 
 
 def _verify(run: _Run, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None):
@@ -282,12 +307,14 @@ def _verify(run: _Run, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tens
     return rejection_verify(p, q, drafts, run.generator)
 
 
-def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int]:
-    """One decode cycle with k drafts (k = 0: a plain step). Returns (emitted tokens, entropy per
-    emitted token, n_accepted); caches are left holding exactly the kept tokens before the new last."""
+def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
+    """One decode cycle with up to k drafts (k = 0: a plain step). Returns (emitted tokens, entropy per
+    emitted token, n_accepted, drafts made); caches are left holding exactly the kept tokens before the new
+    last."""
     device = run.ids.device
     if k > 0:
-        drafts, q = _draft(run, k)  # [k], [k, V] | None
+        drafts, q = _draft(run, k)  # [d], [d, V] | None
+        k = drafts.numel()
     else:
         drafts, q = torch.empty(0, dtype=torch.long, device=device), None
     precision = run.gear.int4 if run.gear is not None else None  # a graphed cache keeps one graph per precision
@@ -303,7 +330,7 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int]:
         assert run.scout_cache is not None
         crop_cache(run.scout_cache, run.length + min(n, k - 1))
     run.ids[run.length : run.length + n + 1] = torch.cat([drafts[:n], next_token[None]])  # device to device
-    return emitted, floats[: n + 1], n
+    return emitted, floats[: n + 1], n, k
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -370,7 +397,7 @@ def _loop(
         engaged = clutch.engaged if clutch is not None else None
         k = _draft_length(run, engaged, produced=len(tokens))
         gear_int4 = _set_gear(gear, clutch, config)
-        emitted, bits, n = _cycle(run, k)
+        emitted, bits, n, k = _cycle(run, k)  # k: the drafts made
         if k > 0 and config.k_schedule == "adaptive":
             run.k_next = next_draft_length(run.k_next, k, n, k_engaged)
         emitted, bits = _truncate_at_eos(emitted, bits, eos)
@@ -498,10 +525,11 @@ SCOUT_PAD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 
 def _verify_sizes(config: DecodeConfig, k: int) -> tuple[int, ...]:
     """The target's forward sizes a run repeats: 1 (plain steps) and K + 1, or every 2..K + 1 when the adaptive
-    schedule can draft any length up to K."""
+    schedule or draft_stop_prob can draft any length up to K."""
     if not k:
         return (1,)
-    return (1, *range(2, k + 2)) if config.k_schedule == "adaptive" else (1, k + 1)
+    any_length = config.k_schedule == "adaptive" or config.draft_stop_prob is not None
+    return (1, *range(2, k + 2)) if any_length else (1, k + 1)
 
 
 def _scout_pad_sizes(config: DecodeConfig) -> tuple[int, ...]:

@@ -245,29 +245,24 @@ def _group_param(p_ptr, g, offs, mask, N, FORM: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr):
-    """Scales and zero-points for group index/indices g (broadcast against offs_n), as fp32."""
-    s = _group_param(s_ptr, g, offs_n, mask, N, PLAIN, 1)
-    if HAS_ZEROS:
-        z = _group_param(z_ptr, g, offs_n, mask, N, PLAIN, 1)
-    else:
-        z = tl.full(s.shape, 8.0, tl.float32)
-    return s, z
+def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr, offs_p=None, p_mask=None,
+                       BLOCK_N: tl.constexpr = 1):
+    """Scales and zero-points for group index/indices g (broadcast against offs_n), as fp32.
 
-
-@triton.jit
-def _load_group_param_words(s_ptr, z_ptr, g, offs_n, n_mask, offs_p, p_mask, N, HAS_ZEROS: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """_load_group_params for 16-bit parameters, N even and 4-byte aligned tensors, read as int32 words, so a
-    thread's share of a [BN] tile is a whole 4-byte word and the pipeliner can stage it through cp.async (2 bytes
-    cannot be; below BN 64 x warps every K tile of the planes kernel waited on these loads: ncu, NOTES.md session
-    14). The scales, which multiply the accumulator, read a word per row (ROW_WORDS: no layout change). The
-    zero-points, which meet the wgmma's register operand, read a word per pair (PAIRS, offs_p [BN / 2]): offline
-    (sm_90, BN 64) a word per row there moved two dequantized weight tiles through shared memory, and pairs for the
-    scales too cost two more barriers a tile (NOTES.md sessions 14 and 15)."""
-    s = _group_param(s_ptr, g, offs_n, n_mask, N, ROW_WORDS, BLOCK_N)  # [BN]
+    Given the tile's row pairs offs_p [BN / 2] and their mask (16-bit parameters, N even, 4-byte aligned tensors),
+    they are read as int32 words, so a thread's share of a [BN] tile is a whole 4-byte word and the pipeliner can
+    stage it through cp.async (2 bytes cannot be; below BN 64 x warps every K tile of the planes kernel waited on
+    these loads: ncu, NOTES.md session 14). The scales, which multiply the accumulator, read a word per row
+    (ROW_WORDS: no layout change). The zero-points, which meet the wgmma's register operand, read a word per pair
+    (PAIRS): offline (sm_90, BN 64) a word per row there moved two dequantized weight tiles through shared memory,
+    and pairs for the scales too cost two more barriers a tile (NOTES.md sessions 14 and 15)."""
+    WORDS: tl.constexpr = offs_p is not None
+    s = _group_param(s_ptr, g, offs_n, mask, N, ROW_WORDS if WORDS else PLAIN, BLOCK_N)
     if HAS_ZEROS:
-        z = _group_param(z_ptr, g, offs_p, p_mask, N, PAIRS, BLOCK_N)  # [BN]
+        if WORDS:
+            z = _group_param(z_ptr, g, offs_p, p_mask, N, PAIRS, BLOCK_N)
+        else:
+            z = _group_param(z_ptr, g, offs_n, mask, N, PLAIN, BLOCK_N)
     else:
         z = tl.full(s.shape, 8.0, tl.float32)
     return s, z
@@ -604,7 +599,7 @@ def _int4_gemm_planes_kernel(
     # which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
     # SZ_WORDS (the host sets it for 16-bit scales and zero-points, N even, both 4-byte aligned, on wgmma tiles whose
     # threads would hold under 4 bytes of them): a group's values are read as int32 words of two rows each
-    # (_load_group_param_words), which the pipeliner stages like the weights. Else 2-byte loads per row,
+    # (_load_group_params given the row pairs), which the pipeliner stages like the weights. Else 2-byte loads per row,
     # synchronous in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -629,8 +624,8 @@ def _int4_gemm_planes_kernel(
         xe, xo = _x_even_odd(x_ptr, offs_m, m_mask, offs_b, K, KB, stride_xm, stride_xk, CODE_DTYPE, EVEN, X_WORDS)
         if not PER_CHANNEL:
             if SZ_WORDS:
-                s, z = _load_group_param_words(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), offs_p,
-                                               (2 * offs_p < N) & (k0 < K), N, HAS_ZEROS, BLOCK_N)  # [BN]
+                s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS,
+                                          offs_p, (2 * offs_p < N) & (k0 < K), BLOCK_N)  # [BN]
             else:
                 s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), N, HAS_ZEROS)  # [BN]
         lo, hi = _byte_planes(b, CODE_DTYPE, ASM)  # [BN, BKB] each, BIAS + q

@@ -21,11 +21,13 @@ from dataclasses import asdict
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
-from sdsie.kernels.int4_gemm import _plans_of, tuned_key, tuned_lookup
+from sdsie.kernels.int4_gemm import CODE_HI, CODE_LO, CODE_MAGIC, _code_pair_f32, _plans_of, tuned_key, tuned_lookup
 from sdsie.quant.format import Int4Weight, pack_int4
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -214,6 +216,42 @@ def _run_planes_ptx(ptx: str, pair: int) -> tuple[int, int]:
         else:
             raise AssertionError(f"the planes PTX uses {op}, which this emulator does not define")
     return regs["$0"], regs["$1"]
+
+
+@triton.jit
+def _code_pairs_probe(w_ptr, out_ptr, magic_lo, magic_hi, BLOCK: tl.constexpr):
+    """Each int32 word's eight codes through _code_pair_f32, at the four pair positions: out [BLOCK, 8] fp32."""
+    offs = tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + offs)
+    c0, c1 = _code_pair_f32(w, 0, magic_lo, magic_hi)
+    c2, c3 = _code_pair_f32(w, 8, magic_lo, magic_hi)
+    c4, c5 = _code_pair_f32(w, 16, magic_lo, magic_hi)
+    c6, c7 = _code_pair_f32(w, 24, magic_lo, magic_hi)
+    tl.store(out_ptr + offs * 8 + 0, c0)
+    tl.store(out_ptr + offs * 8 + 1, c1)
+    tl.store(out_ptr + offs * 8 + 2, c2)
+    tl.store(out_ptr + offs * 8 + 3, c3)
+    tl.store(out_ptr + offs * 8 + 4, c4)
+    tl.store(out_ptr + offs * 8 + 5, c5)
+    tl.store(out_ptr + offs * 8 + 6, c6)
+    tl.store(out_ptr + offs * 8 + 7, c7)
+
+
+def test_the_gemv_code_pairs_are_exact_at_every_position(kernel_device):
+    """The GEMV turns a word's codes into floats with one shift per pair and one and-or per code (_code_pair_f32):
+    every byte value at every pair position of a word, sign bit set included, gives exactly CODE_LO + its low
+    nibble and CODE_HI + its high nibble, the offsets the kernel subtracts with sums of x. (A pair left at bits
+    16..23 to save its shift fails here: bit 23 is a float's lowest exponent bit.)"""
+    b = torch.arange(256, dtype=torch.int64)
+    # word i holds byte i at bits 0..7, byte (i + 85) % 256 at 8..15, (i + 170) % 256 at 16..23, 255 - i at 24..31
+    bytes_ = torch.stack([b, (b + 85) % 256, (b + 170) % 256, 255 - b], dim=1)  # [256, 4]
+    words = (bytes_ << torch.tensor([0, 8, 16, 24])).sum(dim=1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(kernel_device)
+    out = torch.empty((256, 8), dtype=torch.float32, device=kernel_device)
+    _code_pairs_probe[(1,)](words, out, *CODE_MAGIC, BLOCK=256)
+    lo, hi = bytes_ & 0xF, bytes_ >> 4  # [256, 4] each
+    want = torch.stack([CODE_LO.value + lo, CODE_HI.value + hi], dim=2).reshape(256, 8).float()  # codes 2p, 2p + 1
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

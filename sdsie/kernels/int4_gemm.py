@@ -35,6 +35,7 @@ import functools
 import inspect
 import json
 import os
+import struct
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,15 +98,21 @@ def _load_bytes(qw_ptr, offs_n, offs_b, N, KB, stride_qn, EVEN: tl.constexpr):
     return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")  # [BN, BKB] uint8
 
 
+CODE_LO: tl.constexpr = tl.constexpr(256.0)  # the float a pair's low code is OR-ed into (_code_pair_f32) ...
+CODE_HI: tl.constexpr = tl.constexpr(16.0)  # ... and its high code; the callers subtract both with sums of x
+
+
 @triton.jit
 def _code_pair_f32(w, SHIFT: tl.constexpr, magic_lo, magic_hi):
-    """The two codes at bits [SHIFT, SHIFT + 8) of int32 words w as exact fp32 (256 + q_lo, 16 + q_hi).
+    """The two codes at bits [SHIFT, SHIFT + 8) of int32 words w as exact fp32 (CODE_LO + q_lo, CODE_HI + q_hi).
 
     One shift puts the pair at bits 15..22; one and-or per code then drops each nibble into a float's
     mantissa: bits 15..18 of 256.0 (0x43800000, ulp 2**-15) step by 1, and so do bits 19..22 of 16.0
     (0x41800000, ulp 2**-19). So a code costs half a shift, one LOP3 and its FMA; the caller removes
-    the offsets (256 for even positions, 16 for odd) per tile with sums of x (v3,
-    reproductions/kernels/NOTES.md). No int->float conversion, which ran at a quarter rate in v1."""
+    the offsets per tile with sums of x (v3, reproductions/kernels/NOTES.md). No int->float conversion, which ran
+    at a quarter rate in v1. (Bits 16..23 would spare the pair there its shift, but bit 23 is the exponent's
+    lowest: a high nibble there is not linear in its float; tests/test_int4_kernel.py checks every byte at every
+    position.) magic_lo and magic_hi are those bit patterns (CODE_MAGIC), passed as run-time arguments."""
     if SHIFT <= 15:
         t = w << (15 - SHIFT)
     else:
@@ -143,49 +150,92 @@ def _load_words(qw_ptr, offs_n, n_mask, c0, NCOLS, stride_qn, BLOCK_COLS: tl.con
 
 
 @triton.jit
-def _x_gather(x_row, kc, i: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
-    """x at k = kc + i for word columns starting at kc [BC], loaded straight into the columns' layout."""
+def _x_gather(x_row, kw, i: tl.constexpr, K, stride_xk, EVEN: tl.constexpr):
+    """x at k = kw + i for words starting at kw [BC4], loaded straight into the words' layout."""
     if EVEN:
-        return tl.load(x_row + (kc + i) * stride_xk).to(tl.float32)
-    return tl.load(x_row + (kc + i) * stride_xk, mask=kc + i < K, other=0.0).to(tl.float32)
+        return tl.load(x_row + (kw + i) * stride_xk).to(tl.float32)
+    return tl.load(x_row + (kw + i) * stride_xk, mask=kw + i < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _word_gathers(x_row, kw, K, stride_xk, EVEN: tl.constexpr):
+    """x at the 8 codes of the words starting at k = kw [BC4], as eight stride-32 gathers: [BC4] each."""
+    return (_x_gather(x_row, kw, 0, K, stride_xk, EVEN), _x_gather(x_row, kw, 1, K, stride_xk, EVEN),
+            _x_gather(x_row, kw, 2, K, stride_xk, EVEN), _x_gather(x_row, kw, 3, K, stride_xk, EVEN),
+            _x_gather(x_row, kw, 4, K, stride_xk, EVEN), _x_gather(x_row, kw, 5, K, stride_xk, EVEN),
+            _x_gather(x_row, kw, 6, K, stride_xk, EVEN), _x_gather(x_row, kw, 7, K, stride_xk, EVEN))
+
+
+@triton.jit
+def _run_x(x_row, kw, K, stride_xk, BC4: tl.constexpr, EVEN: tl.constexpr, X_TILE: tl.constexpr):
+    """x at the 32 codes of the runs of four words starting at k = kw [BC4]: four words' eight [BC4] vectors.
+
+    X_TILE: one contiguous [BC4, 32] tile split in registers (vector loads; the split goes through shared memory
+    and barriers); else stride-32 gathers (scalar loads, no barrier)."""
+    if X_TILE:
+        offs_k = kw[:, None] + tl.arange(0, 32)[None, :]  # [BC4, 32]
+        if EVEN:
+            xt = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+        else:
+            xt = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)  # [BC4, 32]
+        # k = kw + 16 a + 8 b + j: word 2 a + b, code j
+        lo, hi = tl.split(tl.permute(tl.reshape(xt, [BC4, 2, 2, 8]), (0, 3, 1, 2)))  # b = 0, 1: [BC4, 8, 2]
+        xa0b0, xa1b0 = tl.split(lo)  # words 0, 2: [BC4, 8]
+        xa0b1, xa1b1 = tl.split(hi)  # words 1, 3
+        return _split8(xa0b0, BC4), _split8(xa0b1, BC4), _split8(xa1b0, BC4), _split8(xa1b1, BC4)
+    return (_word_gathers(x_row, kw, K, stride_xk, EVEN), _word_gathers(x_row, kw + 8, K, stride_xk, EVEN),
+            _word_gathers(x_row, kw + 16, K, stride_xk, EVEN), _word_gathers(x_row, kw + 24, K, stride_xk, EVEN))
+
+
+@triton.jit
+def _word_fma(w, xw, prod, magic_lo, magic_hi):
+    """prod + sum_j c_j x_j over the 8 codes of words w [BN, BC4] (as CODE_LO + q or CODE_HI + q), x at
+    those codes xw (eight [BC4])."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xw
+    c0, c1 = _code_pair_f32(w, 0, magic_lo, magic_hi)
+    prod = tl.fma(c1, x1[None, :], tl.fma(c0, x0[None, :], prod))
+    c2, c3 = _code_pair_f32(w, 8, magic_lo, magic_hi)
+    prod = tl.fma(c3, x3[None, :], tl.fma(c2, x2[None, :], prod))
+    c4, c5 = _code_pair_f32(w, 16, magic_lo, magic_hi)
+    prod = tl.fma(c5, x5[None, :], tl.fma(c4, x4[None, :], prod))
+    c6, c7 = _code_pair_f32(w, 24, magic_lo, magic_hi)
+    return tl.fma(c7, x7[None, :], tl.fma(c6, x6[None, :], prod))
+
+
+@triton.jit
+def _x_even_odd_sums(xw):
+    """Sums of x over a word's even and odd code positions (the offsets CODE_LO and CODE_HI): [BC4] each."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xw
+    return x0 + x2 + x4 + x6, x1 + x3 + x5 + x7
 
 
 @triton.jit
 def _gemv_words_tile(raw, x_row, k0, K, stride_xk, magic_lo, magic_hi, BLOCK_COLS: tl.constexpr,
                      EVEN: tl.constexpr, X_TILE: tl.constexpr):
-    """sum_j q_j x_j over each word's 8 codes for one word tile raw [BN, BC].
+    """sum_j q_j x_j over runs of four words (32 codes, one group: groups are powers of two >= 32) of one word
+    tile raw [BN, BC]; returns prod [BN, BC / 4] and xcol [BC / 4] (the sum of x over each run's codes).
 
-    X_TILE: x is read as one contiguous [BC, 8] tile and split in registers (vector loads; the split
-    goes through shared memory and barriers); else as eight stride-8 gathers (scalar loads, no barrier).
-    Returns prod [BN, BC] and xcol [BC] (the sum of x over each word's codes)."""
-    if X_TILE:
-        offs_k = k0 + tl.arange(0, BLOCK_COLS)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BC, 8]
-        if EVEN:
-            xt = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
-        else:
-            xt = tl.load(x_row + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)  # [BC, 8]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xt, BLOCK_COLS)
-    else:
-        kc = k0 + tl.arange(0, BLOCK_COLS) * 8  # [BC]
-        x0 = _x_gather(x_row, kc, 0, K, stride_xk, EVEN)
-        x1 = _x_gather(x_row, kc, 1, K, stride_xk, EVEN)
-        x2 = _x_gather(x_row, kc, 2, K, stride_xk, EVEN)
-        x3 = _x_gather(x_row, kc, 3, K, stride_xk, EVEN)
-        x4 = _x_gather(x_row, kc, 4, K, stride_xk, EVEN)
-        x5 = _x_gather(x_row, kc, 5, K, stride_xk, EVEN)
-        x6 = _x_gather(x_row, kc, 6, K, stride_xk, EVEN)
-        x7 = _x_gather(x_row, kc, 7, K, stride_xk, EVEN)
-    x_even = x0 + x2 + x4 + x6  # [BC]
-    x_odd = x1 + x3 + x5 + x7
-    prod = tl.broadcast_to(-(256.0 * x_even + 16.0 * x_odd)[None, :], raw.shape)  # the codes' offsets
-    c0, c1 = _code_pair_f32(raw, 0, magic_lo, magic_hi)
-    prod = tl.fma(c1, x1[None, :], tl.fma(c0, x0[None, :], prod))
-    c2, c3 = _code_pair_f32(raw, 8, magic_lo, magic_hi)
-    prod = tl.fma(c3, x3[None, :], tl.fma(c2, x2[None, :], prod))
-    c4, c5 = _code_pair_f32(raw, 16, magic_lo, magic_hi)
-    prod = tl.fma(c5, x5[None, :], tl.fma(c4, x4[None, :], prod))
-    c6, c7 = _code_pair_f32(raw, 24, magic_lo, magic_hi)
-    prod = tl.fma(c7, x7[None, :], tl.fma(c6, x6[None, :], prod))
+    A thread holds four consecutive words of a row (16-byte loads), so the reshape and splits below are register
+    renames, and one FMA chain runs over a run's 32 codes: the scale and zero-point terms (_accumulate) are paid
+    once per 32 codes, not once per word (reproductions/kernels/NOTES.md, session 16)."""
+    BN: tl.constexpr = raw.shape[0]
+    BC4: tl.constexpr = BLOCK_COLS // 4
+    ev, od = tl.split(tl.reshape(raw, [BN, BC4, 2, 2]))  # words 4c + (0, 2) and 4c + (1, 3)
+    w0, w2 = tl.split(ev)
+    w1, w3 = tl.split(od)  # [BN, BC4] each
+    kw = k0 + tl.arange(0, BC4) * 32  # [BC4] first code of each run
+    xw0, xw1, xw2, xw3 = _run_x(x_row, kw, K, stride_xk, BC4, EVEN, X_TILE)
+    e0, o0 = _x_even_odd_sums(xw0)
+    e1, o1 = _x_even_odd_sums(xw1)
+    e2, o2 = _x_even_odd_sums(xw2)
+    e3, o3 = _x_even_odd_sums(xw3)
+    x_even = (e0 + e1) + (e2 + e3)  # [BC4]
+    x_odd = (o0 + o1) + (o2 + o3)
+    prod = tl.broadcast_to(-(x_even * CODE_LO + x_odd * CODE_HI)[None, :], [BN, BC4])  # the codes' offsets
+    prod = _word_fma(w0, xw0, prod, magic_lo, magic_hi)
+    prod = _word_fma(w1, xw1, prod, magic_lo, magic_hi)
+    prod = _word_fma(w2, xw2, prod, magic_lo, magic_hi)
+    prod = _word_fma(w3, xw3, prod, magic_lo, magic_hi)
     return prod, x_even + x_odd
 
 
@@ -202,7 +252,7 @@ def _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, str
     xe = tl.load(x_row + kc * stride_xk, mask=kc < K, other=0.0).to(tl.float32)  # [BC]
     xo = tl.load(x_row + (kc + 1) * stride_xk, mask=kc + 1 < K, other=0.0).to(tl.float32)
     lo, hi = _code_pair_f32(raw, 0, magic_lo, magic_hi)
-    prod = tl.fma(hi, xo[None, :], tl.fma(lo, xe[None, :], -(256.0 * xe + 16.0 * xo)[None, :]))
+    prod = tl.fma(hi, xo[None, :], tl.fma(lo, xe[None, :], -(xe * CODE_LO + xo * CODE_HI)[None, :]))
     return prod, xe + xo
 
 
@@ -323,10 +373,13 @@ def _row_tile(raw, qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, strid
     Called once per row of a program on the same raw tile: the codes' bit extraction is the same pure arithmetic on
     the same values for every row, left to the compiler to compute once (reproductions/kernels/inspect_ptx.py
     counts the instructions per code and row)."""
+    # one return: Triton checks every return against the others, and the two paths' tiles differ in width
     if PER_COL == 8:
-        return _gemv_words_tile(raw, x_row, k0, K, stride_xk, magic_lo, magic_hi, BLOCK_COLS, EVEN, X_TILE)
-    return _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo, magic_hi,
-                            BLOCK_COLS)
+        prod, xcol = _gemv_words_tile(raw, x_row, k0, K, stride_xk, magic_lo, magic_hi, BLOCK_COLS, EVEN, X_TILE)
+    else:
+        prod, xcol = _gemv_bytes_tile(qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo,
+                                      magic_hi, BLOCK_COLS)
+    return prod, xcol
 
 
 @triton.jit
@@ -367,32 +420,35 @@ def _int4_gemv_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     BLOCK_COLS: tl.constexpr = BLOCK_K // PER_COL
+    # codes per accumulator column: words are summed in runs of four (32 codes, _gemv_words_tile), bytes one by one
+    ACC_CODES: tl.constexpr = 32 if PER_COL == 8 else PER_COL
+    ACC_COLS: tl.constexpr = BLOCK_K // ACC_CODES
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
     row0 = pid_m * ROWS
     x0 = x_ptr + row0 * stride_xm
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    # magic_lo, magic_hi: the float bit patterns codes are OR-ed into (256.0 and 16.0, CODE_MAGIC; see
+    # magic_lo, magic_hi: the float bit patterns codes are OR-ed into (CODE_LO and CODE_HI, CODE_MAGIC; see
     # _code_pair_f32), passed as run-time arguments. As compile-time constants ptxas split every and-or into two
     # LOP3s (one LOP3 takes one immediate); held in registers, and + or is one LOP3 per code (sm_90 SASS,
     # reproductions/kernels/NOTES.md). Both are arguments: one derived from the other was rematerialized per use.
 
     # Per group, sum_k (q - z) s x = s * (sum_k q x - z sum_k x): the zero-point leaves the inner loop.
     # Accumulate elementwise and reduce across threads once at the end, not every iteration.
-    acc0 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)  # scaled (or, per channel, raw) products, row 0
-    xs0 = tl.zeros([BLOCK_COLS], tl.float32)  # per channel only: sum of x, row 0
+    acc0 = tl.zeros([BLOCK_N, ACC_COLS], tl.float32)  # scaled (or, per channel, raw) products, row 0
+    xs0 = tl.zeros([ACC_COLS], tl.float32)  # per channel only: sum of x, row 0
     if ROWS >= 2:
         x1 = x_ptr + tl.minimum(row0 + 1, M - 1) * stride_xm
-        acc1 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
-        xs1 = tl.zeros([BLOCK_COLS], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, ACC_COLS], tl.float32)
+        xs1 = tl.zeros([ACC_COLS], tl.float32)
     if ROWS >= 4:
         x2 = x_ptr + tl.minimum(row0 + 2, M - 1) * stride_xm
         x3 = x_ptr + tl.minimum(row0 + 3, M - 1) * stride_xm
-        acc2 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
-        xs2 = tl.zeros([BLOCK_COLS], tl.float32)
-        acc3 = tl.zeros([BLOCK_N, BLOCK_COLS], tl.float32)
-        xs3 = tl.zeros([BLOCK_COLS], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, ACC_COLS], tl.float32)
+        xs2 = tl.zeros([ACC_COLS], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, ACC_COLS], tl.float32)
+        xs3 = tl.zeros([ACC_COLS], tl.float32)
     # Word tiles in flight: STAGES <= 2 keeps the next tile in registers (prefetched by hand while this one is
     # multiplied); STAGES >= 3 leaves the loads in the loop for Triton's pipeliner, which keeps STAGES - 1 tiles in
     # flight through shared memory (cp.async) without holding them in registers.
@@ -409,7 +465,7 @@ def _int4_gemv_kernel(
         s_t = 1.0
         sz_t = 0.0
         if not PER_CHANNEL:
-            s_t, sz_t = _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP, BLOCK_N, BLOCK_K, PER_COL,
+            s_t, sz_t = _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP, BLOCK_N, BLOCK_K, ACC_CODES,
                                            HAS_ZEROS)
         prod, xcol = _row_tile(raw, qw_ptr, x0, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo,
                                magic_hi, BLOCK_COLS, PER_COL, EVEN, X_TILE)
@@ -655,7 +711,8 @@ def _int4_gemm_planes_kernel(
 
 
 GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
-CODE_MAGIC = (0x43800000, 0x41800000)  # 256.0 and 16.0 in fp32: the GEMV's magic_lo, magic_hi arguments
+# the fp32 bit patterns of CODE_LO and CODE_HI (0x43800000, 0x41800000): the GEMV's magic_lo, magic_hi arguments
+CODE_MAGIC = tuple(struct.unpack("<I", struct.pack("<f", v.value))[0] for v in (CODE_LO, CODE_HI))
 
 
 @dataclass(frozen=True)
@@ -894,8 +951,9 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         SPLIT_K=split_k,
     )
     qw = w.qweight
-    # Whole int32 words (8 codes) when rows allow it, else bytes (2 codes)
-    words = k % 8 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
+    # Whole int32 words (8 codes) when rows allow it and the K tile holds whole runs of four words (the GEMV sums
+    # runs of 32 codes: _gemv_words_tile), else bytes (2 codes)
+    words = k % 8 == 0 and block_k % 32 == 0 and qw.is_contiguous() and qw.data_ptr() % 4 == 0
     # whole tiles only: N a multiple of block_n, the splits covering K exactly in block_k tiles (no masks needed)
     whole_tiles = n % cfg.block_n == 0 and k % block_k == 0 and k_per_split * split_k == k
     # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage ~1e10 on a 16x16 product), so under

@@ -16,6 +16,7 @@ bounds |(q - z) * s| and the folded form s * (sum q x - z sum x).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict
 
@@ -679,3 +680,26 @@ def test_k_tiles_of_several_groups_split_across_warps(kernel_device, config: Int
                         scale_dtype=torch.bfloat16)
         x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(kernel_device)
         assert_close_to_reference(int4_matmul(x, w, config=config), x, w)
+
+
+def test_sdsie_tuned_configs_points_the_selector_at_another_table(tmp_path, monkeypatch):
+    """$SDSIE_TUNED_CONFIGS replaces the shipped table (gpu_run.sh runs its tests and suite on a table its sweep just
+    wrote); a path that is not a file is an error naming the variable, not a silent fall back to the shipped one."""
+    from sdsie.kernels import int4_gemm
+
+    cfg = Int4KernelConfig(1, 64, 256, split_k=4, num_warps=2)
+    table = tmp_path / "tuned_configs.json"
+    table.write_text(json.dumps({"Some GPU": {tuned_key(1, 4096, 4096, 128): asdict(cfg)}}))
+    int4_gemm._tuned_table.cache_clear()
+    try:
+        monkeypatch.setenv("SDSIE_TUNED_CONFIGS", str(table))
+        assert int4_gemm.tuned_path() == table
+        assert int4_gemm._tuned_table() == {"Some GPU": {tuned_key(1, 4096, 4096, 128): cfg}}
+        int4_gemm._tuned_table.cache_clear()
+        monkeypatch.setenv("SDSIE_TUNED_CONFIGS", str(tmp_path / "missing.json"))
+        with pytest.raises(FileNotFoundError, match="SDSIE_TUNED_CONFIGS"):
+            int4_gemm._tuned_table()
+        monkeypatch.delenv("SDSIE_TUNED_CONFIGS")
+        assert int4_gemm.tuned_path() == int4_gemm.SHIPPED_TUNED_PATH
+    finally:
+        int4_gemm._tuned_table.cache_clear()  # the next caller reads the shipped table again

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The kernel and entropy reproductions on a GPU machine, in the order a tuning session needs them:
-# [A/B against a baseline kernel] -> sweep -> install the tuned table -> kernel tests over every candidate (tuned
+# [A/B against a baseline kernel] -> sweep -> use the swept table -> kernel tests over every candidate (tuned
 # ones included) -> suite record (kernel_int4) and entropy record -> thorough property tests while time remains.
 # Progress goes to stdout; `.run/done` holds the exit status when everything has finished. Start it detached and
 # poll for `.run/done` in later calls (one call is at most 10 minutes; the tests alone take about 8):
 #   setsid nohup bash reproductions/kernels/gpu_run.sh > .run/log 2>&1 &
 # To validate a kernel change without re-tuning (session 15's sequence, about 12 minutes):
 #   AB_BASELINE=.ab/base_int4_gemm.py AB_ARGS="--m 4 16" SWEEP=0 SDSIE_SOURCE_COMMIT=<sha> setsid nohup ...
+# Outputs (the A/B, the sweep's raw file and table) go to .run/out, which git ignores: the device tool copies the
+# working tree again at every call, which removed untracked outputs and put tracked files back (session 16 lost
+# its A/B and sweep files that way, and its suite ran on the committed table instead of the swept one). So the
+# swept table is not copied into sdsie/kernels: the later steps read it through SDSIE_TUNED_CONFIGS, and the records
+# name it; commit it from .run/out. Records themselves land in telemetry/ and must be fetched in the same call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-mkdir -p .run && rm -f .run/done
+mkdir -p .run/out && rm -f .run/done
 step() { echo "=== $(date -u +%T) $*"; }
 status=0
 step environment
@@ -18,7 +23,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ -n "${AB_BASELINE:-}" ]; then
     step "A/B against $AB_BASELINE"
     # shellcheck disable=SC2086
-    python3 -m reproductions.kernels.ab_bench --baseline "$AB_BASELINE" --out telemetry/raw/ab.json ${AB_ARGS:-} \
+    python3 -m reproductions.kernels.ab_bench --baseline "$AB_BASELINE" --out .run/out/ab.json ${AB_ARGS:-} \
         || status=1
 fi
 if [ "${SWEEP:-1}" != 0 ]; then
@@ -26,8 +31,8 @@ if [ "${SWEEP:-1}" != 0 ]; then
     # SWEEP_ARGS focuses the sweep (e.g. "--m 4 8 16 --only swap": those cases, the incumbent timed beside, the
     # table merged into the installed one); SWEEP=0 skips it; SUITE=0 skips the suite records.
     # shellcheck disable=SC2086
-    if python3 -m reproductions.kernels.int4_bench --sweep --no-energy --out telemetry/raw ${SWEEP_ARGS:-}; then
-        cp telemetry/raw/tuned_configs.json sdsie/kernels/tuned_configs.json
+    if python3 -m reproductions.kernels.int4_bench --sweep --no-energy --out .run/out ${SWEEP_ARGS:-}; then
+        export SDSIE_TUNED_CONFIGS="$PWD/.run/out/tuned_configs.json"
     else
         status=1
     fi

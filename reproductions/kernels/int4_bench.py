@@ -13,6 +13,7 @@ Run: `python -m reproductions.kernels.int4_bench [--out DIR] [--sweep]` or throu
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -477,7 +478,7 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
     """The record suite, or with `sweep` the tuning sweep: every sweep configuration at every SWEEP_M case,
     or a focused one (`sweep_m`, `only`) whose cases are timed beside their incumbent configuration and whose
     table is merged into the installed one."""
-    from sdsie.kernels.int4_gemm import TUNED_PATH
+    from sdsie.kernels.int4_gemm import tuned_path
     from sdsie.telemetry.energy import EnergyMeter
     from sdsie.telemetry.records import RunRecord, capture_environment
     from sdsie.telemetry.records import write_record as write
@@ -530,7 +531,8 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
     if sweep:  # written first: a later failure must not lose the measurements
         table = best_configs(results)
         if focused:
-            table = merge_tuned(json.loads(TUNED_PATH.read_text()) if TUNED_PATH.exists() else {}, table)
+            installed = tuned_path()
+            table = merge_tuned(json.loads(installed.read_text()) if installed.exists() else {}, table)
         (out_dir / "tuned_configs.json").write_text(json.dumps(table, indent=1, sort_keys=True))
         (out_dir / "kernel_sweep.json").write_text(json.dumps({"results": results}))
     summary = summarize(results, energy_results, copy_gbs)
@@ -547,7 +549,8 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
             suite="kernel_int4",
             config={"shapes": LLAMA_SHAPES, "m_values": list(M_VALUES), "groups": [str(g) for g in GROUPS],
                     "dtype": "bfloat16", "timer": "triton.testing.do_bench, L2 flushed, median",
-                    "candidate_configs": [asdict(c) for c in candidate_configs()]},
+                    "candidate_configs": [asdict(c) for c in candidate_configs()],
+                    "tuned_table": tuned_table_provenance()},
             samples={f"{r['case']['shape']}|m{r['case']['m']}|g{r['case']['group']}|{name}": s
                      for r in results for name, s in r["samples_us"].items()},
             metrics=flat_metrics(summary),
@@ -559,6 +562,16 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
         summary["record"] = str(path)
         print("record:", path)
     return summary
+
+
+def tuned_table_provenance() -> dict:
+    """Which tuned table the run's automatic choices came from: its path (the shipped one, or $SDSIE_TUNED_CONFIGS
+    when gpu_run.sh runs on a table its sweep just wrote) and the sha256 of its bytes (null when there is none)."""
+    from sdsie.kernels.int4_gemm import SHIPPED_TUNED_PATH, tuned_path
+
+    path = tuned_path()
+    return {"path": str(path), "shipped": path == SHIPPED_TUNED_PATH,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None}
 
 
 def best_configs(results: list[dict], device_name: str | None = None) -> dict:

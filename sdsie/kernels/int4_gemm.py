@@ -769,18 +769,31 @@ _GEMM_CONFIGS = (  # M <= 16: planes, the H200 sweep's winners at M = 4-16 (sess
 )
 
 
-TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
+SHIPPED_TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
+TUNED_ENV = "SDSIE_TUNED_CONFIGS"  # a table to use instead of the shipped one (a sweep output, not yet committed)
+
+
+def tuned_path() -> Path:
+    """The tuned table in use: $SDSIE_TUNED_CONFIGS if set (it must exist), else the one shipped with the package."""
+    override = os.environ.get(TUNED_ENV)
+    if not override:
+        return SHIPPED_TUNED_PATH
+    path = Path(override)
+    if not path.is_file():
+        raise FileNotFoundError(f"{TUNED_ENV}={override!r} is not a file (a tuned_configs.json written by a sweep)")
+    return path
 
 
 @functools.cache
 def _tuned_table() -> dict[str, dict[str, Int4KernelConfig]]:
-    """Per-GPU, per-shape configurations measured by `reproductions/kernels/int4_bench.py --sweep`.
+    """Per-GPU, per-shape configurations measured by `reproductions/kernels/int4_bench.py --sweep` (tuned_path()).
 
     {device name: {"m1|N|K|group": config, "m16|N|K|group": config}}; group is "pc" per channel.
     """
-    if not TUNED_PATH.exists():
+    path = tuned_path()
+    if not path.exists():
         return {}
-    raw = json.loads(TUNED_PATH.read_text())
+    raw = json.loads(path.read_text())
     return {dev: {key: Int4KernelConfig(**cfg) for key, cfg in table.items()} for dev, table in raw.items()}
 
 

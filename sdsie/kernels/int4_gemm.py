@@ -344,9 +344,10 @@ def _store_or_reduce(acc, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_
 
 @triton.jit
 def _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PER_COL: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """Scales s and s * z for a tile starting at column k0, shaped to multiply a [BN, BC] product tile:
-    [BN, 1] when the tile lies in one group, [BN, BC] when it spans BLOCK_K // GROUP groups."""
+                       BLOCK_K: tl.constexpr, COL_CODES: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """Scales s and s * z for a tile starting at column k0, shaped to multiply a [BN, BC] product tile whose columns
+    cover COL_CODES codes each (BC = BLOCK_K // COL_CODES): [BN, 1] when the tile lies in one group, [BN, BC] when it
+    spans BLOCK_K // GROUP groups."""
     # one return for both shapes: Triton checks every return of a function against the others
     if BLOCK_K <= GROUP:
         s, z = _load_group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask, N, HAS_ZEROS)  # [BN]
@@ -354,8 +355,8 @@ def _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP: tl.constex
         sz_t = (s * z)[:, None]
     else:
         TG: tl.constexpr = BLOCK_K // GROUP
-        GC: tl.constexpr = GROUP // PER_COL
-        BLOCK_COLS: tl.constexpr = BLOCK_K // PER_COL
+        GC: tl.constexpr = GROUP // COL_CODES
+        BLOCK_COLS: tl.constexpr = BLOCK_K // COL_CODES
         g = k0 // GROUP + tl.arange(0, TG)  # [TG]
         gmask = n_mask[:, None] & (g[None, :] < G)
         s, z = _load_group_params(s_ptr, z_ptr, g[None, :], offs_n[:, None], gmask, N, HAS_ZEROS)  # [BN, TG]

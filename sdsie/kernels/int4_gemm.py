@@ -369,7 +369,8 @@ def _tile_group_params(s_ptr, z_ptr, k0, offs_n, n_mask, N, G, GROUP: tl.constex
 def _row_tile(raw, qw_ptr, x_row, offs_n, n_mask, k0, K, NCOLS, stride_qn, stride_xk, magic_lo, magic_hi,
               BLOCK_COLS: tl.constexpr,
               PER_COL: tl.constexpr, EVEN: tl.constexpr, X_TILE: tl.constexpr):
-    """One row's product tile [BN, BC] and its x column sums [BC] (words: from the loaded tile raw; bytes: loads).
+    """One row's product tile and its x column sums: [BN, BC / 4] and [BC / 4] for words (from the loaded tile raw,
+    runs of four words summed), [BN, BC] and [BC] for bytes (loaded here).
 
     Called once per row of a program on the same raw tile: the codes' bit extraction is the same pure arithmetic on
     the same values for every row, left to the compiler to compute once (reproductions/kernels/inspect_ptx.py

@@ -155,6 +155,21 @@ def test_rows_per_program_set_the_grid_and_the_kernel(kernel_device):
         assert plan.grid[0] == -(-5 // rows) and plan.consts["ROWS"] == rows
 
 
+
+def test_the_gemv_reads_words_only_when_its_k_tile_holds_whole_runs_of_four(kernel_device):
+    """The GEMV's word path sums runs of four words (32 codes): a K tile of 16 codes cannot hold one, so that
+    configuration reads bytes (PER_COL 2) even though K is a multiple of 8; BK 32 reads words (PER_COL 8). Both
+    are correct, with masks (K = 96 is not a multiple of 64) and without."""
+    gen = torch.Generator().manual_seed(13)
+    for k in (64, 96):
+        w = make_weight(24, k, 32, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+        x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(kernel_device)
+        for block_k, per_col in ((16, 2), (32, 8), (64, 8)):
+            cfg = Int4KernelConfig(1, 32, block_k)
+            assert_close_to_reference(int4_matmul(x, w, config=cfg), x, w)
+            plan = next(p for key, p in _plans_of(w).items() if key[-1] == cfg)
+            assert plan.consts["PER_COL"] == per_col, (k, block_k)
+
 PLANES = (Int4KernelConfig(16, 32, 128, split_k=2, num_stages=3, swap_ab=True),
           Int4KernelConfig(16, 64, 128, num_warps=4, num_stages=3, swap_ab=True))
 

@@ -39,6 +39,18 @@ def test_each_code_costs_one_lop3_and_the_pipelined_loop_stays_lean():
     assert r["loop_cp_async"] > 0 and r["loop_bar"] <= 2  # stages >= 3: weight tiles through cp.async
 
 
+
+def test_the_gemv_pays_its_scale_once_per_32_codes():
+    """Session 16's fold: one FMA chain over a thread's four words before the scale and zero-point terms, so the loop
+    issues 34 FMAs per 32 codes (1.06 a code, 1.10 with the x offsets) where one chain per word issued 40 (1.30 in
+    the SASS). Per channel there is no scale in the loop: one FFMA a code. The accumulators shrink with it: the
+    LM-head configuration holds at most 170 registers a thread (168 before, with five times the accumulators)."""
+    grouped = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=4)
+    per_channel = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=4, per_channel=True)
+    assert grouped["sass_ffma_per_code"] < 1.15
+    assert per_channel["sass_ffma_per_code"] < grouped["sass_ffma_per_code"]
+    assert 0 < grouped["registers"] <= 170
+
 def test_pipeline_stages_decide_how_weight_tiles_arrive():
     """num_stages acts in the compiled loop: 2 keeps the hand-written register prefetch (plain vector loads, no
     cp.async), 3 hands the loads to Triton's pipeliner (cp.async into shared memory)."""

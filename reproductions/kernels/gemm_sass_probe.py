@@ -31,16 +31,13 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from reproductions.kernels.inspect_ptx import sass_loop
+from reproductions.kernels.inspect_ptx import registers, sass_loop
 from sdsie.kernels.int4_gemm import (
     _int4_gemm_kernel,
     _int4_gemm_planes_kernel,
@@ -134,20 +131,6 @@ def _compile(fn, names, types, div16, consts, num_warps):
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
     return compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": num_warps, "num_stages": 3})
-
-
-def registers(cubin: bytes) -> int:
-    """Registers a thread of the kernel holds (cuobjdump -res-usage, shipped with Triton): what caps warps per SM."""
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    found = re.search(r"REG:(\d+)", text)
-    if found is None:
-        raise RuntimeError(f"cuobjdump -res-usage printed no register count:\n{text[-2000:]}")
-    return int(found.group(1))
 
 
 def counts(kernel, codes_per_thread: float, block_n: int) -> dict:

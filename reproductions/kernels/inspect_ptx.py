@@ -71,6 +71,20 @@ def sass_loop(cubin: bytes) -> list[str]:
     return body
 
 
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the kernel holds (cuobjdump -res-usage, shipped with Triton): what caps warps per SM."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = re.search(r"REG:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no register count:\n{text[-2000:]}")
+    return int(found.group(1))
+
+
 def opcounts(lines: list[str]) -> collections.Counter:
     c: collections.Counter = collections.Counter()
     for line in lines:
@@ -81,9 +95,10 @@ def opcounts(lines: list[str]) -> collections.Counter:
 
 
 def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128,
-            x_tile: bool = True, rows: int = 1, stages: int = 2) -> dict[str, float]:
-    consts = {"GROUP": group, "PER_CHANNEL": False, "HAS_ZEROS": True, "BLOCK_N": block_n, "BLOCK_K": block_k,
-              "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True, "X_TILE": x_tile, "ROWS": rows, "STAGES": stages}
+            x_tile: bool = True, rows: int = 1, stages: int = 2, per_channel: bool = False) -> dict[str, float]:
+    consts = {"GROUP": 1 if per_channel else group, "PER_CHANNEL": per_channel, "HAS_ZEROS": True,
+              "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True,
+              "X_TILE": x_tile, "ROWS": rows, "STAGES": stages}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n in DIV16}
     sig = {**dict(zip(NAMES, TYPES, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(ASTSource(_int4_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -96,6 +111,7 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
     return {
         "sass_loop_per_code": len(sass) / codes_per_thread,
         "sass_lop3_per_code": sass_ops["LOP3"] / codes_per_thread,
+        "sass_ffma_per_code": sass_ops["FFMA"] / codes_per_thread,
         "loop_per_code": sum(loop.values()) / codes_per_thread,
         "loop_per_code_row": sum(loop.values()) / codes_per_thread / rows,  # per code and row of x it serves
         "loop_ld_global": sum(v for k, v in loop.items() if k.startswith("ld.global")),
@@ -107,6 +123,7 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
         "local_mem": len(re.findall(r"(?:ld|st)\.local", ptx)),
         "cvt_to_f32": len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
         "shared_bytes": kernel.metadata.shared,
+        "registers": registers(kernel.asm["cubin"]),
     }
 
 
@@ -125,25 +142,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="*",
                    help="[rROWSr]BNxBKxWARPS[xSPLIT][pSTAGES][g] to inspect instead of the shipped ones "
                         "(r2r128x256x4, 128x256x4p4)")
+    p.add_argument("--per-channel", action="store_true", help="one scale per output channel instead of group 128")
     a = p.parse_args(argv)
     if a.configs:
         cfgs = [_parse(c) for c in a.configs]
     else:
         cfgs = [(c.block_n, c.block_k, c.split_k, c.num_warps, c.x_tile, c.block_m, c.num_stages)
                 for c in candidate_configs() if c.gemv]
-    print("| config | x | rows | loop instr/code | per code and row | SASS/code | SASS LOP3/code | codes/thread "
-          "| loop ld.global | loop ld.shared | loop bar | loop cp.async | loop shfl | local (spills) | int->f32 cvt "
-          "| shared B |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"{'per channel' if a.per_channel else 'group 128'}:")
+    print("| config | x | rows | loop instr/code | per code and row | SASS/code | SASS LOP3/code | SASS FFMA/code "
+          "| codes/thread | loop ld.global | loop ld.shared | loop bar | loop cp.async | loop shfl | local (spills) "
+          "| int->f32 cvt | shared B | registers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bn, bk, split, w, x_tile, rows, stages in cfgs:
-        r = inspect(bn, bk, split, w, x_tile=x_tile, rows=rows, stages=stages)
+        r = inspect(bn, bk, split, w, x_tile=x_tile, rows=rows, stages=stages, per_channel=a.per_channel)
         print(f"| BN{bn} BK{bk} S{split} W{w} P{stages} | {'tile' if x_tile else 'gather'} | {rows} | "
               f"{r['loop_per_code']:.2f} "
               f"| {r['loop_per_code_row']:.2f} | {r['sass_loop_per_code']:.2f} | {r['sass_lop3_per_code']:.2f} | "
+              f"{r['sass_ffma_per_code']:.2f} | "
               f"{r['codes_per_thread']:.0f} | {r['loop_ld_global']} | "
               f"{r['loop_ld_shared']} | {r['loop_bar']} | {r['loop_cp_async']} | "
               f"{r['loop_shfl']} | {r['local_mem']} | {r['cvt_to_f32']} | "
-              f"{r['shared_bytes']} |")
+              f"{r['shared_bytes']} | {r['registers']} |")
     return 0
 
 

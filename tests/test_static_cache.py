@@ -4,6 +4,7 @@ cache for plain, fixed-K and gated decoding, rollback by the device-side counter
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -134,6 +135,32 @@ def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
         eager, replayed = runs
         assert eager.tokens == replayed.tokens and eager.decisions == replayed.decisions
         assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_of_tree_cycles_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
+    """On a GPU: tree speculation's graphed forwards (a graph per tree level for the scout, one for the target's
+    verify, whose mask and position ids are graph inputs) and its graphed cache compaction give the eager static
+    path's tokens and cycles, fixed and gated; in fp32 both equal plain decoding's tokens."""
+    import sdsie.decoding.engine as engine
+
+    monkeypatch.setattr(engine, "_scout_pad_sizes", lambda config: engine.SCOUT_PAD_SIZES)
+    target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
+    prompt = [1, 5, 9, 4, 7]
+    plain = generate(target, prompt, DecodeConfig(max_new_tokens=48)).tokens
+    for widths, clutch in (((3, 2), None), ((4, 2, 1), None), ((2, 2, 1, 1, 1), None), ((3, 2), MIXED)):
+        runs = []
+        for graphs in (False, True):
+            cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs, tree_widths=widths)
+            gate = EntropyClutch(dataclasses.replace(clutch, k_draft=len(widths))) if clutch else None
+            runs.append(generate(target, prompt, cfg, scout=scout, clutch=gate))
+        eager, replayed = runs
+        assert eager.tokens == replayed.tokens and eager.decisions == replayed.decisions, widths
+        assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]
+        assert replayed.stats.tree_nodes > 0
+        if dtype == torch.float32:
+            assert replayed.tokens == plain, widths
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ and precision, all through one cycle function.
     generate(target, prompt, scout=s, clutch=c)       the clutch picks, per cycle, K drafts or a plain step
     generate(target, prompt, clutch=c, gear=g)        the clutch sets g.int4 before each target forward
     generate(target, prompt, scout=s, clutch=c, gear=g)   both, from the same clutch
+    DecodeConfig(tree_widths=(w1, ..., wD))           speculate cycles draft a static tree instead of a chain
 
 A cycle with K drafts: the scout drafts d1..dK, the target verifies [last, d1..dK] in one forward,
 and the next token comes from those logits at row n_accepted. K = 0 is a plain decoding step, so
@@ -15,6 +16,11 @@ KV caches are HF `DynamicCache`s, cropped after each verification. The target's 
 every token before `last`. The scout's cache may lag behind (it does not run during fallback steps,
 and its K-th draft is never fed back): the first draft forward of a speculate cycle feeds all the
 tokens it is missing together with `last`, in one forward pass, so catching up costs no extra pass.
+
+A tree cycle (`tree_widths`, greedy only; sdsie.decoding.tree) drafts the scout's top w_1 tokens, their top w_2
+each, and so on, one scout forward per depth with tree attention, and the target verifies all nodes in one forward;
+the kept path's keys and values are then moved to the slots after `last` (`compact_cache`), so the target's cache
+again holds exactly the kept tokens. The scout's tree positions are dropped: its next cycle catches up on the path.
 
 Each cycle reads the device once (`_to_host`): accepted count, emitted tokens and the entropy of
 every verification row come back together. The clutch reads those entropies (target logits that
@@ -35,8 +41,10 @@ from torch import nn
 from sdsie.clutch import EntropyClutch
 from sdsie.decoding.model_io import (
     StaticKV,
+    TreeAttention,
     cache_length,
     check_prompt,
+    compact_cache,
     crop_cache,
     forward,
     model_device,
@@ -45,6 +53,7 @@ from sdsie.decoding.model_io import (
     to_host,
 )
 from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, select_token
+from sdsie.decoding.tree import DeviceTree, TreeLayout, check_widths, greedy_tree_verify
 from sdsie.decoding.verify import greedy_verify, rejection_verify
 from sdsie.entropy import entropy
 from sdsie.models import check_vocab, vocab_size
@@ -89,6 +98,10 @@ class DecodeConfig:
     is still verified. HF assisted generation's assistant_confidence_threshold (default 0.4 there), held fixed
     here where HF re-fits it during a run. Each draft then costs a host sync to read the probability, and under
     cuda_graphs every verify length 1..K is captured. None: drafts follow the schedule alone.
+    tree_widths: draft a static tree of these widths per depth in every speculate cycle instead of a chain of K
+    (sdsie.decoding.tree; greedy sampling, the constant schedule, no draft_stop_prob). Its depth plays K's part:
+    k_draft, and a clutch's k_draft, must be None or equal it, and CycleRecord.k counts depths, not nodes. Near the
+    end of a run the tree is cut to the depths the budget leaves. Under cuda_graphs every tree forward is graphed.
     """
 
     max_new_tokens: int = 64
@@ -102,8 +115,11 @@ class DecodeConfig:
     pad_scout_catchup: bool = True
     k_schedule: str = "constant"
     draft_stop_prob: float | None = None
+    tree_widths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.tree_widths is not None:
+            self._check_tree()
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.kv_cache not in ("dynamic", "static"):
@@ -125,6 +141,19 @@ class DecodeConfig:
             not isinstance(self.k_draft, int) or isinstance(self.k_draft, bool) or self.k_draft < 1
         ):
             raise ValueError(f"k_draft (K) must be an integer >= 1, got {self.k_draft!r}")
+
+    def _check_tree(self) -> None:
+        widths = tuple(self.tree_widths) if isinstance(self.tree_widths, list) else self.tree_widths
+        object.__setattr__(self, "tree_widths", check_widths(widths))
+        clashes = [name for name, bad in (("sampling (greedy only)", not self.sampling.greedy),
+                                          ("k_schedule='adaptive'", self.k_schedule != "constant"),
+                                          ("draft_stop_prob", self.draft_stop_prob is not None)) if bad]
+        if clashes:
+            raise ValueError(f"tree_widths cannot be combined with {', '.join(clashes)}: tree verification here is "
+                             "greedy over a fixed tree")
+        if self.k_draft is not None and self.k_draft != len(self.tree_widths):
+            raise ValueError(f"k_draft={self.k_draft} but tree_widths={self.tree_widths} has depth "
+                             f"{len(self.tree_widths)}: with a tree, leave k_draft None")
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -172,6 +201,7 @@ class DecodeStats:
     scout_forwards: int = 0
     scout_catchup_tokens: int = 0
     draft_stops: int = 0  # speculate cycles whose drafting draft_stop_prob ended before the schedule's length
+    tree_nodes: int = 0  # nodes drafted by tree cycles (drafted counts their depths)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -262,6 +292,7 @@ class _Run:
     gear: Gear | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     k_next: int = 0  # drafts for the next speculate cycle (K; the adaptive schedule moves it)
+    trees: dict[int, DeviceTree] = field(default_factory=dict)  # tree_widths cut to each depth, built on first use
 
     @property
     def last(self) -> torch.Tensor:  # [1]
@@ -312,6 +343,8 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
     emitted token, n_accepted, drafts made); caches are left holding exactly the kept tokens before the new
     last."""
     device = run.ids.device
+    if k > 0 and run.config.tree_widths is not None:
+        return _tree_cycle(run, _tree(run, k))
     if k > 0:
         drafts, q = _draft(run, k)  # [d], [d, V] | None
         k = drafts.numel()
@@ -331,6 +364,61 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
         crop_cache(run.scout_cache, run.length + min(n, k - 1))
     run.ids[run.length : run.length + n + 1] = torch.cat([drafts[:n], next_token[None]])  # device to device
     return emitted, floats[: n + 1], n, k
+
+
+def _tree(run: _Run, depth: int) -> DeviceTree:
+    """config.tree_widths cut to `depth` levels (the budget's cap near a run's end), on the run's device."""
+    if depth not in run.trees:
+        assert run.config.tree_widths is not None
+        run.trees[depth] = TreeLayout(run.config.tree_widths[:depth]).to(run.ids.device)
+    return run.trees[depth]
+
+
+def _draft_tree(run: _Run, tree: DeviceTree) -> tuple[torch.Tensor, int]:
+    """The scout drafts every node of `tree` below `last`, one forward per depth -> (tokens [1 + N], root first; the
+    scout cache's length through last).
+
+    Depth 1 comes from the catch-up forward (the tokens the scout missed, then last); depth d + 1 from a forward of
+    depth d's nodes, each attending to the prefix and its own ancestors. The tree's slots are dropped after the
+    cycle (the caller crops the scout back to `last`)."""
+    assert run.scout is not None and run.scout_cache is not None
+    layout, cache = tree.layout, run.scout_cache
+    feed = run.ids[cache_length(cache) : run.length]  # [F]: tokens the scout missed, then last
+    run.stats.scout_catchup_tokens += feed.numel() - 1
+    logits = forward(run.scout, feed, cache, last_only=True)  # [1, V]
+    start = cache_length(cache)  # the tree's first slot; every slot before it is the prefix, last included
+    tokens = [run.last, logits.topk(layout.widths[0], dim=-1).indices.flatten()]  # root, depth 1 [n_1]
+    for d in range(1, layout.max_depth):
+        nodes = layout.level(d)
+        span = slice(1, nodes.stop)  # depth 1..d's nodes: the cached ones, then this forward's
+        tree_at = TreeAttention(start, tree.visible[nodes, span], tree.depth[nodes] + (run.length - 1))
+        logits = forward(run.scout, tokens[-1], cache, last_only=False, tree=tree_at)  # [n_d, V]
+        tokens.append(logits.topk(layout.widths[d], dim=-1).indices.flatten())  # [n_(d + 1)], grouped by parent
+    run.stats.scout_forwards += layout.max_depth
+    return torch.cat(tokens), start
+
+
+def _tree_cycle(run: _Run, tree: DeviceTree) -> tuple[list[int], list[float], int, int]:
+    """A speculate cycle over a static tree: _cycle's contract, with k the tree's depth."""
+    assert run.scout_cache is not None
+    depth = tree.layout.max_depth
+    tokens, scout_keep = _draft_tree(run, tree)  # [1 + N]
+    base = run.length - 1  # last's slot in the target's cache and its position id
+    precision = run.gear.int4 if run.gear is not None else None
+    tree_at = TreeAttention(base, tree.visible, tree.depth + base)
+    logits = forward(run.target, tokens, run.target_cache, False, precision, tree=tree_at)  # [1 + N, V]
+    run.stats.target_forwards += 1
+    verdict = greedy_tree_verify(logits, tokens, tree)
+    path = tokens[verdict.path]  # [D]: the kept tokens, then the root's past the path's end
+    compact_cache(run.target_cache, base + verdict.path, base + 1 + torch.arange(depth, device=tokens.device))
+    bits = entropy(logits[torch.cat([verdict.path.new_zeros(1), verdict.path])])  # [D + 1]: the root, then the path
+    ints, floats = to_host(torch.cat([verdict.accepted[None], path, verdict.next_token[None]]), bits)
+    n = ints[0]
+    crop_cache(run.target_cache, base + 1 + n)
+    crop_cache(run.scout_cache, scout_keep)
+    run.ids[run.length : run.length + n + 1] = torch.cat([path[:n], verdict.next_token[None]])  # device to device
+    run.stats.tree_nodes += tree.layout.nodes
+    return ints[1 : 1 + n] + [ints[-1]], floats[: n + 1], n, depth
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -499,6 +587,7 @@ def _start(
     ids = torch.empty(prompt.numel() + config.max_new_tokens, dtype=torch.long, device=device)  # [P + N]
     ids[: prompt.numel()] = prompt
     generator = None if config.sampling.greedy else make_generator(config.sampling, device)
+    room = ids.numel() + (TreeLayout(config.tree_widths).nodes if config.tree_widths is not None else 0)
     return _Run(
         target,
         scout,
@@ -506,8 +595,8 @@ def _start(
         generator,
         ids,
         prompt.numel(),
-        _kv(target, "target", config, ids.numel(), _verify_sizes(config, k)),
-        _kv(scout, "scout", config, ids.numel(), (1,), _scout_pad_sizes(config)) if scout is not None else None,
+        _kv(target, "target", config, room, _verify_sizes(config, k)),
+        _kv(scout, "scout", config, room, (1,), _scout_pad_sizes(config)) if scout is not None else None,
         gear,
         k_next=k,
     )
@@ -526,7 +615,7 @@ SCOUT_PAD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 def _verify_sizes(config: DecodeConfig, k: int) -> tuple[int, ...]:
     """The target's forward sizes a run repeats: 1 (plain steps) and K + 1, or every 2..K + 1 when the adaptive
     schedule or draft_stop_prob can draft any length up to K."""
-    if not k:
+    if not k or config.tree_widths is not None:  # tree forwards are graphed by their own key (StaticKV)
         return (1,)
     any_length = config.k_schedule == "adaptive" or config.draft_stop_prob is not None
     return (1, *range(2, k + 2)) if any_length else (1, k + 1)
@@ -574,10 +663,18 @@ def _check_setup(
     if clutch is not None and scout is None and gear is None:
         raise ValueError("a clutch with neither a scout nor a gear would gate nothing; pass scout= and/or gear=")
     if scout is None:
+        if config.tree_widths is not None:
+            raise ValueError("tree_widths drafts with a scout: pass scout=")
         return 0
     check_vocab(target, scout)
     if model_device(scout) != device:
         raise ValueError(f"scout is on {model_device(scout)} but target is on {device}; put both on one device")
+    if config.tree_widths is not None:
+        depth = len(config.tree_widths)
+        if clutch is not None and clutch.config.k_draft != depth:
+            raise ValueError(f"the clutch's k_draft={clutch.config.k_draft} but tree_widths={config.tree_widths} has "
+                             f"depth {depth}: give the clutch k_draft={depth}")
+        return depth
     if clutch is None:
         return config.k_draft if config.k_draft is not None else DEFAULT_K
     if config.k_draft is not None and config.k_draft != clutch.config.k_draft:

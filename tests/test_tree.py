@@ -1,0 +1,179 @@
+"""Tree speculation: the tree's layout, tree attention against plain causal forwards, greedy tree verification, the
+kept path's cache compaction, and the engine's tree cycles (lossless, honest counters, clear errors)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sdsie.clutch import ClutchConfig, EntropyClutch
+from sdsie.decoding import DecodeConfig, SamplingConfig, generate
+from sdsie.decoding.model_io import StaticKV, TreeAttention, compact_cache, forward, new_cache
+from sdsie.decoding.tree import TreeLayout, check_widths, greedy_tree_verify
+from sdsie.models import perturbed_copy, tiny_llama
+
+VOCAB = 64
+TARGET = tiny_llama(vocab_size=VOCAB, seed=0)
+SCOUTS = {
+    "random": tiny_llama(vocab_size=VOCAB, seed=1),
+    "self": copy.deepcopy(TARGET),
+    "perturbed": perturbed_copy(TARGET, noise=0.02, seed=1),
+}
+PROMPT = [3, 17, 5, 42, 8, 11]
+
+
+def test_layout_numbers_nodes_breadth_first_grouped_by_parent():
+    t = TreeLayout((2, 3))
+    assert t.level_sizes == (2, 6) and t.nodes == 8 and t.max_depth == 2
+    assert t.parent == (0, 0, 0, 1, 1, 1, 2, 2, 2)
+    assert t.depth == (0, 1, 1, 2, 2, 2, 2, 2, 2)
+    assert t.level(1) == slice(1, 3) and t.level(2) == slice(3, 9)
+    vis = t.visible()
+    assert vis[7].nonzero().flatten().tolist() == [0, 2, 7]  # node 7: root, its parent 2, itself
+    assert vis[0].nonzero().flatten().tolist() == [0]
+    chain = TreeLayout((1, 1, 1))
+    assert chain.parent == (0, 0, 1, 2) and chain.visible().equal(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("bad", [(), (2, 0), [2, 2], (2, True), (64, 64)])
+def test_bad_widths_are_refused_with_the_reason(bad):
+    with pytest.raises(ValueError, match="tree widths"):
+        check_widths(bad)
+
+
+def _path_logits(model, prefix: list[int], path: list[int]) -> torch.Tensor:
+    """Logits of a plain causal forward over prefix + path, at the path's positions (the root is prefix[-1])."""
+    ids = torch.tensor([prefix + path])
+    return model(input_ids=ids, use_cache=False).logits[0, len(prefix) - 1 :]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_tree_forward_gives_each_node_the_logits_of_its_own_root_path(kind):
+    """Every node's logits equal a causal forward over the prefix and the node's ancestors: the tree mask shows a
+    node its ancestors only, at the position ids of their depths, whatever its slot in the cache."""
+    layout = TreeLayout((3, 2))
+    tree = layout.to("cpu")
+    prefix = PROMPT[:-1]
+    drafts = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[: layout.nodes]  # [N]
+    tokens = torch.tensor([PROMPT[-1], *drafts])  # [1 + N]: the root, then the nodes
+    with torch.inference_mode():
+        cache = new_cache(TARGET) if kind == "dynamic" else StaticKV(TARGET, 32)
+        forward(TARGET, torch.tensor(prefix), cache, last_only=True)
+        base = len(prefix)
+        logits = forward(TARGET, tokens, cache, False, tree=TreeAttention(base, tree.visible, tree.depth + base))
+        for node in range(1 + layout.nodes):
+            path = [int(tokens[j]) for j in tree.visible[node].nonzero().flatten()]  # root first, breadth first
+            want = _path_logits(TARGET, prefix, path)[-1]
+            torch.testing.assert_close(logits[node], want, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tree_verify_keeps_the_path_of_the_targets_argmax():
+    tree = TreeLayout((2, 2)).to("cpu")  # nodes: 1, 2 (depth 1); 3, 4 under 1; 5, 6 under 2
+    greedy = torch.tensor([9, 7, 8, 5, 1, 2, 3])  # the target's argmax at each node
+    logits = torch.nn.functional.one_hot(greedy, 10).float()
+    tokens = torch.tensor([0, 4, 9, 6, 6, 8, 0])  # root; node 2 holds 9 = argmax at root; node 5 holds 8 = at 2
+    v = greedy_tree_verify(logits, tokens, tree)
+    assert int(v.accepted) == 2 and v.path.tolist() == [2, 5] and int(v.next_token) == greedy[5]
+    tokens[5] = 1  # depth 2 fails: only node 2 is kept, the bonus is the argmax at 2
+    v = greedy_tree_verify(logits, tokens, tree)
+    assert int(v.accepted) == 1 and v.path.tolist() == [2, 0] and int(v.next_token) == 8
+    tokens[2] = 1  # nothing kept: the bonus is the argmax at the root
+    v = greedy_tree_verify(logits, tokens, tree)
+    assert int(v.accepted) == 0 and v.path.tolist() == [0, 0] and int(v.next_token) == 9
+    tokens[:] = torch.tensor([0, 4, 4, 7, 7, 8, 8])  # a node whose token matches under a rejected parent is not kept
+    assert int(greedy_tree_verify(logits, tokens, tree).accepted) == 0
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_compaction_moves_the_path_and_leaves_the_prefix(kind):
+    with torch.inference_mode():
+        cache = new_cache(TARGET) if kind == "dynamic" else StaticKV(TARGET, 16)
+        forward(TARGET, torch.tensor(PROMPT + [1, 2, 3, 4]), cache, last_only=True)
+        layers = cache.cache.layers if kind == "static" else cache.layers
+        before = [layer.keys.clone() for layer in layers]
+        compact_cache(cache, torch.tensor([7, 9]), torch.tensor([6, 7]))  # overlapping: 7 is read before written
+        for old, layer in zip(before, layers, strict=True):
+            assert layer.keys[:, :, 6].equal(old[:, :, 7]) and layer.keys[:, :, 7].equal(old[:, :, 9])
+            assert layer.keys[:, :, :6].equal(old[:, :, :6])
+        with pytest.raises(ValueError, match="one shape"):
+            compact_cache(cache, torch.tensor([1, 2]), torch.tensor([1]))
+
+
+def plain(max_new: int, eos: int | None = None) -> list[int]:
+    return generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=max_new, eos_token_id=eos)).tokens
+
+
+@pytest.mark.parametrize("scout", sorted(SCOUTS))
+@pytest.mark.parametrize("widths", [(1,), (3,), (2, 2), (4, 2, 1), (1, 1, 1, 1)])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_tree_speculation_emits_the_plain_greedy_tokens(scout, widths, kind):
+    cfg = DecodeConfig(max_new_tokens=23, tree_widths=widths, kv_cache=kind)
+    r = generate(TARGET, PROMPT, cfg, scout=SCOUTS[scout])
+    assert r.tokens == plain(23)
+    s = r.stats
+    assert s.new_tokens == 23 and sum(c.emitted for c in r.cycles) == 22
+    assert all(c.emitted == c.accepted + 1 and 0 <= c.accepted <= c.k <= len(widths) for c in r.cycles)
+    assert s.tree_nodes == sum(TreeLayout(widths[: c.k]).nodes for c in r.cycles if c.k)
+    assert s.target_forwards == 1 + len(r.cycles)
+    if scout == "self":  # the target drafting for itself: every depth kept (but where the budget cuts the tree)
+        assert all(c.accepted == c.k for c in r.cycles)
+
+
+def test_a_chain_shaped_tree_keeps_what_fixed_k_keeps():
+    """Widths (1, 1, 1) are the K = 3 chain: the same cycles, the same kept drafts, the same tokens."""
+    scout = SCOUTS["perturbed"]
+    tree = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, tree_widths=(1, 1, 1)), scout=scout)
+    chain = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, k_draft=3), scout=scout)
+    assert tree.tokens == chain.tokens
+    assert [(c.k, c.accepted) for c in tree.cycles] == [(c.k, c.accepted) for c in chain.cycles]
+
+
+def test_a_wider_tree_keeps_at_least_what_its_chain_keeps_per_cycle():
+    """The top-1 chain is a branch of every tree of the same depth: from the same position a tree keeps at least the
+    chain's drafts, so over a run it needs no more cycles."""
+    scout = SCOUTS["random"]
+    chain = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=40, tree_widths=(1, 1)), scout=scout)
+    wide = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=40, tree_widths=(8, 4)), scout=scout)
+    assert wide.tokens == chain.tokens
+    assert wide.stats.accepted > chain.stats.accepted and len(wide.cycles) < len(chain.cycles)
+
+
+def test_eos_and_the_budget_end_a_tree_run_exactly():
+    ref = plain(40)
+    eos = ref[12]
+    r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=40, tree_widths=(3, 3), eos_token_id=eos),
+                 scout=SCOUTS["self"])
+    assert r.tokens == plain(40, eos=eos) and r.stop_reason == "eos" and r.tokens[-1] == eos
+    for n in (1, 2, 3, 4):  # budgets shorter than a full cycle cut the tree's depth
+        assert generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=n, tree_widths=(2, 2, 2)),
+                        scout=SCOUTS["self"]).tokens == ref[:n]
+
+
+def test_a_clutch_gates_tree_cycles():
+    clutch = EntropyClutch(ClutchConfig(theta_low=1.2, theta_high=2.0, alpha=0.5, k_draft=2))
+    r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, tree_widths=(3, 2)), scout=SCOUTS["perturbed"],
+                 clutch=clutch)
+    assert r.tokens == plain(30)
+    assert all((c.k > 0) == bool(c.engaged) for c in r.cycles)
+    assert 0 < r.stats.speculate_cycles < len(r.cycles)  # the clutch both engaged and fell back in this run
+    with pytest.raises(ValueError, match="give the clutch k_draft=2"):
+        generate(TARGET, PROMPT, DecodeConfig(tree_widths=(3, 2)), scout=SCOUTS["self"], clutch=EntropyClutch())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"sampling": SamplingConfig(temperature=1.0, seed=0)}, "greedy only"),
+    ({"k_schedule": "adaptive"}, "adaptive"),
+    ({"draft_stop_prob": 0.4}, "draft_stop_prob"),
+    ({"k_draft": 3}, "leave k_draft None"),
+])
+def test_tree_config_clashes_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DecodeConfig(tree_widths=(2, 2), **kwargs)
+
+
+def test_a_tree_needs_a_scout_and_a_list_of_widths_is_taken():
+    with pytest.raises(ValueError, match="pass scout="):
+        generate(TARGET, PROMPT, DecodeConfig(tree_widths=(2,)))
+    assert DecodeConfig(tree_widths=[2, 1]).tree_widths == (2, 1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import hashlib
 import math
@@ -39,12 +40,14 @@ from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
 from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache
 from sdsie.decoding.near_tie import decode_logits
+from sdsie.decoding.tree import check_widths
 from sdsie.telemetry.energy import EnergyMeter, EnergyMeterError, calls_to_fill
 from sdsie.telemetry.env import host_launch_us, per_op_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
 FAMILY_LABEL = {"verse": "poem", "prose": "physics", "code": "code"}  # seed README names
 K = 5
+DEFAULT_TREE_WIDTHS = (4, 2, 2, 1, 1)  # the tree_graphs variant's static tree (TREE, below)
 REGISTRY = Path(__file__).resolve().parent / "claims.toml"
 _NODE = "reproductions/{}.py::{}"
 # Registry test nodes each suite serves: a record declares the claims of these nodes whose inputs it holds.
@@ -116,8 +119,9 @@ def timed(fn: Callable[[], Outcome], meter: EnergyMeter | None) -> tuple[list[in
     return tokens, seconds, energy, stats, decisions
 
 
-def variants(target, scout, cfg: DecodeConfig,
-             graphs: bool = False) -> dict[str, Callable[[torch.Tensor], tuple[list[int], dict, str]]]:
+def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
+             tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS,
+             ) -> dict[str, Callable[[torch.Tensor], tuple[list[int], dict, str]]]:
     """The decode suite's variants; graphs adds this engine's plain, fixed-K5 and gated loops on a static cache
     with replayed CUDA graphs (GRAPHED). Eager host dispatch makes the eager loops' times noisy (the same
     code path ran 5% apart between two variants of one record); graphed, a gated run that never engages is
@@ -164,7 +168,8 @@ def variants(target, scout, cfg: DecodeConfig,
                 UNPADDED: ours(graphed(pad=False), scout, TUNED),
                 "fixed_k5_graphs_adaptive": ours(graphed(K, schedule="adaptive"), scout),
                 LONG_ADAPTIVE: ours(graphed(LONG_K, schedule="adaptive"), scout),
-                "gated_tuned_graphs_adaptive": ours(graphed(schedule="adaptive"), scout, TUNED)}
+                "gated_tuned_graphs_adaptive": ours(graphed(schedule="adaptive"), scout, TUNED),
+                TREE: ours(dataclasses.replace(graphed(), tree_widths=tree_widths), scout)}
     return fns
 
 
@@ -203,11 +208,12 @@ def select_variants(fns: dict[str, Any], only: Iterable[str] | None) -> dict[str
 
 def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]], trials: int, max_new: int,
                      meter: EnergyMeter | None, graphs: bool = False, only: Iterable[str] | None = None,
-                     energy_window_s: float = 0.0) -> tuple[list[Run], list[EnergyWindowRun]]:
+                     energy_window_s: float = 0.0, tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS,
+                     ) -> tuple[list[Run], list[EnergyWindowRun]]:
     """The timed trials (interleaved, seeded order per trial and prompt), then, with a meter and energy_window_s > 0,
     the graphed loops' energy windows (energy_windows)."""
     cfg = DecodeConfig(max_new_tokens=max_new)
-    fns = select_variants(variants(target, scout, cfg, graphs), only)
+    fns = select_variants(variants(target, scout, cfg, graphs, tree_widths), only)
     runs: list[Run] = []
     start = time.perf_counter()
     warm_up(fns, prompts)
@@ -269,8 +275,13 @@ ADAPTIVE = ("fixed_k5_graphs_adaptive", "gated_tuned_graphs_adaptive")
 # 0.989x on poem (intervals 0.967-1.005). Adaptive K = 5 over constant K = 5 repeated in that record: 1.370x on code.
 LONG_K = 8
 LONG_ADAPTIVE = f"fixed_k{LONG_K}_graphs_adaptive"
+# Static-tree drafting (DecodeConfig.tree_widths, session 18), graphed: the scout's top w_d tokens per node at depth d,
+# all verified in one target forward. At batch 1 both models are launch-bound, so a wider level costs the scout and
+# the verify little while it keeps the target's token whenever that ranks among the scout's top w_d, not only first.
+# --tree-widths picks the tree; reproductions/standin/tree_probe.py prices every static tree on a pair beforehand.
+TREE = "tree_graphs"
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
-           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE)
+           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, TREE)
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
 # static-cache kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
@@ -888,11 +899,12 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30,
 
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
                   entropy_sync: bool = True, graphs: bool = False, only: Iterable[str] | None = None,
-                  energy_window_s: float = ENERGY_WINDOW_S) -> RunRecord:
+                  energy_window_s: float = ENERGY_WINDOW_S,
+                  tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS) -> RunRecord:
     """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record (`only`: a
     subset of the variants, their baselines included; the record then declares only the claims it holds)."""
     runs, windows = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter, graphs, only,
-                                     energy_window_s)
+                                     energy_window_s, tree_widths)
     metrics = {**decode_metrics(runs), **energy_window_metrics(windows)}
     if entropy_sync:
         metrics.update(entropy_sync_share(metrics["plain_tokens_per_s"], s.device))
@@ -915,6 +927,7 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
     config = {"k": K, "max_new_tokens": max_new, "trials": trials,
               "idle_power_w": s.meter.idle.power_w if s.meter and s.meter.idle else None,
               "variants": sorted({r.variant for r in runs}),
+              "tree_widths": list(tree_widths) if any(r.variant == TREE for r in runs) else None,
               "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
               "energy_window_s": energy_window_s if windows else None,
               "energy_windows": [asdict(w) for w in windows],
@@ -999,6 +1012,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _tree_widths(text: str) -> tuple[int, ...]:
+    try:
+        return check_widths(tuple(int(w) for w in text.split(",")))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from err
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=_positive_int, default=5)
@@ -1027,6 +1047,9 @@ def _parser() -> argparse.ArgumentParser:
                         "fixed_k5_graphs")
     p.add_argument("--gear-trials", type=_positive_int, default=None,
                    help="trials of the gear suite (default: --trials)")
+    p.add_argument("--tree-widths", type=_tree_widths, default=DEFAULT_TREE_WIDTHS, metavar="W1,W2,...",
+                   help=f"the {TREE} variant's static tree: the scout's top-w tokens per node at each depth "
+                        f"(default {','.join(map(str, DEFAULT_TREE_WIDTHS))})")
     p.add_argument("--energy-window-s", type=_non_negative_float, default=ENERGY_WINDOW_S,
                    help="after the trials, the graphed loops' J/token over windows of back-to-back runs this long "
                         "(0: none)")
@@ -1050,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"record: {write_record(rec, a.out)} ({suite} done at {time.perf_counter() - t0:.0f} s)", flush=True)
 
     rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip,
-                        a.cuda_graphs, a.variants, a.energy_window_s)
+                        a.cuda_graphs, a.variants, a.energy_window_s, a.tree_widths)
     done("decode", rec)
     for k in sorted(rec.metrics):
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):

@@ -180,3 +180,18 @@ def test_the_long_adaptive_variant_is_adaptive_k5_with_a_higher_ceiling(monkeypa
     assert (long.k_draft, k5.k_draft) == (dr.LONG_K, 5) and dr.LONG_K > 5
     assert dataclasses.replace(long, k_draft=5) == k5
     assert dr.BASELINE[dr.LONG_ADAPTIVE] == "plain_graphs"
+
+
+def test_the_tree_variant_is_graphed_plain_with_the_asked_tree_and_its_widths_are_checked(monkeypatch, capsys):
+    import reproductions.decode_repro as dr
+
+    seen = _what_runs(monkeypatch, (dr.TREE, "plain_graphs"))
+    tree, plain = seen[dr.TREE], seen["plain_graphs"]
+    assert tree.config.tree_widths == dr.DEFAULT_TREE_WIDTHS and tree.clutch is None
+    assert dataclasses.replace(tree.config, tree_widths=None) == plain.config
+    assert dr.BASELINE[dr.TREE] == "plain_graphs" and dr.TREE in dr.COMPARED
+    assert _parser().parse_args(["--tree-widths", "8,2,1"]).tree_widths == (8, 2, 1)
+    for bad in ("8,0", "a,2", "64,64"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--tree-widths", bad])
+        assert "--tree-widths" in capsys.readouterr().err

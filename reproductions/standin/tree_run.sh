@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU call for static-tree speculation on the gpu stand-in pair (fits one 10-minute call: the build takes
+# 270-300 s of it):
+#   1. the GPU tests of graphed tree cycles against eager ones (tiny models);
+#   2. the gpu pair, built into the cache or loaded from it, and its manifest;
+#   3. tree_probe: every static tree's kept tokens (exact under greedy verification) priced at graphed forward times;
+#   4. decode_repro with the probe's best tree for code (tree_graphs) beside plain, graphed plain and the adaptive
+#      chain, interleaved, greedy identity checked, energy windows after the trials.
+# Steps 3 and 4 still run when step 1 fails; each step's exit code is in $OUT/steps.txt.
+#
+#   OUT=/path/to/out bash reproductions/standin/tree_run.sh [extra decode_repro flags...]
+#   TREE_WIDTHS=4,2,2,1,1 ...   skip the probe's choice and decode this tree
+set -uo pipefail
+
+OUT=${OUT:-.run/out}
+mkdir -p "$OUT"
+export SDSIE_CACHE=${SDSIE_CACHE:-$PWD/.sdsie_cache} PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+: >"$OUT/steps.txt"
+
+step() {  # step NAME CMD...: run CMD, its output into $OUT/NAME.log, its exit code into steps.txt
+    local name=$1 t0=$SECONDS
+    shift
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$OUT/steps.txt"
+    return $rc
+}
+
+step gpu_tree_tests "$PYTHON" -m pytest tests/test_static_cache.py -m gpu -k tree -q -p no:cacheprovider
+step build "$PYTHON" -m sdsie.standin build --preset gpu
+manifest=$(tail -n 1 "$OUT/build.log")
+[[ -f $manifest/manifest.json ]] && cp "$manifest/manifest.json" "$OUT/standin_gpu_manifest.json"
+step tree_probe "$PYTHON" -m reproductions.standin.tree_probe --pair gpu --device cuda --out "$OUT/tree_probe_gpu.json"
+widths=${TREE_WIDTHS:-}
+if [[ -z $widths && -f $OUT/tree_probe_gpu.json ]]; then
+    widths=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['best']['code']['widths'])" \
+        "$OUT/tree_probe_gpu.json")
+fi
+echo "tree widths: ${widths:-default}" | tee -a "$OUT/steps.txt"
+step decode "$PYTHON" -m reproductions.decode_repro --cuda-graphs --trials 5 --out "$OUT" \
+    --variants plain plain_graphs fixed_k5_graphs_adaptive tree_graphs ${widths:+--tree-widths "$widths"} \
+    --skip grid fidelity gear near_ties entropy_sync "$@"
+exit 0

@@ -31,7 +31,8 @@ step gpu_tree_tests "$PYTHON" -m pytest tests/test_static_cache.py -m gpu -k tre
 step build "$PYTHON" -m sdsie.standin build --preset gpu
 manifest=$(tail -n 1 "$OUT/build.log")
 [[ -f $manifest/manifest.json ]] && cp "$manifest/manifest.json" "$OUT/standin_gpu_manifest.json"
-step tree_probe "$PYTHON" -m reproductions.standin.tree_probe --pair gpu --device cuda --out "$OUT/tree_probe_gpu.json"
+step tree_probe "$PYTHON" -m reproductions.standin.tree_probe --pair gpu --device cuda --max-nodes 127 --overhead-ms "${TREE_OVERHEAD_MS:-0.6}" \
+    --out "$OUT/tree_probe_gpu.json"
 widths=${TREE_WIDTHS:-}
 if [[ -z $widths && -f $OUT/tree_probe_gpu.json ]]; then
     widths=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['best']['code']['widths'])" \

@@ -253,9 +253,9 @@ def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool
 def _fill_tree_mask(mask: torch.Tensor, tree: TreeAttention) -> torch.Tensor:
     """mask [S, kv] bool, in place -> [1, 1, S, kv]: the prefix before tree.start, then tree.visible."""
     span = tree.visible.shape[1]
-    cols = torch.arange(mask.shape[1], device=mask.device)
-    mask.copy_((cols < tree.start).expand_as(mask))
+    mask[:, : tree.start] = True
     mask[:, tree.start : tree.start + span] = tree.visible
+    mask[:, tree.start + span :] = False
     return mask[None, None]
 
 

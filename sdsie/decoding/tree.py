@@ -126,7 +126,10 @@ def greedy_tree_verify(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceT
     kept = ~(tree.visible & ~ok[None, :]).any(dim=-1)  # [1 + N]: no ancestor failed
     depths = torch.arange(1, tree.layout.max_depth + 1, device=logits.device)  # [D]
     at_depth = kept[None, :] & (tree.depth[None, :] == depths[:, None])  # [D, 1 + N]: at most one True per row
-    path = torch.where(at_depth.any(dim=-1), at_depth.int().argmax(dim=-1), 0)  # [D]
-    accepted = at_depth.any(dim=-1).sum()
-    end = torch.cat([path.new_zeros(1), path])[accepted]  # the deepest kept node, or the root
-    return TreeVerdict(accepted, path, greedy[end])
+    has = at_depth.any(dim=-1)  # [D]
+    path = torch.where(has, at_depth.int().argmax(dim=-1), 0)  # [D]
+    accepted = has.sum()
+    # the deepest kept node, or the root; gathered, since indexing by a 0-d CUDA tensor reads it to the host (a
+    # sync that stalled every tree cycle until the verify forward finished)
+    end = torch.cat([path.new_zeros(1), path]).gather(0, accepted[None])  # [1]
+    return TreeVerdict(accepted, path, greedy.gather(0, end)[0])

@@ -42,6 +42,7 @@ ADAPTIVE_PAIRS = (("fixed_k5_graphs", "fixed_k5_graphs_adaptive"),  # (constant 
                   ("gated_tuned_graphs", "gated_tuned_graphs_adaptive"))
 ADAPTIVE_RUN = ("plain_graphs", *(v for pair in ADAPTIVE_PAIRS for v in pair))
 LONG_ADAPTIVE_RUN = ("plain_graphs", "fixed_k5_graphs", "fixed_k5_graphs_adaptive", "fixed_k8_graphs_adaptive")
+TREE_RUN = ("plain_graphs", "fixed_k5_graphs_adaptive", "tree_graphs")
 GATED_BOUND = 0.99  # issue 8: gated speculation never more than 1% slower than plain on the high-entropy family
 
 
@@ -319,6 +320,48 @@ def long_adaptive_section(rec: RunRecord) -> list[str]:
     return lines
 
 
+def tree_section(rec: RunRecord) -> list[str]:
+    """Static-tree speculation (decode_repro's tree_graphs) beside the adaptive chain, each over graphed plain decoding
+    paired by prompt and trial, with acceptance, tokens per cycle, J/token over energy windows, and issue 8's 2.0x
+    target on code; then greedy identity with graphed plain decoding and every divergence's logit gap."""
+    from reproductions.decode_repro import TREE
+
+    mt = rec.metrics
+    by_family = _prompts_by_family()
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
+    widths = ",".join(map(str, rec.config.get("tree_widths") or []))
+    chain = "fixed_k5_graphs_adaptive"
+    lines = [f"Static-tree speculation (`DecodeConfig(tree_widths=({widths}))`: the scout's top {widths.split(',')[0]} "
+             f"tokens, then its top-w below each node at each depth, all verified in one target forward), beside the "
+             f"adaptive K = 5 chain, all under CUDA graphs ({rec.conditions['model']}, {rec.config['trials']} "
+             f"interleaved trials, record `{rec.source.name}`). Tokens/s over graphed plain decoding paired by prompt "
+             "and trial (median, 95% bootstrap interval); acceptance is the share of drafted depths kept; J/token over "
+             "energy windows against graphed plain's:", "",
+             "| family | plain graphs tok/s | tree | tree acceptance | tree tokens/cycle (1 + depth x acceptance) | "
+             "tree J/token | adaptive K5 | adaptive K5 J/token |", "|---|---|---|---|---|---|---|---|"]
+    for f in fams:
+        acc = mt.get(f"{TREE}.{f}.acceptance_pct")
+        depth = len(rec.config.get("tree_widths") or [])
+        per_cycle = f"{1 + depth * acc / 100:.2f}" if acc is not None and depth else "-"
+        j = [mt.get(f"{v}.{f}.j_per_token_window_ratio") for v in (TREE, chain)]
+        j_cells = ["-" if x is None else f"{x:.3f}x" for x in j]
+        lines.append(f"| {f} | {mt[f'plain_graphs.{f}.tokens_per_s']:.0f} | "
+                     f"{_cell(paired_cell(rec, TREE, f, by_family[f]))} | "
+                     + ("-" if acc is None else f"{acc:.0f}%") + f" | {per_cycle} | {j_cells[0]} | "
+                     f"{_cell(paired_cell(rec, chain, f, by_family[f]))} | {j_cells[1]} |")
+    code = paired_cell(rec, TREE, "code", by_family["code"]) if "code" in fams else None
+    if code is not None:
+        met = "**met**" if code[1] >= 2.0 else "**not met**"
+        lines += ["", f"Issue 8's target of 2.0x on code: {met} by the tree ({code[0]:.3f}x, interval "
+                      f"{code[1]:.3f}-{code[2]:.3f}); its J/token target (40% lower): "
+                  + ("**met**" if (mt.get(f"{TREE}.code.j_per_token_window_ratio") or 1.0) <= 0.6 else "**not met**")
+                  + "."]
+    graphed_identity = graphed_identity_line(rec)
+    if graphed_identity:
+        lines += ["", graphed_identity]
+    return lines
+
+
 def energy_window_section(rec: RunRecord) -> list[str]:
     """The graphed loops' J/token over windows of back-to-back runs (decode_repro.energy_windows), against graphed
     plain decoding on the same prompts; nothing for a record without them."""
@@ -515,7 +558,8 @@ def render(records_dir: Path = Path("telemetry")) -> str:
                 ("decode_standin", gated_graphs_section, GATED_GRAPHS, True),
                 ("decode_standin", adaptive_section, ADAPTIVE_RUN, True),
                 ("decode_standin", long_adaptive_section, LONG_ADAPTIVE_RUN, True),
-                ("decode_standin", energy_window_section, ("plain_graphs",), True),
+                ("decode_standin", energy_window_section, ("plain_graphs", "gated_production_graphs"), True),
+                ("decode_standin", tree_section, TREE_RUN, True),
                 ("resolution_gear_fidelity", fidelity_section, (), False),
                 ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False))
     for suite, fn, variants, optional in sections:

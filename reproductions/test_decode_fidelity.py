@@ -558,3 +558,35 @@ def test_the_suite_measures_energy_windows_only_when_asked_and_only_for_graphed_
     assert sorted((w.variant, w.prompt, w.runs, w.tokens) for w in windows) == [
         ("plain_graphs", "code-a", 4, 40), ("plain_graphs", "prose-a", 4, 40)]
     assert windows[0].energy_j == pytest.approx(200.0 * 1.0)
+
+
+def test_the_readme_tree_table_judges_the_code_target_from_the_interval_and_keeps_the_energy_table(tmp_path):
+    """The tree section reads the record's tree and its paired cells, and says 'met' only when the interval's low end
+    clears 2.0x; a tree run does not displace the energy table of the run that decoded the gated loops."""
+    import shutil
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from reproductions.readme_results import render, tree_section
+
+    def rec(low: float):
+        mt = {"plain_graphs.code.tokens_per_s": 520.0, "tree_graphs.code.acceptance_pct": 75.0,
+              "tree_graphs.code.j_per_token_window_ratio": 0.55}
+        for v, med in (("tree_graphs", 2.1), ("fixed_k5_graphs_adaptive", 1.07)):
+            key = f"{v}.code.paired_speedup_vs_plain_graphs"
+            mt |= {key: med, f"{key}_ci_low": low if v == "tree_graphs" else 1.05, f"{key}_ci_high": 2.3}
+        return SimpleNamespace(metrics=mt, config={"trials": 5, "tree_widths": [4, 3, 3]},
+                               conditions={"model": "pair"}, source=SimpleNamespace(name="r.json"))
+
+    table = "\n".join(tree_section(rec(2.02)))
+    assert "tree_widths=(4,3,3)" in table and "| code | 520 | 2.100x (2.020-2.300) | 75% | 3.25 | 0.550x |" in table
+    assert "2.0x on code: **met**" in table and "(40% lower): **met**" in table
+    assert "2.0x on code: **not met**" in "\n".join(tree_section(rec(1.98)))
+    telemetry = Path(__file__).resolve().parents[1] / "telemetry"
+    for name in ("20261130T220336005311Z-dc91eea8_decode_standin.json",
+                 "20261201T224630876449Z-9d3c7d76_decode_standin.json"):
+        shutil.copy(telemetry / name, tmp_path)
+    text = render(tmp_path)
+    assert "Static-tree speculation" in text and "9d3c7d76" in text
+    energy = next(line for line in text.splitlines() if line.startswith("Energy of the graphed loops"))
+    assert "dc91eea8" in energy

@@ -140,9 +140,9 @@ def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_of_tree_cycles_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
-    """On a GPU: tree speculation's graphed forwards (a graph per tree level for the scout, one for the target's
-    verify, whose mask and position ids are graph inputs) and its graphed cache compaction give the eager static
-    path's tokens and cycles, fixed and gated; in fp32 both equal plain decoding's tokens."""
+    """On a GPU: a tree cycle replayed as one graph (TreeStep: the deeper scout levels, the verify, the kept path's
+    compaction, its masks built on the device from the root's position) gives the eager static path's tokens and
+    cycles, fixed and gated; in fp32 both equal plain decoding's tokens."""
     import sdsie.decoding.engine as engine
 
     monkeypatch.setattr(engine, "_scout_pad_sizes", lambda config: engine.SCOUT_PAD_SIZES)

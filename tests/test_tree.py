@@ -10,8 +10,8 @@ import torch
 
 from sdsie.clutch import ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, SamplingConfig, generate
-from sdsie.decoding.model_io import StaticKV, TreeAttention, compact_cache, forward, new_cache
-from sdsie.decoding.tree import TreeLayout, check_widths, greedy_tree_verify
+from sdsie.decoding.model_io import StaticKV, compact_cache, forward, new_cache
+from sdsie.decoding.tree import TreeLayout, check_widths, greedy_tree_verify, tree_forward, tree_mask
 from sdsie.models import perturbed_copy, tiny_llama
 
 VOCAB = 64
@@ -62,11 +62,29 @@ def test_a_tree_forward_gives_each_node_the_logits_of_its_own_root_path(kind):
         cache = new_cache(TARGET) if kind == "dynamic" else StaticKV(TARGET, 32)
         forward(TARGET, torch.tensor(prefix), cache, last_only=True)
         base = len(prefix)
-        logits = forward(TARGET, tokens, cache, False, tree=TreeAttention(base, tree.visible, tree.depth + base))
+        start = torch.tensor(base)
+        logits = tree_forward(TARGET, cache, tokens, start, tree.visible, tree.depth + start)
         for node in range(1 + layout.nodes):
             path = [int(tokens[j]) for j in tree.visible[node].nonzero().flatten()]  # root first, breadth first
             want = _path_logits(TARGET, prefix, path)[-1]
             torch.testing.assert_close(logits[node], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("width", "start"), [(12, 3), (12, 0), (9, 5), (20, 11)])
+def test_the_tree_mask_shows_the_prefix_then_the_visible_block_and_nothing_after(width, start):
+    visible = torch.rand(4, 4, generator=torch.Generator().manual_seed(start)) > 0.5  # [S, L]
+    mask = tree_mask(width, torch.tensor(start), visible)[0, 0]  # [S, width]
+    want = torch.zeros(4, width, dtype=torch.bool)
+    want[:, :start] = True
+    want[:, start : start + 4] = visible[:, : width - start]
+    assert mask.shape == (4, width) and mask.equal(want)
+
+
+def test_tree_forward_refuses_mismatched_shapes_with_the_reason():
+    tree = TreeLayout((2,)).to("cpu")
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"3 tokens need visible \[3, L\] bool"):
+        tree_forward(TARGET, new_cache(TARGET), torch.tensor([1, 2, 3]), torch.tensor(0), tree.visible[:2],
+                     tree.depth)
 
 
 def test_greedy_tree_verify_keeps_the_path_of_the_targets_argmax():
@@ -177,3 +195,26 @@ def test_a_tree_needs_a_scout_and_a_list_of_widths_is_taken():
     with pytest.raises(ValueError, match="pass scout="):
         generate(TARGET, PROMPT, DecodeConfig(tree_widths=(2,)))
     assert DecodeConfig(tree_widths=[2, 1]).tree_widths == (2, 1)
+
+
+def test_a_static_tree_cycle_is_kept_across_runs_and_not_shared_with_another_scout():
+    """On a static cache the engine keeps each tree's TreeStep with the target's cache (its graphs are captured once per
+    tree, not per run); a run with another scout on the same cache gets its own step; neither keeps a model alive."""
+    import gc
+    import weakref
+
+    import sdsie.decoding.engine as engine
+
+    target = copy.deepcopy(TARGET)
+    cfg = DecodeConfig(max_new_tokens=20, kv_cache="static", tree_widths=(3, 2))
+    first = generate(target, PROMPT, cfg, scout=SCOUTS["perturbed"])
+    (cache,) = [c for (role, *_), c in engine._STATIC[target].items() if role == "target"]
+    step = engine._TREE_STEPS[cache][(3, 2)]
+    again = generate(target, PROMPT, cfg, scout=SCOUTS["perturbed"])
+    assert engine._TREE_STEPS[cache][(3, 2)] is step and first.tokens == again.tokens == plain(20)
+    other = generate(target, PROMPT, cfg, scout=SCOUTS["random"])
+    assert engine._TREE_STEPS[cache][(3, 2)] is not step and other.tokens == plain(20)
+    alive = weakref.ref(target)
+    del target, cache, step
+    gc.collect()
+    assert alive() is None

@@ -21,6 +21,8 @@ A tree cycle (`tree_widths`, greedy only; sdsie.decoding.tree) drafts the scout'
 each, and so on, one scout forward per depth with tree attention, and the target verifies all nodes in one forward;
 the kept path's keys and values are then moved to the slots after `last` (`compact_cache`), so the target's cache
 again holds exactly the kept tokens. The scout's tree positions are dropped: its next cycle catches up on the path.
+After the scout's catch-up forward, a cycle's device work is one function (TreeStep), replayed as one CUDA graph
+under cuda_graphs.
 
 Each cycle reads the device once (`_to_host`): accepted count, emitted tokens and the entropy of
 every verification row come back together. The clutch reads those entropies (target logits that
@@ -41,10 +43,8 @@ from torch import nn
 from sdsie.clutch import EntropyClutch
 from sdsie.decoding.model_io import (
     StaticKV,
-    TreeAttention,
     cache_length,
     check_prompt,
-    compact_cache,
     crop_cache,
     forward,
     model_device,
@@ -53,7 +53,7 @@ from sdsie.decoding.model_io import (
     to_host,
 )
 from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, select_token
-from sdsie.decoding.tree import DeviceTree, TreeLayout, check_widths, greedy_tree_verify
+from sdsie.decoding.tree import TreeLayout, TreeStep, check_widths
 from sdsie.decoding.verify import greedy_verify, rejection_verify
 from sdsie.entropy import entropy
 from sdsie.models import check_vocab, vocab_size
@@ -101,7 +101,8 @@ class DecodeConfig:
     tree_widths: draft a static tree of these widths per depth in every speculate cycle instead of a chain of K
     (sdsie.decoding.tree; greedy sampling, the constant schedule, no draft_stop_prob). Its depth plays K's part:
     k_draft, and a clutch's k_draft, must be None or equal it, and CycleRecord.k counts depths, not nodes. Near the
-    end of a run the tree is cut to the depths the budget leaves. Under cuda_graphs every tree forward is graphed.
+    end of a run the tree is cut to the depths the budget leaves. Under cuda_graphs a tree cycle is one graph replay
+    after the scout's catch-up forward (sdsie.decoding.tree.TreeStep).
     """
 
     max_new_tokens: int = 64
@@ -292,7 +293,7 @@ class _Run:
     gear: Gear | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     k_next: int = 0  # drafts for the next speculate cycle (K; the adaptive schedule moves it)
-    trees: dict[int, DeviceTree] = field(default_factory=dict)  # tree_widths cut to each depth, built on first use
+    trees: dict[int, TreeStep] = field(default_factory=dict)  # tree_widths cut to each depth, built on first use
 
     @property
     def last(self) -> torch.Tensor:  # [1]
@@ -344,7 +345,7 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
     last."""
     device = run.ids.device
     if k > 0 and run.config.tree_widths is not None:
-        return _tree_cycle(run, _tree(run, k))
+        return _tree_cycle(run, _tree_step(run, k))
     if k > 0:
         drafts, q = _draft(run, k)  # [d], [d, V] | None
         k = drafts.numel()
@@ -366,59 +367,53 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
     return emitted, floats[: n + 1], n, k
 
 
-def _tree(run: _Run, depth: int) -> DeviceTree:
-    """config.tree_widths cut to `depth` levels (the budget's cap near a run's end), on the run's device."""
-    if depth not in run.trees:
-        assert run.config.tree_widths is not None
-        run.trees[depth] = TreeLayout(run.config.tree_widths[:depth]).to(run.ids.device)
-    return run.trees[depth]
+def _tree_step(run: _Run, depth: int) -> TreeStep:
+    """The tree cycle for config.tree_widths cut to `depth` levels (the budget's cap near a run's end). On static
+    caches it is kept with the target's cache across runs (`_TREE_STEPS`), as the caches and their graphs are, so a
+    graphed tree cycle is captured once per tree, not once per run."""
+    if depth in run.trees:
+        return run.trees[depth]
+    assert run.config.tree_widths is not None and run.scout is not None
+    layout = TreeLayout(run.config.tree_widths[:depth])
+    tc, sc = run.target_cache, run.scout_cache
+    step = None
+    if isinstance(tc, StaticKV):
+        steps = _TREE_STEPS.setdefault(tc, {})
+        step = steps.get(layout.widths)
+        if step is not None and not (step.scout_cache is sc and step.scout is run.scout and step.target is run.target):
+            step = None  # another pair or scout cache now uses this target cache: its graphs are not theirs
+    if step is None:
+        step = TreeStep(layout, run.target, run.scout, tc, sc, graphs=run.config.cuda_graphs)
+        if isinstance(tc, StaticKV):
+            _TREE_STEPS[tc][layout.widths] = step
+    run.trees[depth] = step
+    return step
 
 
-def _draft_tree(run: _Run, tree: DeviceTree) -> tuple[torch.Tensor, int]:
-    """The scout drafts every node of `tree` below `last`, one forward per depth -> (tokens [1 + N], root first; the
-    scout cache's length through last).
+def _tree_cycle(run: _Run, step: TreeStep) -> tuple[list[int], list[float], int, int]:
+    """A speculate cycle over a static tree: _cycle's contract, with k the tree's depth.
 
-    Depth 1 comes from the catch-up forward (the tokens the scout missed, then last); depth d + 1 from a forward of
-    depth d's nodes, each attending to the prefix and its own ancestors. The tree's slots are dropped after the
-    cycle (the caller crops the scout back to `last`)."""
+    The scout's catch-up forward (the tokens it missed, then last) gives depth 1; TreeStep does the rest on the
+    device (the deeper levels, the verify, the kept path's compaction); one host read; both caches cropped to the kept
+    tokens (the scout to `last`: its next cycle catches up on the path)."""
     assert run.scout is not None and run.scout_cache is not None
-    layout, cache = tree.layout, run.scout_cache
-    feed = run.ids[cache_length(cache) : run.length]  # [F]: tokens the scout missed, then last
+    feed = run.ids[cache_length(run.scout_cache) : run.length]  # [F]: tokens the scout missed, then last
     run.stats.scout_catchup_tokens += feed.numel() - 1
-    logits = forward(run.scout, feed, cache, last_only=True)  # [1, V]
-    start = cache_length(cache)  # the tree's first slot; every slot before it is the prefix, last included
-    tokens = [run.last, logits.topk(layout.widths[0], dim=-1).indices.flatten()]  # root, depth 1 [n_1]
-    for d in range(1, layout.max_depth):
-        nodes = layout.level(d)
-        span = slice(1, nodes.stop)  # depth 1..d's nodes: the cached ones, then this forward's
-        tree_at = TreeAttention(start, tree.visible[nodes, span], tree.depth[nodes] + (run.length - 1))
-        logits = forward(run.scout, tokens[-1], cache, last_only=False, tree=tree_at)  # [n_d, V]
-        tokens.append(logits.topk(layout.widths[d], dim=-1).indices.flatten())  # [n_(d + 1)], grouped by parent
-    run.stats.scout_forwards += layout.max_depth
-    return torch.cat(tokens), start
-
-
-def _tree_cycle(run: _Run, tree: DeviceTree) -> tuple[list[int], list[float], int, int]:
-    """A speculate cycle over a static tree: _cycle's contract, with k the tree's depth."""
-    assert run.scout_cache is not None
-    depth = tree.layout.max_depth
-    tokens, scout_keep = _draft_tree(run, tree)  # [1 + N]
-    base = run.length - 1  # last's slot in the target's cache and its position id
+    first = forward(run.scout, feed, run.scout_cache, last_only=True)  # [1, V]
+    root = run.length - 1  # last's slot in the target's cache and its position id
     precision = run.gear.int4 if run.gear is not None else None
-    tree_at = TreeAttention(base, tree.visible, tree.depth + base)
-    logits = forward(run.target, tokens, run.target_cache, False, precision, tree=tree_at)  # [1 + N, V]
+    ints_d, bits_d = step(first, run.last, root, precision)  # [2 + D], [1 + D]
+    step.advance()
+    run.stats.scout_forwards += step.layout.max_depth
     run.stats.target_forwards += 1
-    verdict = greedy_tree_verify(logits, tokens, tree)
-    path = tokens[verdict.path]  # [D]: the kept tokens, then the root's past the path's end
-    compact_cache(run.target_cache, base + verdict.path, base + 1 + torch.arange(depth, device=tokens.device))
-    bits = entropy(logits[torch.cat([verdict.path.new_zeros(1), verdict.path])])  # [D + 1]: the root, then the path
-    ints, floats = to_host(torch.cat([verdict.accepted[None], path, verdict.next_token[None]]), bits)
+    run.stats.tree_nodes += step.layout.nodes
+    ints, floats = to_host(ints_d, bits_d)
     n = ints[0]
-    crop_cache(run.target_cache, base + 1 + n)
-    crop_cache(run.scout_cache, scout_keep)
-    run.ids[run.length : run.length + n + 1] = torch.cat([path[:n], verdict.next_token[None]])  # device to device
-    run.stats.tree_nodes += tree.layout.nodes
-    return ints[1 : 1 + n] + [ints[-1]], floats[: n + 1], n, depth
+    crop_cache(run.target_cache, root + 1 + n)
+    crop_cache(run.scout_cache, root + 1)
+    run.ids[run.length : run.length + n] = ints_d[1 : 1 + n]  # device to device: the path, then the target's token
+    run.ids[run.length + n] = ints_d[-1]
+    return ints[1 : 1 + n] + [ints[-1]], floats[: n + 1], n, step.layout.max_depth
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -605,6 +600,8 @@ def _start(
 # Static caches outlive a call, as gpt-fast sets its caches up once: a model's StaticKV (and the graphs
 # captured on it) is reused by later runs of the same role, length bucket and graph sizes, emptied first.
 _STATIC: weakref.WeakKeyDictionary[nn.Module, dict[tuple, StaticKV]] = weakref.WeakKeyDictionary()
+# Tree cycles of a static target cache, by tree widths (their graphs live and die with the cache).
+_TREE_STEPS: weakref.WeakKeyDictionary[StaticKV, dict[tuple[int, ...], TreeStep]] = weakref.WeakKeyDictionary()
 STATIC_LEN_BUCKET = 256  # positions: a static cache's length is rounded up to a multiple of this
 # Under graphs, the scout's catch-up forwards (the tokens it skipped: 2 after a fully accepted draft, up to a
 # whole fallback stretch after the clutch re-engages) are padded to these sizes and replayed, not run eagerly.
@@ -615,7 +612,7 @@ SCOUT_PAD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 def _verify_sizes(config: DecodeConfig, k: int) -> tuple[int, ...]:
     """The target's forward sizes a run repeats: 1 (plain steps) and K + 1, or every 2..K + 1 when the adaptive
     schedule or draft_stop_prob can draft any length up to K."""
-    if not k or config.tree_widths is not None:  # tree forwards are graphed by their own key (StaticKV)
+    if not k or config.tree_widths is not None:  # a tree cycle is graphed whole, by TreeStep
         return (1,)
     any_length = config.k_schedule == "adaptive" or config.draft_stop_prob is not None
     return (1, *range(2, k + 2)) if any_length else (1, k + 1)

@@ -26,7 +26,6 @@ from torch import nn
 
 __all__ = [
     "StaticKV",
-    "TreeAttention",
     "compact_cache",
     "cache_length",
     "check_prompt",
@@ -39,35 +38,11 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class TreeAttention:
-    """Where a forward's S tokens sit in a token tree (sdsie.decoding.tree): each attends to every cache position
-    before `start` (the committed prefix) and to the positions start, start + 1, ... that its row of `visible`
-    marks (its ancestors already in the cache, then among the S tokens themselves, itself included); its position
-    id is its entry of `positions`, not its slot in the cache."""
-
-    start: int  # first cache position of the tree
-    visible: torch.Tensor  # [S, L] bool, L = (cache length - start) + S
-    positions: torch.Tensor  # [S] long: position ids
-
-    def check(self, cache_len: int, n: int) -> None:
-        span = cache_len - self.start + n
-        if not 0 <= self.start <= cache_len:
-            raise ValueError(f"tree start {self.start} lies outside the cache's {cache_len} positions")
-        if tuple(self.visible.shape) != (n, span) or self.visible.dtype != torch.bool:
-            raise ValueError(f"tree visible must be a [{n}, {span}] bool tensor for {n} tokens over {cache_len} cached "
-                             f"positions from {self.start}, got {self.visible.dtype} {tuple(self.visible.shape)}")
-        if tuple(self.positions.shape) != (n,):
-            raise ValueError(f"tree positions must be [{n}], got {tuple(self.positions.shape)}")
-
-
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     ids: torch.Tensor  # [1, S] static input
     logits: torch.Tensor  # [S or 1, V] static output, overwritten by each replay
-    mask: torch.Tensor | None = None  # [1, 1, S, max_len] static input of a tree forward
-    positions: torch.Tensor | None = None  # [1, S] static input of a tree forward
 
 
 class StaticKV:
@@ -106,19 +81,11 @@ class StaticKV:
         self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
         self._pool: Any = None
 
-    def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable = None,
-                tree: TreeAttention | None = None) -> torch.Tensor:
-        """ids: [S] -> logits [S, V] (or [1, V] with last_only), written at positions length..length+S-1.
-        tree: attend as a token tree (never padded; under cuda_graphs every tree forward is graphed, one graph per
-        size and tree span)."""
+    def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable = None) -> torch.Tensor:
+        """ids: [S] -> logits [S, V] (or [1, V] with last_only), written at positions length..length+S-1."""
         n = ids.numel()
         if self.length + n > self.max_len:
             raise ValueError(f"StaticKV holds {self.max_len} positions: cannot add {n} to {self.length}")
-        if tree is not None:
-            tree.check(self.length, n)
-            logits = self._run_tree(model, ids, last_only, variant, tree)
-            self.length += n
-            return logits
         padded = self._padded_size(n)
         if padded is None:
             logits = self._run(model, ids, last_only, variant)
@@ -151,52 +118,12 @@ class StaticKV:
         with _static_attention(model):
             return _hf_forward(model, ids[None], self.cache, last_only)
 
-    def _run_tree(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable,
-                  tree: TreeAttention) -> torch.Tensor:
-        n, span = ids.numel(), tree.visible.shape[1]
-        if not (self.cuda_graphs and self.length > 0):
-            mask = _fill_tree_mask(torch.empty(n, self.max_len, dtype=torch.bool, device=ids.device), tree)
-            with _static_attention(model):
-                return _hf_forward(model, ids[None], self.cache, last_only, _attention_mask(model, mask),
-                                   tree.positions[None])
-        if model.config._attn_implementation != "sdpa":  # the graph's mask input is sdpa's boolean form
-            raise ValueError(f"graphed tree forwards need the sdpa attention implementation, not "
-                             f"{model.config._attn_implementation!r}; decode with cuda_graphs=False")
-        key = (n, last_only, variant, span)
-        g = self._graphs.get(key) or self._capture(model, n, last_only, variant, tree=True, key=key)
-        assert g.mask is not None and g.positions is not None
-        g.ids.copy_(ids[None])
-        _fill_tree_mask(g.mask[0, 0], tree)
-        g.positions.copy_(tree.positions[None])
-        g.graph.replay()
-        return g.logits
-
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise RuntimeError(f"cache holds {self.length} positions, cannot crop to {length}")
         if length < self.length:  # every cycle crops the target; a cycle that accepted everything launches nothing
             self._set_device_length(length)
             self.length = length
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """compact_cache on this cache; under cuda_graphs one graph replay per index count (every layer's keys and
-        values, 4 kernels a layer, would otherwise be as many host launches)."""
-        if not (self.cuda_graphs and self.length > 0):
-            _move_layers(self.cache.layers, src, dst)
-            return
-        key = ("move", src.numel())
-        g = self._graphs.get(key)
-        if g is None:
-            idx = torch.zeros((2, src.numel()), dtype=torch.long, device=src.device)
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                _move_layers(self.cache.layers, idx[0], idx[1])
-            g = self._graphs[key] = _Graph(graph, idx, idx)
-        g.ids[0].copy_(src)
-        g.ids[1].copy_(dst)
-        g.graph.replay()
 
     def _set_device_length(self, length: int) -> None:
         # On CUDA, HF initializes a layer lazily in its first forward, which the engine runs under
@@ -211,20 +138,15 @@ class StaticKV:
                 if length:
                     torch._foreach_add_(counters, length)
 
-    def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable, tree: bool = False,
-                 key: Hashable = None) -> _Graph:
+    def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
         """Warm up on a side stream, then capture; the cache's device length is restored after each, so
-        the garbage written at positions length..length+n-1 is overwritten by the first replay. A tree forward's
-        mask and position ids are inputs of its graph, as its ids are."""
-        device = model_device(model)
-        ids = torch.zeros((1, n), dtype=torch.long, device=device)
-        mask = torch.ones((1, 1, n, self.max_len), dtype=torch.bool, device=device) if tree else None
-        positions = torch.zeros((1, n), dtype=torch.long, device=device) if tree else None
+        the garbage written at positions length..length+n-1 is overwritten by the first replay."""
+        ids = torch.zeros((1, n), dtype=torch.long, device=model_device(model))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), _static_attention(model):
             for _ in range(2):
-                _hf_forward(model, ids, self.cache, last_only, mask, positions)
+                _hf_forward(model, ids, self.cache, last_only)
                 self._set_device_length(self.length)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -232,14 +154,13 @@ class StaticKV:
             self._pool = torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.graph(graph, pool=self._pool), _static_attention(model):
-                logits = _hf_forward(model, ids, self.cache, last_only, mask, positions)
+                logits = _hf_forward(model, ids, self.cache, last_only)
         except Exception as err:  # name the model and the size; never fall back silently
             raise RuntimeError(f"CUDA graph capture of a {n}-token forward of {type(model).__name__} failed "
                                f"({err!r}); decode with cuda_graphs=False") from err
         self._set_device_length(self.length)  # capture records the counter's advance, it does not run it
-        key = (n, last_only, variant) if key is None else key
-        self._graphs[key] = _Graph(graph, ids, logits, mask, positions)
-        return self._graphs[key]
+        self._graphs[(n, last_only, variant)] = _Graph(graph, ids, logits)
+        return self._graphs[(n, last_only, variant)]
 
 
 def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool, mask: torch.Tensor | None = None,
@@ -248,15 +169,6 @@ def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool
     extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0, **extra)
     return out.logits[0]
-
-
-def _fill_tree_mask(mask: torch.Tensor, tree: TreeAttention) -> torch.Tensor:
-    """mask [S, kv] bool, in place -> [1, 1, S, kv]: the prefix before tree.start, then tree.visible."""
-    span = tree.visible.shape[1]
-    mask[:, : tree.start] = True
-    mask[:, tree.start : tree.start + span] = tree.visible
-    mask[:, tree.start + span :] = False
-    return mask[None, None]
 
 
 def _attention_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
@@ -319,19 +231,13 @@ def new_cache(model: nn.Module) -> Any:
         return DynamicCache()
 
 
-def forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool, variant: Hashable = None,
-            tree: TreeAttention | None = None) -> torch.Tensor:
+def forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool, variant: Hashable = None) -> torch.Tensor:
     """ids: [S] -> logits [S, V] (or [1, V] with last_only), appending S positions to `cache`.
     variant: for a graphed StaticKV, the state that selects the graph (see StaticKV).
-    tree: the tokens attend as a token tree instead of causally (TreeAttention)."""
+    Tree forwards (tokens attending as a token tree): sdsie.decoding.tree.tree_forward."""
     if isinstance(cache, StaticKV):
-        return cache.forward(model, ids, last_only, variant, tree)
-    if tree is None:
-        return _hf_forward(model, ids[None], cache, last_only)
-    past = cache.get_seq_length()
-    tree.check(past, ids.numel())
-    mask = _fill_tree_mask(torch.empty(ids.numel(), past + ids.numel(), dtype=torch.bool, device=ids.device), tree)
-    return _hf_forward(model, ids[None], cache, last_only, _attention_mask(model, mask), tree.positions[None])
+        return cache.forward(model, ids, last_only, variant)
+    return _hf_forward(model, ids[None], cache, last_only)
 
 
 def compact_cache(cache: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -340,10 +246,7 @@ def compact_cache(cache: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.shape != dst.shape or src.dim() != 1:
         raise ValueError(f"compact_cache needs src and dst of one shape [n], got {tuple(src.shape)} and "
                          f"{tuple(dst.shape)}")
-    if isinstance(cache, StaticKV):
-        cache.move(src, dst)
-    else:
-        _move_layers(cache.layers, src, dst)
+    _move_layers(cache.cache.layers if isinstance(cache, StaticKV) else cache.layers, src, dst)
 
 
 def _move_layers(layers: Sequence[Any], src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -15,12 +15,28 @@ fixed-K speculation.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["MAX_TREE_NODES", "TreeLayout", "TreeVerdict", "check_widths", "greedy_tree_verify"]
+from sdsie.decoding.model_io import (
+    StaticKV,
+    _attention_mask,
+    _hf_forward,
+    _static_attention,
+    compact_cache,
+    model_device,
+)
+from sdsie.entropy import entropy
+
+__all__ = ["MAX_TREE_NODES", "TreeLayout", "TreeStep", "TreeVerdict", "check_widths", "greedy_tree_verify",
+           "tree_forward", "tree_mask"]
 
 MAX_TREE_NODES = 1024  # drafted nodes per cycle; a verify reads 1 + nodes tokens
 
@@ -133,3 +149,172 @@ def greedy_tree_verify(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceT
     # sync that stalled every tree cycle until the verify forward finished)
     end = torch.cat([path.new_zeros(1), path]).gather(0, accepted[None])  # [1]
     return TreeVerdict(accepted, path, greedy.gather(0, end)[0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# A tree cycle's device work: drafting below the root, the verify, the kept path's compaction
+
+
+def tree_mask(width: int, start: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """[1, 1, S, width] bool: every cache column before `start` (the committed prefix), then `visible` [S, L] over the
+    columns start..start + L - 1, nothing after. start is a 0-d device tensor, so the mask is device work alone and a
+    CUDA graph that builds it serves every root position."""
+    cols = torch.arange(width, device=visible.device)  # [W]
+    rel = cols - start  # [W]: column index inside the tree's span
+    span = visible.shape[1]
+    inside = (rel >= 0) & (rel < span)  # [W]
+    vis = visible.index_select(1, rel.clamp(0, span - 1))  # [S, W]
+    return ((cols < start)[None, :] | (inside[None, :] & vis))[None, None]
+
+
+def tree_forward(model: nn.Module, cache: Any, ids: torch.Tensor, start: torch.Tensor, visible: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """ids [S] appended to `cache` (a StaticKV or an HF dynamic cache) as tree nodes -> logits [S, V]: each token
+    attends to the cache before `start` and to the columns from `start` on that its row of visible [S, L] marks (its
+    ancestors, itself included), at position ids `positions` [S]. start and positions are device tensors. A StaticKV's
+    host length is not moved here (TreeStep's caller advances it): under a CUDA graph this runs at every replay."""
+    n = ids.numel()
+    if tuple(visible.shape[:1]) != (n,) or tuple(positions.shape) != (n,) or visible.dtype != torch.bool:
+        raise ValueError(f"tree_forward: {n} tokens need visible [{n}, L] bool and positions [{n}], got "
+                         f"{visible.dtype} {tuple(visible.shape)} and {tuple(positions.shape)}")
+    if isinstance(cache, StaticKV):
+        width, hf_cache, ctx = cache.max_len, cache.cache, _static_attention(model)
+    else:
+        width, hf_cache, ctx = cache.get_seq_length() + n, cache, contextlib.nullcontext()
+    with ctx:
+        mask = _attention_mask(model, tree_mask(width, start, visible))
+        return _hf_forward(model, ids[None], hf_cache, False, mask, positions[None])
+
+
+def _alive(ref: weakref.ref, role: str) -> nn.Module:
+    model = ref()
+    if model is None:
+        raise RuntimeError(f"this TreeStep's {role} model no longer exists")
+    return model
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    first: torch.Tensor  # [1, V] static input: the scout's logits at the root
+    root: torch.Tensor  # [1] static input: the root token
+    r: torch.Tensor  # 0-d static input: the root's position
+    ints: torch.Tensor  # [2 + D] static output
+    bits: torch.Tensor  # [1 + D] static output
+
+
+class TreeStep:
+    """One tree cycle's device work after the scout's catch-up forward, as one function of device tensors:
+    (first [1, V]: the scout's logits at the root; root [1]; r: the root's position, 0-d) ->
+    (ints [2 + D]: kept count, the path's tokens (the root's past its end), the target's next token;
+    bits [1 + D]: the target's entropy at the root and along the path).
+
+    It drafts each level from the scout's top-w (one scout forward per depth below the first, tree attention), verifies
+    every node in one target forward, and moves the kept path's keys and values to the slots after the root. The
+    scout cache is left r + 1 + (nodes above the last level) long and the target's r + 1 + nodes long on the device;
+    `advance` moves a StaticKV's host length to match, and the caller crops both. With graphs (both caches StaticKV
+    with cuda_graphs, on CUDA) the whole function is captured once per (tree, precision) and replayed: a cycle is then
+    three input copies and one replay instead of about a hundred launches."""
+
+    def __init__(self, layout: TreeLayout, target: nn.Module, scout: nn.Module, target_cache: Any, scout_cache: Any,
+                 graphs: bool) -> None:
+        self.layout = layout
+        self.tree = layout.to(model_device(target))
+        # weak: the engine keeps a step with the target's static cache, which the target itself keys (engine._STATIC)
+        self._target, self._scout = weakref.ref(target), weakref.ref(scout)
+        self.target_cache, self.scout_cache = target_cache, scout_cache
+        self.graphs = graphs
+        self._offsets = torch.arange(1, layout.max_depth + 1, device=self.tree.depth.device)  # [D]
+        self._captured: dict[Hashable, _Captured] = {}
+
+    @property
+    def target(self) -> nn.Module:
+        return _alive(self._target, "target")
+
+    @property
+    def scout(self) -> nn.Module:
+        return _alive(self._scout, "scout")
+
+    @property
+    def scout_added(self) -> int:
+        """Positions the scout's tree forwards append (every level but the last)."""
+        return sum(self.layout.level_sizes[:-1])
+
+    @property
+    def target_added(self) -> int:
+        return 1 + self.layout.nodes
+
+    def body(self, first: torch.Tensor, root: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layout, tree = self.layout, self.tree
+        tokens = [root, first.topk(layout.widths[0], dim=-1).indices.flatten()]  # root [1], depth 1 [n_1]
+        for d in range(1, layout.max_depth):
+            nodes = layout.level(d)  # depth d's nodes; the scout's cache holds depths 1..d-1 after the root
+            logits = tree_forward(self.scout, self.scout_cache, tokens[-1], r + 1, tree.visible[nodes, 1 : nodes.stop],
+                                  tree.depth[nodes] + r)  # [n_d, V]
+            tokens.append(logits.topk(layout.widths[d], dim=-1).indices.flatten())  # [n_(d + 1)], grouped by parent
+        drafted = torch.cat(tokens)  # [1 + N]
+        logits = tree_forward(self.target, self.target_cache, drafted, r, tree.visible, tree.depth + r)  # [1 + N, V]
+        verdict = greedy_tree_verify(logits, drafted, tree)
+        compact_cache(self.target_cache, r + verdict.path, r + self._offsets)
+        rows = torch.cat([verdict.path.new_zeros(1), verdict.path])  # [1 + D]: the root, then the path
+        ints = torch.cat([verdict.accepted[None], drafted[verdict.path], verdict.next_token[None]])  # [2 + D]
+        return ints, entropy(logits[rows])
+
+    def __call__(self, first: torch.Tensor, root: torch.Tensor, r: int,
+                 precision: Hashable = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run (or replay) the cycle's device work; precision names the gear state the target runs in (one graph
+        each)."""
+        if not self.graphs:
+            return self.body(first, root, torch.tensor(r, device=first.device))
+        c = self._captured.get(precision) or self._capture(first, root, r, precision)
+        c.first.copy_(first)
+        c.root.copy_(root)
+        c.r.fill_(r)
+        c.graph.replay()
+        return c.ints, c.bits
+
+    def advance(self) -> None:
+        """Move the StaticKV host lengths past what the cycle's forwards appended on the device."""
+        for cache, n in ((self.scout_cache, self.scout_added), (self.target_cache, self.target_added)):
+            if isinstance(cache, StaticKV):
+                if cache.length + n > cache.max_len:
+                    raise ValueError(f"StaticKV holds {cache.max_len} positions: cannot add {n} to {cache.length}")
+                cache.length += n
+
+    def _capture(self, first: torch.Tensor, root: torch.Tensor, r: int, precision: Hashable) -> _Captured:
+        """Warm up on a side stream, then capture; both caches' device lengths are restored after each run (what a
+        run writes past them is overwritten by the next replay), as StaticKV's own captures do."""
+        caches = (self.scout_cache, self.target_cache)
+        if not all(isinstance(c, StaticKV) and c.cuda_graphs for c in caches):
+            raise ValueError("a graphed TreeStep needs both caches to be StaticKV with cuda_graphs")
+        for model in (self.target, self.scout):
+            if model.config._attn_implementation != "sdpa":  # the mask is built for sdpa inside the graph
+                raise ValueError(f"graphed tree cycles need the sdpa attention implementation, not "
+                                 f"{model.config._attn_implementation!r}; decode with cuda_graphs=False")
+        first_in, root_in = first.clone(), root.clone()
+        r_in = torch.tensor(r, device=first.device)
+
+        def reset() -> None:
+            for c in caches:
+                c._set_device_length(c.length)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.body(first_in, root_in, r_in)
+                reset()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        target_kv = self.target_cache
+        if target_kv._pool is None:
+            target_kv._pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=target_kv._pool):
+                ints, bits = self.body(first_in, root_in, r_in)
+        except Exception as err:  # name what failed; never fall back silently
+            raise RuntimeError(f"CUDA graph capture of a tree cycle {self.layout.widths} failed ({err!r}); decode "
+                               "with cuda_graphs=False") from err
+        reset()
+        self._captured[precision] = _Captured(graph, first_in, root_in, r_in, ints, bits)
+        return self._captured[precision]

@@ -218,3 +218,18 @@ def test_a_static_tree_cycle_is_kept_across_runs_and_not_shared_with_another_sco
     del target, cache, step
     gc.collect()
     assert alive() is None
+
+
+def test_a_tree_cycle_without_room_in_a_static_cache_is_refused_before_it_runs():
+    from sdsie.decoding.tree import TreeStep
+
+    scout = SCOUTS["perturbed"]
+    with torch.inference_mode():
+        tc, sc = StaticKV(TARGET, 8), StaticKV(scout, 8)
+        forward(TARGET, torch.tensor(PROMPT[:-1]), tc, last_only=True)  # 5 positions: the root goes at slot 5
+        first = forward(scout, torch.tensor(PROMPT), sc, last_only=True)  # [1, V]
+        step = TreeStep(TreeLayout((2, 2)), TARGET, scout, tc, sc, graphs=False)  # the target would need 5 + 7
+        before = [layer.keys.clone() for layer in tc.cache.layers]
+        with pytest.raises(ValueError, match="cannot add 7 to 5"):
+            step(first, torch.tensor(PROMPT[-1:]), len(PROMPT) - 1)
+        assert tc.length == 5 and all(b.equal(layer.keys) for b, layer in zip(before, tc.cache.layers, strict=True))

@@ -263,7 +263,11 @@ class TreeStep:
     def __call__(self, first: torch.Tensor, root: torch.Tensor, r: int,
                  precision: Hashable = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run (or replay) the cycle's device work; precision names the gear state the target runs in (one graph
-        each)."""
+        each). A StaticKV without room for the cycle's positions is refused before anything runs."""
+        for cache, n in self._added():
+            if isinstance(cache, StaticKV) and cache.length + n > cache.max_len:
+                raise ValueError(f"StaticKV holds {cache.max_len} positions: a tree cycle {self.layout.widths} cannot "
+                                 f"add {n} to {cache.length}")
         if not self.graphs:
             return self.body(first, root, torch.tensor(r, device=first.device))
         c = self._captured.get(precision) or self._capture(first, root, r, precision)
@@ -275,11 +279,12 @@ class TreeStep:
 
     def advance(self) -> None:
         """Move the StaticKV host lengths past what the cycle's forwards appended on the device."""
-        for cache, n in ((self.scout_cache, self.scout_added), (self.target_cache, self.target_added)):
+        for cache, n in self._added():
             if isinstance(cache, StaticKV):
-                if cache.length + n > cache.max_len:
-                    raise ValueError(f"StaticKV holds {cache.max_len} positions: cannot add {n} to {cache.length}")
                 cache.length += n
+
+    def _added(self) -> tuple[tuple[Any, int], ...]:
+        return (self.scout_cache, self.scout_added), (self.target_cache, self.target_added)
 
     def _capture(self, first: torch.Tensor, root: torch.Tensor, r: int, precision: Hashable) -> _Captured:
         """Warm up on a side stream, then capture; both caches' device lengths are restored after each run (what a

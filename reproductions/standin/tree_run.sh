@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One GPU call for static-tree speculation on the gpu stand-in pair (fits one 10-minute call: the build takes
-# 270-300 s of it):
+# One GPU call for static-tree speculation on the gpu stand-in pair (the build takes 280-330 s of it; session 18's
+# second call, with the probe, ran past the 10-minute limit before its decode: set TREE_WIDTHS to fit one call):
 #   1. the GPU tests of graphed tree cycles against eager ones (tiny models);
 #   2. the gpu pair, built into the cache or loaded from it, and its manifest;
-#   3. tree_probe: every static tree's kept tokens (exact under greedy verification) priced at graphed forward times;
+#   3. tree_probe (unless TREE_WIDTHS is set): every static tree's kept tokens (exact under greedy verification),
+#      priced at graphed forward times;
 #   4. decode_repro with the probe's best tree for code (tree_graphs) beside plain, graphed plain and the adaptive
 #      chain, interleaved, greedy identity checked, energy windows after the trials.
 # Steps 3 and 4 still run when step 1 fails; each step's exit code is in $OUT/steps.txt.
 #
 #   OUT=/path/to/out bash reproductions/standin/tree_run.sh [extra decode_repro flags...]
-#   TREE_WIDTHS=4,2,2,1,1 ...   skip the probe's choice and decode this tree
+#   TREE_WIDTHS=4,3,3 ...   skip the probe and decode this tree (build + tests + decode: about 9 minutes)
 set -uo pipefail
 
 OUT=${OUT:-.run/out}
@@ -31,9 +32,11 @@ step gpu_tree_tests "$PYTHON" -m pytest tests/test_static_cache.py -m gpu -k tre
 step build "$PYTHON" -m sdsie.standin build --preset gpu
 manifest=$(tail -n 1 "$OUT/build.log")
 [[ -f $manifest/manifest.json ]] && cp "$manifest/manifest.json" "$OUT/standin_gpu_manifest.json"
-step tree_probe "$PYTHON" -m reproductions.standin.tree_probe --pair gpu --device cuda --max-nodes 127 --overhead-ms "${TREE_OVERHEAD_MS:-0.6}" \
-    --out "$OUT/tree_probe_gpu.json"
 widths=${TREE_WIDTHS:-}
+if [[ -z $widths ]]; then  # the probe picks the tree; with TREE_WIDTHS it is skipped (about a minute saved)
+    step tree_probe "$PYTHON" -m reproductions.standin.tree_probe --pair gpu --device cuda --max-nodes 127 \
+        --overhead-ms "${TREE_OVERHEAD_MS:-0.6}" --out "$OUT/tree_probe_gpu.json"
+fi
 if [[ -z $widths && -f $OUT/tree_probe_gpu.json ]]; then
     widths=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['best']['code']['widths'])" \
         "$OUT/tree_probe_gpu.json")

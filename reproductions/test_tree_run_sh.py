@@ -1,0 +1,52 @@
+"""reproductions/standin/tree_run.sh's steps and switches act: run with a stub python3 that logs its arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent / "standin" / "tree_run.sh"
+# The stub plays each step: the build prints the pair's folder last, the probe writes its best trees, the one-liner
+# that reads the probe prints the code family's tree; STUB_RC fails the GPU tests alone.
+STUB = """#!/bin/sh
+echo "$*" >> "$STUB_LOG"
+case "$*" in
+  "-m pytest"*) exit "${STUB_RC:-0}" ;;
+  *sdsie.standin\\ build*) mkdir -p pair && echo '{}' > pair/manifest.json && echo "$PWD/pair" ;;
+  "-c import json"*) echo 6,4,4 ;;
+  *tree_probe*) echo '{"best": {"code": {"widths": "6,4,4"}}}' > "$OUT/tree_probe_gpu.json" ;;
+esac
+exit 0
+"""
+
+
+def run_script(tmp_path: Path, **env: str) -> tuple[list[str], dict[str, str]]:
+    bin_dir, repo, out = tmp_path / "bin", tmp_path / "repo", tmp_path / "out"
+    bin_dir.mkdir()
+    repo.mkdir()
+    (bin_dir / "python3").write_text(STUB)
+    (bin_dir / "python3").chmod(0o755)
+    log = tmp_path / "calls.log"
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(log), "OUT": str(out),
+                **env}
+    subprocess.run(["bash", str(SCRIPT)], cwd=repo, env=full_env, check=True, capture_output=True, timeout=60)
+    steps = dict(line.split(" ", 1) for line in (out / "steps.txt").read_text().splitlines() if " rc=" in line)
+    return log.read_text().splitlines(), steps
+
+
+def test_the_probe_picks_the_tree_the_decode_runs(tmp_path):
+    calls, steps = run_script(tmp_path)
+    assert list(steps) == ["gpu_tree_tests", "build", "tree_probe", "decode"]
+    assert all(v.startswith("rc=0") for v in steps.values())
+    decode = next(c for c in calls if "decode_repro" in c)
+    assert "--tree-widths 6,4,4" in decode and "tree_graphs" in decode and "--cuda-graphs" in decode
+    assert json.loads((tmp_path / "out" / "standin_gpu_manifest.json").read_text()) == {}
+
+
+def test_tree_widths_skips_the_probe_and_a_failing_gpu_test_stops_nothing(tmp_path):
+    calls, steps = run_script(tmp_path, TREE_WIDTHS="4,3,3", STUB_RC="1")
+    assert list(steps) == ["gpu_tree_tests", "build", "decode"] and steps["gpu_tree_tests"].startswith("rc=1")
+    assert not any("tree_probe" in c for c in calls)
+    assert "--tree-widths 4,3,3" in next(c for c in calls if "decode_repro" in c)

@@ -16,10 +16,10 @@ H200 the stand-in's plain decoding ran at 99.9 and 64.2 tok/s (median) on two le
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -139,28 +139,50 @@ class StaticKV:
                     torch._foreach_add_(counters, length)
 
     def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
-        """Warm up on a side stream, then capture; the cache's device length is restored after each, so
-        the garbage written at positions length..length+n-1 is overwritten by the first replay."""
+        """Capture the n-token forward (capture_graph: the garbage written at positions length..length+n-1 is
+        overwritten by the first replay)."""
         ids = torch.zeros((1, n), dtype=torch.long, device=model_device(model))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), _static_attention(model):
-            for _ in range(2):
-                _hf_forward(model, ids, self.cache, last_only)
-                self._set_device_length(self.length)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool), _static_attention(model):
-                logits = _hf_forward(model, ids, self.cache, last_only)
-        except Exception as err:  # name the model and the size; never fall back silently
-            raise RuntimeError(f"CUDA graph capture of a {n}-token forward of {type(model).__name__} failed "
-                               f"({err!r}); decode with cuda_graphs=False") from err
-        self._set_device_length(self.length)  # capture records the counter's advance, it does not run it
+
+        def run() -> torch.Tensor:
+            with _static_attention(model):
+                return _hf_forward(model, ids, self.cache, last_only)
+
+        graph, logits = capture_graph(run, [self], f"a {n}-token forward of {type(model).__name__}")
         self._graphs[(n, last_only, variant)] = _Graph(graph, ids, logits)
         return self._graphs[(n, last_only, variant)]
+
+
+T = TypeVar("T")
+
+
+def capture_graph(fn: Callable[[], T], caches: Sequence[StaticKV], what: str) -> tuple[Any, T]:
+    """fn's device work as a CUDA graph -> (graph, fn's outputs: the graph's static outputs). Two warm-up runs on a
+    side stream, then the capture, in caches[0]'s memory pool. Every cache's device length is restored after each
+    run (a capture records the counters' advance, it does not run it), so what a run writes past a cache's length
+    is overwritten by the first replay. `what` names the work in the error a failed capture raises: never a silent
+    fallback to eager."""
+    def reset() -> None:
+        for cache in caches:
+            cache._set_device_length(cache.length)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            reset()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    owner = caches[0]
+    if owner._pool is None:
+        owner._pool = torch.cuda.graph_pool_handle()
+    try:
+        with torch.cuda.graph(graph, pool=owner._pool):
+            out = fn()
+    except Exception as err:  # name what was captured; never fall back silently
+        raise RuntimeError(f"CUDA graph capture of {what} failed ({err!r}); decode with cuda_graphs=False") from err
+    reset()
+    return graph, out
 
 
 def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool, mask: torch.Tensor | None = None,

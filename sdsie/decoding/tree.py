@@ -30,6 +30,7 @@ from sdsie.decoding.model_io import (
     _attention_mask,
     _hf_forward,
     _static_attention,
+    capture_graph,
     compact_cache,
     model_device,
 )
@@ -287,39 +288,16 @@ class TreeStep:
         return (self.scout_cache, self.scout_added), (self.target_cache, self.target_added)
 
     def _capture(self, first: torch.Tensor, root: torch.Tensor, r: int, precision: Hashable) -> _Captured:
-        """Warm up on a side stream, then capture; both caches' device lengths are restored after each run (what a
-        run writes past them is overwritten by the next replay), as StaticKV's own captures do."""
-        caches = (self.scout_cache, self.target_cache)
+        """Capture body on its own copies of the inputs (capture_graph, in the target cache's memory pool)."""
+        caches = (self.target_cache, self.scout_cache)
         if not all(isinstance(c, StaticKV) and c.cuda_graphs for c in caches):
             raise ValueError("a graphed TreeStep needs both caches to be StaticKV with cuda_graphs")
         for model in (self.target, self.scout):
             if model.config._attn_implementation != "sdpa":  # the mask is built for sdpa inside the graph
                 raise ValueError(f"graphed tree cycles need the sdpa attention implementation, not "
                                  f"{model.config._attn_implementation!r}; decode with cuda_graphs=False")
-        first_in, root_in = first.clone(), root.clone()
-        r_in = torch.tensor(r, device=first.device)
-
-        def reset() -> None:
-            for c in caches:
-                c._set_device_length(c.length)
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.body(first_in, root_in, r_in)
-                reset()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        target_kv = self.target_cache
-        if target_kv._pool is None:
-            target_kv._pool = torch.cuda.graph_pool_handle()
-        try:
-            with torch.cuda.graph(graph, pool=target_kv._pool):
-                ints, bits = self.body(first_in, root_in, r_in)
-        except Exception as err:  # name what failed; never fall back silently
-            raise RuntimeError(f"CUDA graph capture of a tree cycle {self.layout.widths} failed ({err!r}); decode "
-                               "with cuda_graphs=False") from err
-        reset()
+        first_in, root_in, r_in = first.clone(), root.clone(), torch.tensor(r, device=first.device)
+        graph, (ints, bits) = capture_graph(lambda: self.body(first_in, root_in, r_in), caches,
+                                            f"a tree cycle {self.layout.widths}")
         self._captured[precision] = _Captured(graph, first_in, root_in, r_in, ints, bits)
         return self._captured[precision]

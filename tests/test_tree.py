@@ -200,6 +200,7 @@ def test_a_tree_needs_a_scout_and_a_list_of_widths_is_taken():
 def test_a_static_tree_cycle_is_kept_across_runs_and_not_shared_with_another_scout():
     """On a static cache the engine keeps each tree's TreeStep with the target's cache (its graphs are captured once per
     tree, not per run); a run with another scout on the same cache gets its own step; neither keeps a model alive."""
+    import dataclasses
     import gc
     import weakref
 
@@ -214,10 +215,14 @@ def test_a_static_tree_cycle_is_kept_across_runs_and_not_shared_with_another_sco
     assert engine._TREE_STEPS[cache][(3, 2)] is step and first.tokens == again.tokens == plain(20)
     other = generate(target, PROMPT, cfg, scout=SCOUTS["random"])
     assert engine._TREE_STEPS[cache][(3, 2)] is not step and other.tokens == plain(20)
-    alive = weakref.ref(target)
+    alive = weakref.ref(target), weakref.ref(cache)
     del target, cache, step
     gc.collect()
-    assert alive() is None
+    assert all(ref() is None for ref in alive)
+    before = len(engine._TREE_STEPS)  # dynamic caches are new each run: their steps go with them
+    generate(TARGET, PROMPT, dataclasses.replace(cfg, kv_cache="dynamic"), scout=SCOUTS["perturbed"])
+    gc.collect()
+    assert len(engine._TREE_STEPS) == before
 
 
 def test_a_tree_cycle_without_room_in_a_static_cache_is_refused_before_it_runs():

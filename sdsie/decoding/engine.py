@@ -368,26 +368,19 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
 
 
 def _tree_step(run: _Run, depth: int) -> TreeStep:
-    """The tree cycle for config.tree_widths cut to `depth` levels (the budget's cap near a run's end). On static
-    caches it is kept with the target's cache across runs (`_TREE_STEPS`), as the caches and their graphs are, so a
-    graphed tree cycle is captured once per tree, not once per run."""
-    if depth in run.trees:
-        return run.trees[depth]
-    assert run.config.tree_widths is not None and run.scout is not None
-    layout = TreeLayout(run.config.tree_widths[:depth])
-    tc, sc = run.target_cache, run.scout_cache
-    step = None
-    if isinstance(tc, StaticKV):
-        steps = _TREE_STEPS.setdefault(tc, {})
-        step = steps.get(layout.widths)
-        if step is not None and not (step.scout_cache is sc and step.scout is run.scout and step.target is run.target):
-            step = None  # another pair or scout cache now uses this target cache: its graphs are not theirs
-    if step is None:
-        step = TreeStep(layout, run.target, run.scout, tc, sc, graphs=run.config.cuda_graphs)
-        if isinstance(tc, StaticKV):
-            _TREE_STEPS[tc][layout.widths] = step
-    run.trees[depth] = step
-    return step
+    """The tree cycle for config.tree_widths cut to `depth` levels (the budget's cap near a run's end). It is kept with
+    the target's cache (`_TREE_STEPS`): a static cache, and its graphs, are reused across runs, so a graphed tree cycle
+    is captured once per tree, not once per run."""
+    if depth not in run.trees:
+        assert run.config.tree_widths is not None and run.scout is not None
+        widths = run.config.tree_widths[:depth]
+        steps = _TREE_STEPS.setdefault(run.target_cache, {})  # a dynamic cache is new each run, a static one is not
+        step = steps.get(widths)
+        if step is None or not step.serves(run.target, run.scout, run.scout_cache):
+            step = steps[widths] = TreeStep(TreeLayout(widths), run.target, run.scout, run.target_cache,
+                                            run.scout_cache, graphs=run.config.cuda_graphs)
+        run.trees[depth] = step
+    return run.trees[depth]
 
 
 def _tree_cycle(run: _Run, step: TreeStep) -> tuple[list[int], list[float], int, int]:
@@ -600,8 +593,8 @@ def _start(
 # Static caches outlive a call, as gpt-fast sets its caches up once: a model's StaticKV (and the graphs
 # captured on it) is reused by later runs of the same role, length bucket and graph sizes, emptied first.
 _STATIC: weakref.WeakKeyDictionary[nn.Module, dict[tuple, StaticKV]] = weakref.WeakKeyDictionary()
-# Tree cycles of a static target cache, by tree widths (their graphs live and die with the cache).
-_TREE_STEPS: weakref.WeakKeyDictionary[StaticKV, dict[tuple[int, ...], TreeStep]] = weakref.WeakKeyDictionary()
+# Tree cycles of a target cache, by tree widths (their graphs live and die with the cache).
+_TREE_STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], TreeStep]] = weakref.WeakKeyDictionary()
 STATIC_LEN_BUCKET = 256  # positions: a static cache's length is rounded up to a multiple of this
 # Under graphs, the scout's catch-up forwards (the tokens it skipped: 2 after a fully accepted draft, up to a
 # whole fallback stretch after the clutch re-engages) are padded to these sizes and replayed, not run eagerly.

@@ -112,6 +112,7 @@ class TreeLayout:
             parent=torch.tensor(self.parent, device=device),
             depth=torch.tensor(self.depth, device=device),
             visible=self.visible(device),
+            levels=torch.arange(1, self.max_depth + 1, device=device),
         )
 
 
@@ -121,6 +122,7 @@ class DeviceTree:
     parent: torch.Tensor  # [1 + N] long
     depth: torch.Tensor  # [1 + N] long
     visible: torch.Tensor  # [1 + N, 1 + N] bool
+    levels: torch.Tensor  # [D] long: 1..D
 
 
 @dataclass(frozen=True)
@@ -141,13 +143,12 @@ def greedy_tree_verify(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceT
     ok = tokens == greedy[tree.parent]  # [1 + N]; the root's entry is never read
     ok[0] = True
     kept = ~(tree.visible & ~ok[None, :]).any(dim=-1)  # [1 + N]: no ancestor failed
-    depths = torch.arange(1, tree.layout.max_depth + 1, device=logits.device)  # [D]
-    at_depth = kept[None, :] & (tree.depth[None, :] == depths[:, None])  # [D, 1 + N]: at most one True per row
+    at_depth = kept[None, :] & (tree.depth[None, :] == tree.levels[:, None])  # [D, 1 + N]: at most one True per row
     has = at_depth.any(dim=-1)  # [D]
     path = torch.where(has, at_depth.int().argmax(dim=-1), 0)  # [D]
     accepted = has.sum()
-    # the deepest kept node, or the root; gathered, since indexing by a 0-d CUDA tensor reads it to the host (a
-    # sync that stalled every tree cycle until the verify forward finished)
+    # the deepest kept node, or the root; gathered, since indexing by a 0-d CUDA tensor reads it to the host (a sync;
+    # removing it did not move the measured tree speed, records 87b7dacb and 9d3c7d76, but a graph cannot hold one)
     end = torch.cat([path.new_zeros(1), path]).gather(0, accepted[None])  # [1]
     return TreeVerdict(accepted, path, greedy.gather(0, end)[0])
 
@@ -187,11 +188,11 @@ def tree_forward(model: nn.Module, cache: Any, ids: torch.Tensor, start: torch.T
         return _hf_forward(model, ids[None], hf_cache, False, mask, positions[None])
 
 
-def _alive(ref: weakref.ref, role: str) -> nn.Module:
-    model = ref()
-    if model is None:
-        raise RuntimeError(f"this TreeStep's {role} model no longer exists")
-    return model
+def _alive(ref: weakref.ref, role: str) -> Any:
+    obj = ref()
+    if obj is None:
+        raise RuntimeError(f"this TreeStep's {role} no longer exists")
+    return obj
 
 
 @dataclass
@@ -221,11 +222,11 @@ class TreeStep:
                  graphs: bool) -> None:
         self.layout = layout
         self.tree = layout.to(model_device(target))
-        # weak: the engine keeps a step with the target's static cache, which the target itself keys (engine._STATIC)
+        # weak: the engine keeps a step in a dictionary keyed weakly by its target cache (engine._TREE_STEPS), and a
+        # strong reference from there back to the cache or its models would keep them alive for good
         self._target, self._scout = weakref.ref(target), weakref.ref(scout)
-        self.target_cache, self.scout_cache = target_cache, scout_cache
+        self._target_cache, self._scout_cache = weakref.ref(target_cache), weakref.ref(scout_cache)
         self.graphs = graphs
-        self._offsets = torch.arange(1, layout.max_depth + 1, device=self.tree.depth.device)  # [D]
         self._captured: dict[Hashable, _Captured] = {}
 
     @property
@@ -235,6 +236,18 @@ class TreeStep:
     @property
     def scout(self) -> nn.Module:
         return _alive(self._scout, "scout")
+
+    @property
+    def target_cache(self) -> Any:
+        return _alive(self._target_cache, "target cache")
+
+    @property
+    def scout_cache(self) -> Any:
+        return _alive(self._scout_cache, "scout cache")
+
+    def serves(self, target: nn.Module, scout: nn.Module, scout_cache: Any) -> bool:
+        """Whether this step's models and scout cache are these (a cache reused by another pair needs its own)."""
+        return self._target() is target and self._scout() is scout and self._scout_cache() is scout_cache
 
     @property
     def scout_added(self) -> int:
@@ -256,7 +269,7 @@ class TreeStep:
         drafted = torch.cat(tokens)  # [1 + N]
         logits = tree_forward(self.target, self.target_cache, drafted, r, tree.visible, tree.depth + r)  # [1 + N, V]
         verdict = greedy_tree_verify(logits, drafted, tree)
-        compact_cache(self.target_cache, r + verdict.path, r + self._offsets)
+        compact_cache(self.target_cache, r + verdict.path, r + tree.levels)
         rows = torch.cat([verdict.path.new_zeros(1), verdict.path])  # [1 + D]: the root, then the path
         ints = torch.cat([verdict.accepted[None], drafted[verdict.path], verdict.next_token[None]])  # [2 + D]
         return ints, entropy(logits[rows])

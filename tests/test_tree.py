@@ -238,3 +238,29 @@ def test_a_tree_cycle_without_room_in_a_static_cache_is_refused_before_it_runs()
         with pytest.raises(ValueError, match="cannot add 7 to 5"):
             step(first, torch.tensor(PROMPT[-1:]), len(PROMPT) - 1)
         assert tc.length == 5 and all(b.equal(layer.keys) for b, layer in zip(before, tc.cache.layers, strict=True))
+
+
+def test_every_tree_cycle_runs_the_scout_once_per_depth_and_a_gear_follows_the_clutch():
+    """The decisions act: real scout forwards (counted by a hook) are the speculate cycles' depths, no scout forward
+    runs in a fallback cycle, and the gear's precision before each target forward is the one the cycle records."""
+    from dataclasses import dataclass as _dataclass
+
+    @_dataclass
+    class FakeGear:
+        int4: bool = False
+
+    scout, gear = SCOUTS["perturbed"], FakeGear()
+    scout_calls, seen = [0], []
+    handles = [scout.register_forward_hook(lambda *_: scout_calls.__setitem__(0, scout_calls[0] + 1)),
+               TARGET.register_forward_pre_hook(lambda *_: seen.append(gear.int4))]
+    clutch = EntropyClutch(ClutchConfig(theta_low=1.2, theta_high=2.0, alpha=0.5, k_draft=2))
+    try:
+        r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, tree_widths=(3, 2)), scout=scout, clutch=clutch,
+                     gear=gear)
+    finally:
+        for h in handles:
+            h.remove()
+    assert r.tokens == plain(30)
+    assert scout_calls[0] == r.stats.scout_forwards == sum(c.k for c in r.cycles) == 2 * r.stats.speculate_cycles
+    assert seen == [r.prefill_gear_int4] + [c.gear_int4 for c in r.cycles] and set(seen) == {True, False}
+    assert all(c.gear_int4 == bool(c.engaged) for c in r.cycles)

@@ -49,24 +49,28 @@ def _path_logits(model, prefix: list[int], path: list[int]) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits[0, len(prefix) - 1 :]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_a_tree_forward_gives_each_node_the_logits_of_its_own_root_path(kind):
+def test_a_tree_forward_gives_each_node_the_logits_of_its_own_root_path(kind, attention):
     """Every node's logits equal a causal forward over the prefix and the node's ancestors: the tree mask shows a
-    node its ancestors only, at the position ids of their depths, whatever its slot in the cache."""
+    node its ancestors only, at the position ids of their depths, whatever its slot in the cache (the eager attention
+    takes it additive, sdpa boolean)."""
+    model = copy.deepcopy(TARGET)
+    model.config._attn_implementation = attention
     layout = TreeLayout((3, 2))
     tree = layout.to("cpu")
     prefix = PROMPT[:-1]
     drafts = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[: layout.nodes]  # [N]
     tokens = torch.tensor([PROMPT[-1], *drafts])  # [1 + N]: the root, then the nodes
     with torch.inference_mode():
-        cache = new_cache(TARGET) if kind == "dynamic" else StaticKV(TARGET, 32)
-        forward(TARGET, torch.tensor(prefix), cache, last_only=True)
+        cache = new_cache(model) if kind == "dynamic" else StaticKV(model, 32)
+        forward(model, torch.tensor(prefix), cache, last_only=True)
         base = len(prefix)
         start = torch.tensor(base)
-        logits = tree_forward(TARGET, cache, tokens, start, tree.visible, tree.depth + start)
+        logits = tree_forward(model, cache, tokens, start, tree.visible, tree.depth + start)
         for node in range(1 + layout.nodes):
             path = [int(tokens[j]) for j in tree.visible[node].nonzero().flatten()]  # root first, breadth first
-            want = _path_logits(TARGET, prefix, path)[-1]
+            want = _path_logits(model, prefix, path)[-1]
             torch.testing.assert_close(logits[node], want, atol=1e-4, rtol=1e-4)
 
 

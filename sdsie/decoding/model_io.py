@@ -268,11 +268,7 @@ def compact_cache(cache: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.shape != dst.shape or src.dim() != 1:
         raise ValueError(f"compact_cache needs src and dst of one shape [n], got {tuple(src.shape)} and "
                          f"{tuple(dst.shape)}")
-    _move_layers(cache.cache.layers if isinstance(cache, StaticKV) else cache.layers, src, dst)
-
-
-def _move_layers(layers: Sequence[Any], src: torch.Tensor, dst: torch.Tensor) -> None:
-    for layer in layers:
+    for layer in cache.cache.layers if isinstance(cache, StaticKV) else cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:  # a layer not yet initialized
             continue
         for t in (layer.keys, layer.values):  # [B, H, S, D]

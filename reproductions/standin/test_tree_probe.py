@@ -34,7 +34,7 @@ def test_a_cycle_keeps_the_run_of_ranks_inside_the_widths_and_leaves_the_last_to
 
 
 def test_tree_sizes_and_profiles_respect_the_node_budget():
-    assert level_sizes((4, 2, 1)) == [4, 8, 8]
+    assert level_sizes((4, 2, 1)) == (4, 8, 8)
     trees = profiles(max_depth=3, max_nodes=10, choices=(1, 2, 4))
     assert (1,) in trees and (4, 1) in trees and (2, 2, 1) in trees and (4, 2) not in trees  # 4 + 8 > 10
     assert all(sum(level_sizes(t)) <= 10 and list(t) == sorted(t, reverse=True) for t in trees)

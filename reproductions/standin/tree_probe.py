@@ -21,7 +21,6 @@ keep more per node than the static trees priced here.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from sdsie.decoding.tree import level_sizes
 from sdsie.standin import FAMILIES, greedy_continuation, load_prompts, load_standin
 
 Widths = tuple[int, ...]  # top-w per depth, depth 1 first
@@ -45,11 +45,6 @@ def target_ranks(target, scout, input_ids: torch.Tensor, n_new: int) -> list[int
         chosen = seq[0, p:]  # [n_new]
         picked = logits.gather(-1, chosen[:, None])  # [n_new, 1]
         return (logits > picked).sum(-1).tolist()
-
-
-def level_sizes(widths: Widths) -> list[int]:
-    """Nodes per depth of a static tree: n_d = w_1 * ... * w_d."""
-    return list(itertools.accumulate(widths, lambda a, b: a * b))
 
 
 def kept_run(ranks: list[int], t: int, widths: Widths) -> int:

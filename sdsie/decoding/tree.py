@@ -37,9 +37,14 @@ from sdsie.decoding.model_io import (
 from sdsie.entropy import entropy
 
 __all__ = ["MAX_TREE_NODES", "TreeLayout", "TreeStep", "TreeVerdict", "check_widths", "greedy_tree_verify",
-           "tree_forward", "tree_mask"]
+           "level_sizes", "tree_forward", "tree_mask"]
 
 MAX_TREE_NODES = 1024  # drafted nodes per cycle; a verify reads 1 + nodes tokens
+
+
+def level_sizes(widths: tuple[int, ...]) -> tuple[int, ...]:
+    """Nodes per depth of a static tree: n_d = w_1 * ... * w_d."""
+    return tuple(itertools.accumulate(widths, lambda a, b: a * b))
 
 
 def check_widths(widths: object) -> tuple[int, ...]:
@@ -48,7 +53,7 @@ def check_widths(widths: object) -> tuple[int, ...]:
         raise ValueError(f"tree widths must be a non-empty tuple of integers >= 1 (one per depth), got {widths!r}")
     if any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in widths):
         raise ValueError(f"tree widths must be integers >= 1, got {widths!r}")
-    nodes = sum(itertools.accumulate(widths, lambda a, b: a * b))
+    nodes = sum(level_sizes(widths))
     if nodes > MAX_TREE_NODES:
         raise ValueError(f"tree widths {widths} draft {nodes} nodes per cycle, more than {MAX_TREE_NODES}")
     return widths
@@ -65,7 +70,7 @@ class TreeLayout:
 
     def __post_init__(self) -> None:
         widths = check_widths(self.widths)
-        sizes = tuple(itertools.accumulate(widths, lambda a, b: a * b))
+        sizes = level_sizes(widths)
         parent, depth = [0], [0]
         for d, (w, n) in enumerate(zip(widths, sizes, strict=True), start=1):
             above = self.first(d - 1, sizes)

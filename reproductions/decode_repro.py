@@ -279,6 +279,8 @@ LONG_ADAPTIVE = f"fixed_k{LONG_K}_graphs_adaptive"
 # all verified in one target forward. At batch 1 both models are launch-bound, so a wider level costs the scout and
 # the verify little while it keeps the target's token whenever that ranks among the scout's top w_d, not only first.
 # --tree-widths picks the tree; reproductions/standin/tree_probe.py prices every static tree on a pair beforehand.
+# Prediction (the probe, from graphed forward times alone): 4,3,3 at 2.03x graphed plain on code. Measured (session 18,
+# records 87b7dacb and 9d3c7d76, the tree cycle's bookkeeping still eager): 1.46x and 1.42x on code.
 TREE = "tree_graphs"
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
            *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, TREE)
@@ -430,23 +432,31 @@ def mismatch_report(target, runs: list[Run], prompts: Mapping[str, tuple[str, to
         if r.variant not in COMPARED:
             continue
         ref = plain_twin(runs, r)
-        i = first_divergence(ref.tokens, r.tokens)
-        if i is None:
+        point = divergence_point(ref.tokens, r.tokens)
+        if point is None:
             continue
         pid = r.stats.get("prompt")
-        other = r.tokens[i] if i < len(r.tokens) else None
-        key = (r.variant, pid, i, ref.tokens[i] if i < len(ref.tokens) else None, other)
-        entry = found.setdefault(key, {"variant": r.variant, "prompt": pid, "position": i,
-                                       "plain_token": key[3], "variant_token": other, "trials": []})
+        key = (r.variant, pid, *point.values())
+        entry = found.setdefault(key, {"variant": r.variant, "prompt": pid, **point, "trials": []})
         entry["trials"].append(r.trial)
         plain_of.setdefault(key, ref.tokens)
     for key, entry in found.items():
         ids = prompts[entry["prompt"]][1]
-        entry.update(_gap_at(target, ids, plain_of[key], entry["position"], entry["variant_token"]))
+        entry.update(gap_at(target, ids, plain_of[key], entry["position"], entry["variant_token"]))
     return sorted(found.values(), key=lambda e: (e["variant"], e["prompt"], e["position"]))
 
 
-def _gap_at(target, ids: torch.Tensor, plain: list[int], i: int, other: int | None) -> dict:
+def divergence_point(plain: list[int], tokens: list[int]) -> dict | None:
+    """Where tokens first leave plain: position, plain_token and variant_token (None past either's end); None if
+    they never do."""
+    i = first_divergence(plain, tokens)
+    if i is None:
+        return None
+    return {"position": i, "plain_token": plain[i] if i < len(plain) else None,
+            "variant_token": tokens[i] if i < len(tokens) else None}
+
+
+def gap_at(target, ids: torch.Tensor, plain: list[int], i: int, other: int | None) -> dict:
     """The plain path's logits predicting plain[i]: top-2 gap, and the deficit of `other` against plain[i]."""
     if i >= len(plain):
         return {"plain_gap": None, "variant_token_deficit": None, "variant_token_rank": None}

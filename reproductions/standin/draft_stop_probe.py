@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from reproductions.decode_repro import _gap_at, first_divergence
+from reproductions.decode_repro import divergence_point, gap_at
 from sdsie.decoding import DecodeConfig, GenerationResult, generate
 from sdsie.standin import FAMILIES, load_prompts, load_standin
 
@@ -68,12 +68,10 @@ def model_ms(drafts: list[int], ms: ForwardMs, sync_ms: float, stop: float | Non
 def divergence(target: nn.Module, ids: torch.Tensor, plain: list[int], tokens: list[int]) -> dict | None:
     """Where tokens first leave plain (None if they never do), with the target's top-2 gap and the variant token's
     deficit there, from single-token logits teacher-forced along plain (decode_repro's measurement)."""
-    i = first_divergence(plain, tokens)
-    if i is None:
+    point = divergence_point(plain, tokens)
+    if point is None:
         return None
-    other = tokens[i] if i < len(tokens) else None
-    return {"position": i, "plain_token": plain[i] if i < len(plain) else None, "variant_token": other,
-            **_gap_at(target, ids, plain, i, other)}
+    return {**point, **gap_at(target, ids, plain, point["position"], point["variant_token"])}
 
 
 def is_near_tie(mismatch: dict, tol: float) -> bool:

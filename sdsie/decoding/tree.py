@@ -221,7 +221,7 @@ class TreeStep:
     scout cache is left r + 1 + (nodes above the last level) long and the target's r + 1 + nodes long on the device;
     `advance` moves a StaticKV's host length to match, and the caller crops both. With graphs (both caches StaticKV
     with cuda_graphs, on CUDA) the whole function is captured once per (tree, precision) and replayed: a cycle is then
-    three input copies and one replay instead of about a hundred launches."""
+    three input copies and one replay instead of every op launched from the host."""
 
     def __init__(self, layout: TreeLayout, target: nn.Module, scout: nn.Module, target_cache: Any, scout_cache: Any,
                  graphs: bool) -> None:

@@ -48,6 +48,7 @@ from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 FAMILY_LABEL = {"verse": "poem", "prose": "physics", "code": "code"}  # seed README names
 K = 5
 DEFAULT_TREE_WIDTHS = (4, 3, 3)  # the tree_graphs variant's tree (TREE, below): the tree probe's best on code
+DEFAULT_WIDE_TREE_WIDTHS = (6, 4, 4)  # tree_graphs_wide's (TREE_WIDE): the probe's best of at most 127 nodes
 REGISTRY = Path(__file__).resolve().parent / "claims.toml"
 _NODE = "reproductions/{}.py::{}"
 # Registry test nodes each suite serves: a record declares the claims of these nodes whose inputs it holds.
@@ -121,6 +122,7 @@ def timed(fn: Callable[[], Outcome], meter: EnergyMeter | None) -> tuple[list[in
 
 def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
              tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS,
+             wide_tree_widths: tuple[int, ...] = DEFAULT_WIDE_TREE_WIDTHS,
              ) -> dict[str, Callable[[torch.Tensor], tuple[list[int], dict, str]]]:
     """The decode suite's variants; graphs adds this engine's plain, fixed-K5 and gated loops on a static cache
     with replayed CUDA graphs (GRAPHED). Eager host dispatch makes the eager loops' times noisy (the same
@@ -169,7 +171,8 @@ def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
                 "fixed_k5_graphs_adaptive": ours(graphed(K, schedule="adaptive"), scout),
                 LONG_ADAPTIVE: ours(graphed(LONG_K, schedule="adaptive"), scout),
                 "gated_tuned_graphs_adaptive": ours(graphed(schedule="adaptive"), scout, TUNED),
-                TREE: ours(dataclasses.replace(graphed(), tree_widths=tree_widths), scout)}
+                TREE: ours(dataclasses.replace(graphed(), tree_widths=tree_widths), scout),
+                TREE_WIDE: ours(dataclasses.replace(graphed(), tree_widths=wide_tree_widths), scout)}
     return fns
 
 
@@ -209,11 +212,12 @@ def select_variants(fns: dict[str, Any], only: Iterable[str] | None) -> dict[str
 def run_decode_suite(target, scout, prompts: dict[str, tuple[str, torch.Tensor]], trials: int, max_new: int,
                      meter: EnergyMeter | None, graphs: bool = False, only: Iterable[str] | None = None,
                      energy_window_s: float = 0.0, tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS,
+                     wide_tree_widths: tuple[int, ...] = DEFAULT_WIDE_TREE_WIDTHS,
                      ) -> tuple[list[Run], list[EnergyWindowRun]]:
     """The timed trials (interleaved, seeded order per trial and prompt), then, with a meter and energy_window_s > 0,
     the graphed loops' energy windows (energy_windows)."""
     cfg = DecodeConfig(max_new_tokens=max_new)
-    fns = select_variants(variants(target, scout, cfg, graphs, tree_widths), only)
+    fns = select_variants(variants(target, scout, cfg, graphs, tree_widths, wide_tree_widths), only)
     runs: list[Run] = []
     start = time.perf_counter()
     warm_up(fns, prompts)
@@ -282,8 +286,13 @@ LONG_ADAPTIVE = f"fixed_k{LONG_K}_graphs_adaptive"
 # Prediction (the probe, from graphed forward times alone): 4,3,3 at 2.03x graphed plain on code. Measured (session 18,
 # records 87b7dacb and 9d3c7d76, the tree cycle's bookkeeping still eager): 1.46x and 1.42x on code.
 TREE = "tree_graphs"
+# A second, wider tree in the same run (--wide-tree-widths), so two trees are compared side by side. Prediction (the
+# probe with up to 127 nodes and a 0.6 ms overhead per cycle, telemetry/raw/tree_probe_s18_nodes127_h200.json): 6,4,4
+# at 2.38x graphed plain on code, the most a cycle keeps (top-6 coverage) outweighing a 127-token verify.
+TREE_WIDE = "tree_graphs_wide"
+TREES = (TREE, TREE_WIDE)
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
-           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, TREE)
+           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, *TREES)
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
 # static-cache kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
@@ -910,11 +919,12 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30,
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
                   entropy_sync: bool = True, graphs: bool = False, only: Iterable[str] | None = None,
                   energy_window_s: float = ENERGY_WINDOW_S,
-                  tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS) -> RunRecord:
+                  tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS,
+                  wide_tree_widths: tuple[int, ...] = DEFAULT_WIDE_TREE_WIDTHS) -> RunRecord:
     """Plain, fixed-K5, gated (production, tuned) and HF generate / assisted, interleaved: one record (`only`: a
     subset of the variants, their baselines included; the record then declares only the claims it holds)."""
     runs, windows = run_decode_suite(s.target, s.scout, s.prompts, trials, max_new, s.meter, graphs, only,
-                                     energy_window_s, tree_widths)
+                                     energy_window_s, tree_widths, wide_tree_widths)
     metrics = {**decode_metrics(runs), **energy_window_metrics(windows)}
     if entropy_sync:
         metrics.update(entropy_sync_share(metrics["plain_tokens_per_s"], s.device))
@@ -938,6 +948,7 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
               "idle_power_w": s.meter.idle.power_w if s.meter and s.meter.idle else None,
               "variants": sorted({r.variant for r in runs}),
               "tree_widths": list(tree_widths) if any(r.variant == TREE for r in runs) else None,
+              "wide_tree_widths": list(wide_tree_widths) if any(r.variant == TREE_WIDE for r in runs) else None,
               "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
               "energy_window_s": energy_window_s if windows else None,
               "energy_windows": [asdict(w) for w in windows],
@@ -1060,6 +1071,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-widths", type=_tree_widths, default=DEFAULT_TREE_WIDTHS, metavar="W1,W2,...",
                    help=f"the {TREE} variant's static tree: the scout's top-w tokens per node at each depth "
                         f"(default {','.join(map(str, DEFAULT_TREE_WIDTHS))})")
+    p.add_argument("--wide-tree-widths", type=_tree_widths, default=DEFAULT_WIDE_TREE_WIDTHS, metavar="W1,W2,...",
+                   help=f"the {TREE_WIDE} variant's static tree, a second tree beside {TREE} "
+                        f"(default {','.join(map(str, DEFAULT_WIDE_TREE_WIDTHS))})")
     p.add_argument("--energy-window-s", type=_non_negative_float, default=ENERGY_WINDOW_S,
                    help="after the trials, the graphed loops' J/token over windows of back-to-back runs this long "
                         "(0: none)")
@@ -1083,7 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"record: {write_record(rec, a.out)} ({suite} done at {time.perf_counter() - t0:.0f} s)", flush=True)
 
     rec = decode_record(s, a.trials, a.max_new_tokens, "near_ties" not in a.skip, "entropy_sync" not in a.skip,
-                        a.cuda_graphs, a.variants, a.energy_window_s, a.tree_widths)
+                        a.cuda_graphs, a.variants, a.energy_window_s, a.tree_widths, a.wide_tree_widths)
     done("decode", rec)
     for k in sorted(rec.metrics):
         if k.count(".") <= 1 or k.startswith(("fixed_k5", "hf_assisted")):

@@ -321,40 +321,49 @@ def long_adaptive_section(rec: RunRecord) -> list[str]:
 
 
 def tree_section(rec: RunRecord) -> list[str]:
-    """Static-tree speculation (decode_repro's tree_graphs) beside the adaptive chain, each over graphed plain decoding
-    paired by prompt and trial, with acceptance, tokens per cycle, J/token over energy windows, and issue 8's 2.0x
-    target on code; then greedy identity with graphed plain decoding and every divergence's logit gap."""
-    from reproductions.decode_repro import TREE
+    """Static-tree speculation (decode_repro's tree variants, TREES) beside the adaptive chain, each over graphed plain
+    decoding paired by prompt and trial, with acceptance, tokens per cycle, J/token over energy windows, and issue 8's
+    2.0x target on code judged on the best tree's interval; then greedy identity with graphed plain decoding and every
+    divergence's logit gap."""
+    from reproductions.decode_repro import TREE, TREE_WIDE
 
     mt = rec.metrics
     by_family = _prompts_by_family()
     fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
-    widths = ",".join(map(str, rec.config.get("tree_widths") or []))
+    widths = {TREE: rec.config.get("tree_widths"), TREE_WIDE: rec.config.get("wide_tree_widths")}
+    trees = {v: w for v, w in widths.items() if w}  # the record says which trees it decoded
     chain = "fixed_k5_graphs_adaptive"
-    lines = [f"Static-tree speculation (`DecodeConfig(tree_widths=({widths}))`: the scout's top {widths.split(',')[0]} "
-             f"tokens, then its top-w below each node at each depth, all verified in one target forward), beside the "
-             f"adaptive K = 5 chain, all under CUDA graphs ({rec.conditions['model']}, {rec.config['trials']} "
-             f"interleaved trials, record `{rec.source.name}`). Tokens/s over graphed plain decoding paired by prompt "
-             "and trial (median, 95% bootstrap interval); acceptance is the share of drafted depths kept; J/token over "
-             "energy windows against graphed plain's:", "",
-             "| family | plain graphs tok/s | tree | tree acceptance | tree tokens/cycle (1 + depth x acceptance) | "
-             "tree J/token | adaptive K5 | adaptive K5 J/token |", "|---|---|---|---|---|---|---|---|"]
+    names = {v: f"tree {','.join(map(str, w))}" for v, w in trees.items()} | {chain: "adaptive K5 chain"}
+    lines = ["Static-tree speculation (`DecodeConfig(tree_widths=(w1, ..., wD))`: the scout's top w1 tokens, then its "
+             "top-w below each node at each depth, all verified in one target forward), beside the adaptive K = 5 "
+             f"chain, all under CUDA graphs ({rec.conditions['model']}, {rec.config['trials']} interleaved trials, "
+             f"record `{rec.source.name}`). Tokens/s over graphed plain decoding paired by prompt and trial (median, "
+             "95% bootstrap interval); acceptance is the share of drafted depths kept; tokens/cycle is derived as "
+             "1 + depth x acceptance; J/token over energy windows against graphed plain's:", "",
+             "| family | plain graphs tok/s | loop | speedup | acceptance | tokens/cycle | J/token |",
+             "|---|---|---|---|---|---|---|"]
     for f in fams:
-        acc = mt.get(f"{TREE}.{f}.acceptance_pct")
-        depth = len(rec.config.get("tree_widths") or [])
-        per_cycle = f"{1 + depth * acc / 100:.2f}" if acc is not None and depth else "-"
-        j = [mt.get(f"{v}.{f}.j_per_token_window_ratio") for v in (TREE, chain)]
-        j_cells = ["-" if x is None else f"{x:.3f}x" for x in j]
-        lines.append(f"| {f} | {mt[f'plain_graphs.{f}.tokens_per_s']:.0f} | "
-                     f"{_cell(paired_cell(rec, TREE, f, by_family[f]))} | "
-                     + ("-" if acc is None else f"{acc:.0f}%") + f" | {per_cycle} | {j_cells[0]} | "
-                     f"{_cell(paired_cell(rec, chain, f, by_family[f]))} | {j_cells[1]} |")
-    code = paired_cell(rec, TREE, "code", by_family["code"]) if "code" in fams else None
-    if code is not None:
+        for v, name in names.items():
+            cell = paired_cell(rec, v, f, by_family[f])
+            if cell is None:
+                continue
+            acc = mt.get(f"{v}.{f}.acceptance_pct")
+            depth = len(trees[v]) if v in trees else None
+            per_cycle = f"{1 + depth * acc / 100:.2f}" if acc is not None and depth else "-"
+            j = mt.get(f"{v}.{f}.j_per_token_window_ratio")
+            lines.append(f"| {f} | {mt[f'plain_graphs.{f}.tokens_per_s']:.0f} | {name} | "
+                         f"{_cell(cell)} | "
+                         + ("-" if acc is None else f"{acc:.0f}%") + f" | {per_cycle} | "
+                         + ("-" if j is None else f"{j:.3f}x") + " |")
+    cells = {v: paired_cell(rec, v, "code", by_family["code"]) for v in trees} if "code" in fams else {}
+    cells = {v: c for v, c in cells.items() if c is not None}
+    if cells:
+        best = max(cells, key=lambda v: cells[v][1])  # the tree whose interval's low end is highest
+        code = cells[best]
         met = "**met**" if code[1] >= 2.0 else "**not met**"
-        lines += ["", f"Issue 8's target of 2.0x on code: {met} by the tree ({code[0]:.3f}x, interval "
-                      f"{code[1]:.3f}-{code[2]:.3f}); its J/token target (40% lower): "
-                  + ("**met**" if (mt.get(f"{TREE}.code.j_per_token_window_ratio") or 1.0) <= 0.6 else "**not met**")
+        lines += ["", f"Issue 8's target of 2.0x on code: {met} by the best tree, {names[best]} ({code[0]:.3f}x, "
+                      f"interval {code[1]:.3f}-{code[2]:.3f}); its J/token target (40% lower): "
+                  + ("**met**" if (mt.get(f"{best}.code.j_per_token_window_ratio") or 1.0) <= 0.6 else "**not met**")
                   + "."]
     graphed_identity = graphed_identity_line(rec)
     if graphed_identity:

@@ -185,13 +185,18 @@ def test_the_long_adaptive_variant_is_adaptive_k5_with_a_higher_ceiling(monkeypa
 def test_the_tree_variant_is_graphed_plain_with_the_asked_tree_and_its_widths_are_checked(monkeypatch, capsys):
     import reproductions.decode_repro as dr
 
-    seen = _what_runs(monkeypatch, (dr.TREE, "plain_graphs"))
-    tree, plain = seen[dr.TREE], seen["plain_graphs"]
+    seen = _what_runs(monkeypatch, (dr.TREE, dr.TREE_WIDE, "plain_graphs"))
+    tree, wide, plain = seen[dr.TREE], seen[dr.TREE_WIDE], seen["plain_graphs"]
     assert tree.config.tree_widths == dr.DEFAULT_TREE_WIDTHS and tree.clutch is None
+    assert wide.config.tree_widths == dr.DEFAULT_WIDE_TREE_WIDTHS != dr.DEFAULT_TREE_WIDTHS and wide.clutch is None
     assert dataclasses.replace(tree.config, tree_widths=None) == plain.config
-    assert dr.BASELINE[dr.TREE] == "plain_graphs" and dr.TREE in dr.COMPARED
-    assert _parser().parse_args(["--tree-widths", "8,2,1"]).tree_widths == (8, 2, 1)
-    for bad in ("8,0", "a,2", "64,64"):
-        with pytest.raises(SystemExit):
-            _parser().parse_args(["--tree-widths", bad])
-        assert "--tree-widths" in capsys.readouterr().err
+    assert dataclasses.replace(wide.config, tree_widths=None) == plain.config
+    for v in dr.TREES:
+        assert dr.BASELINE[v] == "plain_graphs" and v in dr.COMPARED
+    args = _parser().parse_args(["--tree-widths", "8,2,1", "--wide-tree-widths", "6,4,4"])
+    assert (args.tree_widths, args.wide_tree_widths) == ((8, 2, 1), (6, 4, 4))
+    for flag in ("--tree-widths", "--wide-tree-widths"):
+        for bad in ("8,0", "a,2", "64,64"):
+            with pytest.raises(SystemExit):
+                _parser().parse_args([flag, bad])
+            assert flag in capsys.readouterr().err

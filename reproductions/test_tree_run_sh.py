@@ -38,15 +38,27 @@ def run_script(tmp_path: Path, **env: str) -> tuple[list[str], dict[str, str]]:
 
 def test_the_probe_picks_the_tree_the_decode_runs(tmp_path):
     calls, steps = run_script(tmp_path)
-    assert list(steps) == ["gpu_tree_tests", "build", "tree_probe", "decode"]
+    assert list(steps) == ["gpu_static_tests", "build", "tree_probe", "decode"]
     assert all(v.startswith("rc=0") for v in steps.values())
     decode = next(c for c in calls if "decode_repro" in c)
     assert "--tree-widths 6,4,4" in decode and "tree_graphs" in decode and "--cuda-graphs" in decode
+    assert "tree_graphs_wide" not in decode and "--wide-tree-widths" not in decode
     assert json.loads((tmp_path / "out" / "standin_gpu_manifest.json").read_text()) == {}
 
 
 def test_tree_widths_skips_the_probe_and_a_failing_gpu_test_stops_nothing(tmp_path):
     calls, steps = run_script(tmp_path, TREE_WIDTHS="4,3,3", STUB_RC="1")
-    assert list(steps) == ["gpu_tree_tests", "build", "decode"] and steps["gpu_tree_tests"].startswith("rc=1")
+    assert list(steps) == ["gpu_static_tests", "build", "decode"] and steps["gpu_static_tests"].startswith("rc=1")
     assert not any("tree_probe" in c for c in calls)
     assert "--tree-widths 4,3,3" in next(c for c in calls if "decode_repro" in c)
+
+
+def test_wide_tree_widths_adds_the_second_tree_to_the_same_decode_and_chain_0_drops_the_chain(tmp_path):
+    calls, _ = run_script(tmp_path, TREE_WIDTHS="4,3,3", WIDE_TREE_WIDTHS="6,4,4")
+    decode = next(c for c in calls if "decode_repro" in c)
+    assert "fixed_k5_graphs_adaptive tree_graphs tree_graphs_wide" in decode and "--wide-tree-widths 6,4,4" in decode
+    assert "--tree-widths 4,3,3" in decode
+    (tmp_path / "again").mkdir()
+    calls, _ = run_script(tmp_path / "again", TREE_WIDTHS="4,3,3", WIDE_TREE_WIDTHS="6,4,4", CHAIN="0")
+    decode = next(c for c in calls if "decode_repro" in c)
+    assert "--variants plain plain_graphs tree_graphs tree_graphs_wide" in decode

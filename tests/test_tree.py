@@ -128,7 +128,7 @@ def plain(max_new: int, eos: int | None = None) -> list[int]:
 
 
 @pytest.mark.parametrize("scout", sorted(SCOUTS))
-@pytest.mark.parametrize("widths", [(1,), (3,), (2, 2), (4, 2, 1), (1, 1, 1, 1)])
+@pytest.mark.parametrize("widths", [(1,), (3,), (2, 2), (4, 2, 1), (1, 1, 1, 1), (6, 4, 4)])  # (6, 4, 4): 127 nodes
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_tree_speculation_emits_the_plain_greedy_tokens(scout, widths, kind):
     cfg = DecodeConfig(max_new_tokens=23, tree_widths=widths, kv_cache=kind)

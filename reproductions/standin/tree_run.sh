@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # One GPU call for static-tree speculation on the gpu stand-in pair (the build takes 280-330 s of it; session 18's
 # second call, with the probe, ran past the 10-minute limit before its decode: set TREE_WIDTHS to fit one call):
-#   1. the GPU tests of graphed tree cycles against eager ones (tiny models);
+#   1. the GPU tests of the static cache's graphs (tree cycles, forwards, the gear's precisions) against eager runs
+#      (tiny models);
 #   2. the gpu pair, built into the cache or loaded from it, and its manifest;
 #   3. tree_probe (unless TREE_WIDTHS is set): every static tree's kept tokens (exact under greedy verification),
 #      priced at graphed forward times;
 #   4. decode_repro with the probe's best tree for code (tree_graphs) beside plain, graphed plain and the adaptive
-#      chain, interleaved, greedy identity checked, energy windows after the trials.
+#      chain, interleaved, greedy identity checked, energy windows after the trials; WIDE_TREE_WIDTHS adds a second
+#      tree (tree_graphs_wide) to the same decode.
 # Steps 3 and 4 still run when step 1 fails; each step's exit code is in $OUT/steps.txt.
 #
 #   OUT=/path/to/out bash reproductions/standin/tree_run.sh [extra decode_repro flags...]
 #   TREE_WIDTHS=4,3,3 ...   skip the probe and decode this tree (build + tests + decode: about 9 minutes)
+#   WIDE_TREE_WIDTHS=6,4,4 ...   and decode this tree beside it
+#   CHAIN=0 ...   leave the adaptive chain out (its standing figures are in record 9d3c7d76), which keeps a run of two
+#                 trees inside one call
 set -uo pipefail
 
 OUT=${OUT:-.run/out}
@@ -28,7 +33,7 @@ step() {  # step NAME CMD...: run CMD, its output into $OUT/NAME.log, its exit c
     return $rc
 }
 
-step gpu_tree_tests "$PYTHON" -m pytest tests/test_static_cache.py -m gpu -k tree -q -p no:cacheprovider
+step gpu_static_tests "$PYTHON" -m pytest tests/test_static_cache.py -m gpu -q -p no:cacheprovider
 step build "$PYTHON" -m sdsie.standin build --preset gpu
 manifest=$(tail -n 1 "$OUT/build.log")
 [[ -f $manifest/manifest.json ]] && cp "$manifest/manifest.json" "$OUT/standin_gpu_manifest.json"
@@ -41,8 +46,11 @@ if [[ -z $widths && -f $OUT/tree_probe_gpu.json ]]; then
     widths=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['best']['code']['widths'])" \
         "$OUT/tree_probe_gpu.json")
 fi
-echo "tree widths: ${widths:-default}" | tee -a "$OUT/steps.txt"
+wide=${WIDE_TREE_WIDTHS:-}
+echo "tree widths: ${widths:-default}${wide:+ and $wide}" | tee -a "$OUT/steps.txt"
 step decode "$PYTHON" -m reproductions.decode_repro --cuda-graphs --trials 5 --out "$OUT" \
-    --variants plain plain_graphs fixed_k5_graphs_adaptive tree_graphs ${widths:+--tree-widths "$widths"} \
+    --variants plain plain_graphs $([[ ${CHAIN:-1} == 0 ]] || echo fixed_k5_graphs_adaptive) tree_graphs \
+    ${wide:+tree_graphs_wide} \
+    ${widths:+--tree-widths "$widths"} ${wide:+--wide-tree-widths "$wide"} \
     --skip grid fidelity gear near_ties entropy_sync "$@"
 exit 0

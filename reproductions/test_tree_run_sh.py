@@ -38,7 +38,7 @@ def run_script(tmp_path: Path, **env: str) -> tuple[list[str], dict[str, str]]:
 
 def test_the_probe_picks_the_tree_the_decode_runs(tmp_path):
     calls, steps = run_script(tmp_path)
-    assert list(steps) == ["gpu_static_tests", "build", "tree_probe", "decode"]
+    assert list(steps) == ["build", "tree_probe", "decode", "gpu_static_tests"]
     assert all(v.startswith("rc=0") for v in steps.values())
     decode = next(c for c in calls if "decode_repro" in c)
     assert "--tree-widths 6,4,4" in decode and "tree_graphs" in decode and "--cuda-graphs" in decode
@@ -48,7 +48,7 @@ def test_the_probe_picks_the_tree_the_decode_runs(tmp_path):
 
 def test_tree_widths_skips_the_probe_and_a_failing_gpu_test_stops_nothing(tmp_path):
     calls, steps = run_script(tmp_path, TREE_WIDTHS="4,3,3", STUB_RC="1")
-    assert list(steps) == ["gpu_static_tests", "build", "decode"] and steps["gpu_static_tests"].startswith("rc=1")
+    assert list(steps) == ["build", "decode", "gpu_static_tests"] and steps["gpu_static_tests"].startswith("rc=1")
     assert not any("tree_probe" in c for c in calls)
     assert "--tree-widths 4,3,3" in next(c for c in calls if "decode_repro" in c)
 

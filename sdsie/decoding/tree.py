@@ -145,8 +145,8 @@ def greedy_tree_verify(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceT
     A node is kept when every node on its way up (itself included, the root excluded) holds the target's argmax at
     its parent. Fixed-size device work, no host sync."""
     greedy = logits.argmax(dim=-1)  # [1 + N]
-    ok = tokens == greedy[tree.parent]  # [1 + N]; the root's entry is never read
-    ok[0] = True
+    ok = (tokens == greedy[tree.parent]) | (tree.depth == 0)  # [1 + N]; the root counts as kept (no in-place write
+    # of a host scalar: under graph capture that is a host-to-device copy, refused)
     kept = ~(tree.visible & ~ok[None, :]).any(dim=-1)  # [1 + N]: no ancestor failed
     at_depth = kept[None, :] & (tree.depth[None, :] == tree.levels[:, None])  # [D, 1 + N]: at most one True per row
     has = at_depth.any(dim=-1)  # [D]

@@ -244,6 +244,36 @@ def test_a_tree_cycle_without_room_in_a_static_cache_is_refused_before_it_runs()
         assert tc.length == 5 and all(b.equal(layer.keys) for b, layer in zip(before, tc.cache.layers, strict=True))
 
 
+def test_a_tree_cycles_device_work_makes_no_tensor_from_a_host_value():
+    """TreeStep.body is captured as one CUDA graph, and a capture refuses any host-to-device copy: a tensor made from a
+    host value (a Python scalar written into a tensor, torch.tensor(...)) is one. On a CPU such an op shows as
+    aten.lift_fresh; there must be none (the H200 refused session 18's `ok[0] = True` in the verify this way)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sdsie.decoding.tree import TreeStep
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    scout = SCOUTS["perturbed"]
+    with torch.inference_mode():
+        tc, sc = StaticKV(TARGET, 64), StaticKV(scout, 64)
+        forward(TARGET, torch.tensor(PROMPT[:-1]), tc, last_only=True)
+        first = forward(scout, torch.tensor(PROMPT), sc, last_only=True)  # [1, V]
+        step = TreeStep(TreeLayout((3, 2, 2)), TARGET, scout, tc, sc, graphs=False)
+        root, r = torch.tensor(PROMPT[-1:]), torch.tensor(len(PROMPT) - 1)
+        with Ops() as ops:
+            ints, _bits = step.body(first, root, r)
+    assert "aten.index_copy_.default" in ops.seen and ints.numel() == 2 + 3  # it ran: the compaction, the path
+    assert [op for op in ops.seen if "lift_fresh" in op] == []
+
+
 def test_every_tree_cycle_runs_the_scout_once_per_depth_and_a_gear_follows_the_clutch():
     """The decisions act: real scout forwards (counted by a hook) are the speculate cycles' depths, no scout forward
     runs in a fallback cycle, and the gear's precision before each target forward is the one the cycle records."""

@@ -1,0 +1,139 @@
+"""Where a graphed tree cycle's time goes, on models of the gpu stand-in's shapes (random weights: no build needed).
+
+    python -m reproductions.standin.tree_cycle_profile --widths 4,3,3 --out $OUT/tree_cycle_profile.json
+
+Record 4f850b1f measured a tree cycle (4,3,3, one CUDA graph per cycle) at 4.15 ms on code, against about 2.7 ms
+for its forwards; this splits a cycle into its parts. The engine's own calls are wrapped, unchanged, with CUDA
+events and host clocks around each: engine.forward (in a tree cycle the scout's catch-up, in plain decoding the
+target's step; the prompt's prefill is counted in too), the tree step (one graph replay), the one host read, and the
+rest of the host's work per cycle (wall minus the three). Plain graphed decoding is split the same
+way per token. A torch.profiler pass over one run counts the kernels each loop launches and their summed GPU time.
+Weights do not change the kernels a cycle launches, only how many nodes it keeps, so the scout here keeps few (the
+catch-up then feeds 1-2 tokens, as after a rejected path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import sdsie.decoding.engine as engine
+from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.tree import TreeStep, check_widths
+from sdsie.standin import build_model, get_preset
+
+PARTS = ("forward", "tree_step", "to_host")  # engine.forward: a tree cycle's scout catch-up; plain's target step
+
+
+class Timer:
+    """CUDA events and host time around the wrapped calls, per part."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
+        self.host_s: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def inner(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self.host_s[name] += time.perf_counter() - t0
+            self.events[name].append((start, end))
+            return out
+        return inner
+
+    def gpu_ms(self, name: str) -> float:
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events[name])
+
+
+def models(device: str, dtype: torch.dtype):
+    cfg = get_preset("gpu")
+    tok = SimpleNamespace(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    torch.manual_seed(0)
+    target, scout = (build_model(shape, cfg, tok).to(device, dtype).eval() for shape in (cfg.target, cfg.scout))
+    return target, scout, cfg.vocab_size
+
+
+def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> dict:
+    """Median over runs of each part's GPU and host ms per cycle, and the wall ms per cycle."""
+    per_run = []
+    for _ in range(runs):
+        timer = Timer()
+        originals = engine.forward, TreeStep.__call__, engine.to_host
+        engine.forward = timer.wrap("forward", engine.forward)
+        TreeStep.__call__ = timer.wrap("tree_step", TreeStep.__call__)
+        engine.to_host = timer.wrap("to_host", engine.to_host)
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = generate(target, ids, config, scout=scout if config.tree_widths else None)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        finally:
+            engine.forward, TreeStep.__call__, engine.to_host = originals
+        n = len(r.cycles)
+        row = {"cycles": n, "tokens": len(r.tokens), "wall_ms_per_cycle": 1e3 * wall / n,
+               "accepted_per_cycle": sum(c.accepted for c in r.cycles) / n}
+        for part in PARTS:
+            row[f"{part}_gpu_ms"] = timer.gpu_ms(part) / n
+            row[f"{part}_host_ms"] = 1e3 * timer.host_s[part] / n
+        row["other_host_ms"] = row["wall_ms_per_cycle"] - sum(row[f"{p}_host_ms"] for p in PARTS)
+        per_run.append(row)
+    return {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
+
+
+def kernels(target, scout, ids: torch.Tensor, config: DecodeConfig) -> dict:
+    """Kernel launches and their summed GPU time per cycle over one run (torch.profiler), and the ten largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = generate(target, ids, config, scout=scout if config.tree_widths else None)
+        torch.cuda.synchronize()
+    n = len(r.cycles)
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in evs:
+        by_name[e.name].append(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    return {"kernels_per_cycle": len(evs) / n, "kernel_gpu_ms_per_cycle": sum(map(sum, by_name.values())) / n / 1e3,
+            "top": [{"name": k[:120], "calls_per_cycle": len(v) / n, "us_per_cycle": sum(v) / n} for k, v in top]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--widths", nargs="+", default=["4,3,3"], help="one or more trees, e.g. 4,3,3 6,4,4")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tree_cycle_profile needs a CUDA GPU")
+    trees = [check_widths(tuple(int(w) for w in text.split(","))) for text in a.widths]
+    target, scout, vocab = models("cuda", torch.bfloat16)
+    ids = torch.randint(3, vocab, (48,), generator=torch.Generator().manual_seed(0)).cuda()
+    base = dict(max_new_tokens=a.tokens, kv_cache="static", cuda_graphs=True)
+    loops = {"plain_graphs": DecodeConfig(**base)}
+    loops |= {f"tree_graphs_{'x'.join(map(str, w))}": DecodeConfig(**base, tree_widths=w) for w in trees}
+    out: dict = {"trees": [list(w) for w in trees], "tokens": a.tokens, "runs": a.runs,
+                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, cfg in loops.items():
+        generate(target, ids, cfg, scout=scout if cfg.tree_widths else None)  # capture and warm
+        out[name] = split(target, scout, ids, cfg, a.runs) | kernels(target, scout, ids, cfg)
+        print(name, json.dumps({k: v for k, v in out[name].items() if k != "top"}), flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -42,7 +42,7 @@ ADAPTIVE_PAIRS = (("fixed_k5_graphs", "fixed_k5_graphs_adaptive"),  # (constant 
                   ("gated_tuned_graphs", "gated_tuned_graphs_adaptive"))
 ADAPTIVE_RUN = ("plain_graphs", *(v for pair in ADAPTIVE_PAIRS for v in pair))
 LONG_ADAPTIVE_RUN = ("plain_graphs", "fixed_k5_graphs", "fixed_k5_graphs_adaptive", "fixed_k8_graphs_adaptive")
-TREE_RUN = ("plain_graphs", "fixed_k5_graphs_adaptive", "tree_graphs")
+TREE_RUN = ("plain_graphs", "tree_graphs")  # the adaptive chain beside it when the run decoded it
 GATED_BOUND = 0.99  # issue 8: gated speculation never more than 1% slower than plain on the high-entropy family
 
 
@@ -334,9 +334,11 @@ def tree_section(rec: RunRecord) -> list[str]:
     trees = {v: w for v, w in widths.items() if w}  # the record says which trees it decoded
     chain = "fixed_k5_graphs_adaptive"
     names = {v: f"tree {','.join(map(str, w))}" for v, w in trees.items()} | {chain: "adaptive K5 chain"}
+    beside = ("beside the adaptive K = 5 chain" if any(paired_cell(rec, chain, f, by_family[f]) for f in fams)
+              else "the adaptive K = 5 chain not decoded in this run")
     lines = ["Static-tree speculation (`DecodeConfig(tree_widths=(w1, ..., wD))`: the scout's top w1 tokens, then its "
-             "top-w below each node at each depth, all verified in one target forward), beside the adaptive K = 5 "
-             f"chain, all under CUDA graphs ({rec.conditions['model']}, {rec.config['trials']} interleaved trials, "
+             f"top-w below each node at each depth, all verified in one target forward), {beside}, "
+             f"all under CUDA graphs ({rec.conditions['model']}, {rec.config['trials']} interleaved trials, "
              f"record `{rec.source.name}`). Tokens/s over graphed plain decoding paired by prompt and trial (median, "
              "95% bootstrap interval); acceptance is the share of drafted depths kept; tokens/cycle is derived as "
              "1 + depth x acceptance; J/token over energy windows against graphed plain's:", "",

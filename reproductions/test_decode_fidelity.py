@@ -587,7 +587,7 @@ def test_the_readme_tree_table_judges_the_code_target_from_the_interval_and_keep
     table = "\n".join(tree_section(rec(2.02)))
     assert "| code | 520 | tree 4,3,3 | 2.100x (2.020-2.300) | 75% | 3.25 | 0.550x |" in table
     assert "| code | 520 | adaptive K5 chain | 1.070x (1.050-2.300) | - | - | - |" in table
-    assert "6,4,4" not in table
+    assert "6,4,4" not in table and "beside the adaptive K = 5 chain" in table
     assert "2.0x on code: **met** by the best tree, tree 4,3,3" in table and "(40% lower): **met**" in table
     assert "2.0x on code: **not met**" in "\n".join(tree_section(rec(1.98)))
     both = "\n".join(tree_section(rec(1.98, 2.01)))

@@ -284,11 +284,13 @@ LONG_ADAPTIVE = f"fixed_k{LONG_K}_graphs_adaptive"
 # the verify little while it keeps the target's token whenever that ranks among the scout's top w_d, not only first.
 # --tree-widths picks the tree; reproductions/standin/tree_probe.py prices every static tree on a pair beforehand.
 # Prediction (the probe, from graphed forward times alone): 4,3,3 at 2.03x graphed plain on code. Measured (session 18,
-# records 87b7dacb and 9d3c7d76, the tree cycle's bookkeeping still eager): 1.46x and 1.42x on code.
+# records 87b7dacb and 9d3c7d76, the tree cycle's bookkeeping still eager): 1.46x and 1.42x on code; session 19, the
+# cycle after the scout's catch-up one CUDA graph (record 4f850b1f, another machine): 1.64x.
 TREE = "tree_graphs"
 # A second, wider tree in the same run (--wide-tree-widths), so two trees are compared side by side. Prediction (the
 # probe with up to 127 nodes and a 0.6 ms overhead per cycle, telemetry/raw/tree_probe_s18_nodes127_h200.json): 6,4,4
-# at 2.38x graphed plain on code, the most a cycle keeps (top-6 coverage) outweighing a 127-token verify.
+# at 2.38x graphed plain on code, the most a cycle keeps (top-6 coverage) outweighing a 127-token verify. Measured
+# (session 19, record 4f850b1f): 1.62x, against 1.64x for 4,3,3 in the same run; the prediction failed.
 TREE_WIDE = "tree_graphs_wide"
 TREES = (TREE, TREE_WIDE)
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",

@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -32,16 +33,33 @@ from sdsie.standin import build_model, get_preset
 PARTS = ("forward", "tree_step", "to_host")  # engine.forward: a tree cycle's scout catch-up; plain's target step
 
 
+class _HostEvent:
+    """torch.cuda.Event's two calls on the host clock: without CUDA (the CPU test) a part's device time is its host
+    time."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return 1e3 * (end.t - self.t)
+
+
 class Timer:
-    """CUDA events and host time around the wrapped calls, per part."""
+    """CUDA events (host clocks without CUDA) and host time around the wrapped calls, per part."""
 
     def __init__(self) -> None:
-        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = defaultdict(list)
+        self.cuda = torch.cuda.is_available()
+        self.events: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
         self.host_s: dict[str, float] = defaultdict(float)
 
     def wrap(self, name: str, fn):
+        event = torch.cuda.Event if self.cuda else _HostEvent
+
         def inner(*args, **kwargs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = event(enable_timing=True), event(enable_timing=True)
             t0 = time.perf_counter()
             start.record()
             out = fn(*args, **kwargs)
@@ -52,8 +70,13 @@ class Timer:
         return inner
 
     def gpu_ms(self, name: str) -> float:
-        torch.cuda.synchronize()
+        _sync()
         return sum(s.elapsed_time(e) for s, e in self.events[name])
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def models(device: str, dtype: torch.dtype):
@@ -74,10 +97,10 @@ def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> 
         TreeStep.__call__ = timer.wrap("tree_step", TreeStep.__call__)
         engine.to_host = timer.wrap("to_host", engine.to_host)
         try:
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             r = generate(target, ids, config, scout=scout if config.tree_widths else None)
-            torch.cuda.synchronize()
+            _sync()
             wall = time.perf_counter() - t0
         finally:
             engine.forward, TreeStep.__call__, engine.to_host = originals

@@ -1,0 +1,31 @@
+"""tree_cycle_profile's split, on a CPU (host clocks for the device's): its wrapping leaves the engine as it was and
+decodes what the engine decodes, and the parts it reports add up to the wall time it measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sdsie.decoding.engine as engine
+from reproductions.standin.tree_cycle_profile import PARTS, split
+from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.tree import TreeStep
+from sdsie.models import perturbed_copy, tiny_llama
+
+TARGET = tiny_llama(vocab_size=64, seed=0)
+SCOUT = perturbed_copy(TARGET, noise=0.02, seed=1)
+IDS = torch.tensor([3, 17, 5, 42, 8, 11])
+
+
+@pytest.mark.parametrize("widths", [None, (3, 2)])
+def test_split_counts_every_cycle_restores_the_engine_and_its_parts_add_up(widths):
+    originals = engine.forward, TreeStep.__call__, engine.to_host
+    cfg = DecodeConfig(max_new_tokens=16, kv_cache="static", tree_widths=widths)
+    row = split(TARGET, SCOUT, IDS, cfg, runs=2)
+    assert (engine.forward, TreeStep.__call__, engine.to_host) == originals
+    plain = generate(TARGET, IDS, cfg, scout=SCOUT if widths else None)
+    assert row["cycles"] == len(plain.cycles) and row["tokens"] == 16
+    assert row["accepted_per_cycle"] == sum(c.accepted for c in plain.cycles) / len(plain.cycles)
+    assert (row["tree_step_host_ms"] > 0) == bool(widths) and row["forward_host_ms"] > 0
+    parts = sum(row[f"{p}_host_ms"] for p in PARTS)
+    assert row["other_host_ms"] >= 0 and parts + row["other_host_ms"] == pytest.approx(row["wall_ms_per_cycle"])

@@ -140,19 +140,23 @@ def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_of_tree_cycles_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
-    """On a GPU: a tree cycle replayed as one graph (TreeStep: the deeper scout levels, the verify, the kept path's
-    compaction, its masks built on the device from the root's position) gives the eager static path's tokens and
-    cycles, fixed and gated; in fp32 both equal plain decoding's tokens."""
+    """On a GPU: a tree cycle replayed as one graph (TreeStep: the scout's catch-up folded in, the deeper scout levels,
+    the verify, the kept path's compaction, its masks built on the device from the root's position) gives the eager
+    static path's tokens and cycles, fixed and gated, and so does the cycle with a separate catch-up; in fp32 both
+    equal plain decoding's tokens."""
     import sdsie.decoding.engine as engine
 
     monkeypatch.setattr(engine, "_scout_pad_sizes", lambda config: engine.SCOUT_PAD_SIZES)
     target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
     prompt = [1, 5, 9, 4, 7]
     plain = generate(target, prompt, DecodeConfig(max_new_tokens=48)).tokens
-    for widths, clutch in (((3, 2), None), ((4, 2, 1), None), ((2, 2, 1, 1, 1), None), ((3, 2), MIXED)):
+    cases = [((3, 2), None, True), ((4, 2, 1), None, True), ((2, 2, 1, 1, 1), None, True), ((3, 2), MIXED, True),
+             ((4, 2, 1), None, False)]  # False: the scout's catch-up as its own forward, not folded into the step
+    for widths, clutch, fold in cases:
         runs = []
         for graphs in (False, True):
-            cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs, tree_widths=widths)
+            cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs, tree_widths=widths,
+                               pad_scout_catchup=fold)
             gate = EntropyClutch(dataclasses.replace(clutch, k_draft=len(widths))) if clutch else None
             runs.append(generate(target, prompt, cfg, scout=scout, clutch=gate))
         eager, replayed = runs

@@ -265,13 +265,62 @@ def test_a_tree_cycles_device_work_makes_no_tensor_from_a_host_value():
     with torch.inference_mode():
         tc, sc = StaticKV(TARGET, 64), StaticKV(scout, 64)
         forward(TARGET, torch.tensor(PROMPT[:-1]), tc, last_only=True)
-        first = forward(scout, torch.tensor(PROMPT), sc, last_only=True)  # [1, V]
+        forward(scout, torch.tensor(PROMPT[:-2]), sc, last_only=True)  # the scout two tokens behind
         step = TreeStep(TreeLayout((3, 2, 2)), TARGET, scout, tc, sc, graphs=False)
-        root, r = torch.tensor(PROMPT[-1:]), torch.tensor(len(PROMPT) - 1)
+        feed, n, r = step._padded(torch.tensor(PROMPT[-2:]), len(PROMPT) - 1)  # what a folded catch-up reads
         with Ops() as ops:
-            ints, _bits = step.body(first, root, r)
+            ints, _bits = step.body_catching_up(feed, n, r)  # the catch-up, then body
     assert "aten.index_copy_.default" in ops.seen and ints.numel() == 2 + 3  # it ran: the compaction, the path
     assert [op for op in ops.seen if "lift_fresh" in op] == []
+
+
+def test_a_static_tree_cycle_folds_the_scouts_catch_up_into_its_step_and_stays_lossless():
+    """On static caches every cycle whose catch-up fits (all but the first, which reads the prompt) runs it inside
+    the tree step (TreeStep.catch_up: one graph under cuda_graphs); with pad_scout_catchup=False none does. Both
+    emit the plain greedy tokens, and the cycles keep the same drafts (the padded forward's logits at the root are
+    the same computation here, fp32)."""
+    from sdsie.decoding.tree import TreeStep
+
+    calls = {"catch_up": 0, "after": 0}
+    folded, after = TreeStep.catch_up, TreeStep.__call__
+
+    def count(name, fn):
+        def inner(self, *args, **kwargs):
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+        return inner
+
+    runs = {}
+    try:
+        TreeStep.catch_up, TreeStep.__call__ = count("catch_up", folded), count("after", after)
+        for pad in (True, False):
+            calls.update(catch_up=0, after=0)
+            cfg = DecodeConfig(max_new_tokens=30, tree_widths=(3, 2, 2), kv_cache="static", pad_scout_catchup=pad)
+            runs[pad] = generate(TARGET, PROMPT, cfg, scout=SCOUTS["perturbed"]), dict(calls)
+    finally:
+        TreeStep.catch_up, TreeStep.__call__ = folded, after
+    (r_fold, c_fold), (r_sep, c_sep) = runs[True], runs[False]
+    assert r_fold.tokens == r_sep.tokens == plain(30)
+    assert [(c.k, c.accepted) for c in r_fold.cycles] == [(c.k, c.accepted) for c in r_sep.cycles]
+    assert c_fold == {"catch_up": len(r_fold.cycles) - 1, "after": 1} and len(r_fold.cycles) > 3
+    assert c_sep == {"catch_up": 0, "after": len(r_sep.cycles)}
+
+
+def test_a_folded_catch_up_refuses_a_feed_it_cannot_take():
+    from sdsie.decoding.tree import TreeStep
+
+    scout = SCOUTS["perturbed"]
+    with torch.inference_mode():
+        tc, sc = StaticKV(TARGET, 64), StaticKV(scout, 64)
+        forward(TARGET, torch.tensor(PROMPT[:-1]), tc, last_only=True)
+        forward(scout, torch.tensor(PROMPT[:-2]), sc, last_only=True)
+        step = TreeStep(TreeLayout((2, 2)), TARGET, scout, tc, sc, graphs=False)
+        assert step.catch_up_size == 3 and step.can_catch_up(2) and not step.can_catch_up(4)
+        with pytest.raises(ValueError, match="takes 1..3 tokens"):
+            step.catch_up(torch.tensor(PROMPT[:4]), len(PROMPT) - 1)
+        with pytest.raises(ValueError, match="do not end at the root's position 4"):
+            step.catch_up(torch.tensor(PROMPT[-2:]), len(PROMPT) - 2)
+        assert sc.length == len(PROMPT) - 2  # nothing moved
 
 
 def test_every_tree_cycle_runs_the_scout_once_per_depth_and_a_gear_follows_the_clutch():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sdsie.decoding.engine as engine
-from reproductions.standin.tree_cycle_profile import PARTS, split
+from reproductions.standin.tree_cycle_profile import PARTS, separate_catch_up, split
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.tree import TreeStep
 from sdsie.models import perturbed_copy, tiny_llama
@@ -17,15 +17,20 @@ SCOUT = perturbed_copy(TARGET, noise=0.02, seed=1)
 IDS = torch.tensor([3, 17, 5, 42, 8, 11])
 
 
+@pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("widths", [None, (3, 2)])
-def test_split_counts_every_cycle_restores_the_engine_and_its_parts_add_up(widths):
-    originals = engine.forward, TreeStep.__call__, engine.to_host
+def test_split_counts_every_cycle_restores_the_engine_and_its_parts_add_up(widths, separate):
+    originals = engine.forward, TreeStep.__call__, TreeStep.catch_up, TreeStep.can_catch_up, engine.to_host
     cfg = DecodeConfig(max_new_tokens=16, kv_cache="static", tree_widths=widths)
-    row = split(TARGET, SCOUT, IDS, cfg, runs=2)
-    assert (engine.forward, TreeStep.__call__, engine.to_host) == originals
+    with separate_catch_up(separate):
+        row = split(TARGET, SCOUT, IDS, cfg, runs=2)
+    assert (engine.forward, TreeStep.__call__, TreeStep.catch_up, TreeStep.can_catch_up, engine.to_host) == originals
     plain = generate(TARGET, IDS, cfg, scout=SCOUT if widths else None)
     assert row["cycles"] == len(plain.cycles) and row["tokens"] == 16
     assert row["accepted_per_cycle"] == sum(c.accepted for c in plain.cycles) / len(plain.cycles)
     assert (row["tree_step_host_ms"] > 0) == bool(widths) and row["forward_host_ms"] > 0
+    if widths:  # folded, only the first cycle (which reads the prompt) runs the scout's catch-up on its own
+        calls = len(plain.cycles) + 1 if separate else 2  # + the target's prefill
+        assert row["forward_calls"] == calls
     parts = sum(row[f"{p}_host_ms"] for p in PARTS)
     assert row["other_host_ms"] >= 0 and parts + row["other_host_ms"] == pytest.approx(row["wall_ms_per_cycle"])

@@ -6,7 +6,9 @@ Record 4f850b1f measured a tree cycle (4,3,3, one CUDA graph per cycle) at 4.15 
 for its forwards; this splits a cycle into its parts. The engine's own calls are wrapped, unchanged, with CUDA
 events and host clocks around each: engine.forward (in a tree cycle the scout's catch-up, in plain decoding the
 target's step; the prompt's prefill is counted in too), the tree step (one graph replay), the one host read, and the
-rest of the host's work per cycle (wall minus the three). Plain graphed decoding is split the same
+rest of the host's work per cycle (wall minus the three). Each tree runs twice: its scout's catch-up folded into the
+tree step (`TreeStep.catch_up`, the engine's way since session 19: one replay a cycle) and as its own forward
+(`_separate`, as record 4f850b1f ran). Plain graphed decoding is split the same
 way per token. A torch.profiler pass over one run counts the kernels each loop launches and their summed GPU time.
 Weights do not change the kernels a cycle launches, only how many nodes it keeps, so the scout here keeps few (the
 catch-up then feeds 1-2 tokens, as after a rejected path).
@@ -15,10 +17,12 @@ catch-up then feeds 1-2 tokens, as after a rejected path).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -87,14 +91,28 @@ def models(device: str, dtype: torch.dtype):
     return target, scout, cfg.vocab_size
 
 
+@contextlib.contextmanager
+def separate_catch_up(on: bool) -> Iterator[None]:
+    """With on, tree cycles run the scout's catch-up as its own (graphed) forward, as before TreeStep.catch_up: the
+    A/B of folding it into the step."""
+    can = TreeStep.can_catch_up
+    if on:
+        TreeStep.can_catch_up = lambda self, n: False
+    try:
+        yield
+    finally:
+        TreeStep.can_catch_up = can
+
+
 def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> dict:
     """Median over runs of each part's GPU and host ms per cycle, and the wall ms per cycle."""
     per_run = []
     for _ in range(runs):
         timer = Timer()
-        originals = engine.forward, TreeStep.__call__, engine.to_host
+        originals = engine.forward, TreeStep.__call__, TreeStep.catch_up, engine.to_host
         engine.forward = timer.wrap("forward", engine.forward)
-        TreeStep.__call__ = timer.wrap("tree_step", TreeStep.__call__)
+        TreeStep.__call__ = timer.wrap("tree_step", TreeStep.__call__)  # a cycle runs one of these two
+        TreeStep.catch_up = timer.wrap("tree_step", TreeStep.catch_up)
         engine.to_host = timer.wrap("to_host", engine.to_host)
         try:
             _sync()
@@ -103,10 +121,11 @@ def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> 
             _sync()
             wall = time.perf_counter() - t0
         finally:
-            engine.forward, TreeStep.__call__, engine.to_host = originals
+            engine.forward, TreeStep.__call__, TreeStep.catch_up, engine.to_host = originals
         n = len(r.cycles)
         row = {"cycles": n, "tokens": len(r.tokens), "wall_ms_per_cycle": 1e3 * wall / n,
-               "accepted_per_cycle": sum(c.accepted for c in r.cycles) / n}
+               "accepted_per_cycle": sum(c.accepted for c in r.cycles) / n,
+               "forward_calls": len(timer.events["forward"])}  # the prefill's and every separate catch-up's
         for part in PARTS:
             row[f"{part}_gpu_ms"] = timer.gpu_ms(part) / n
             row[f"{part}_host_ms"] = 1e3 * timer.host_s[part] / n
@@ -145,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     target, scout, vocab = models("cuda", torch.bfloat16)
     ids = torch.randint(3, vocab, (48,), generator=torch.Generator().manual_seed(0)).cuda()
     base = dict(max_new_tokens=a.tokens, kv_cache="static", cuda_graphs=True)
-    loops = {"plain_graphs": DecodeConfig(**base)}
-    loops |= {f"tree_graphs_{'x'.join(map(str, w))}": DecodeConfig(**base, tree_widths=w) for w in trees}
+    loops = {"plain_graphs": (DecodeConfig(**base), False)}
+    for w in trees:  # each tree with the scout's catch-up folded into its step (the engine's way) and separate
+        name = f"tree_graphs_{'x'.join(map(str, w))}"
+        loops |= {name: (DecodeConfig(**base, tree_widths=w), False),
+                  f"{name}_separate": (DecodeConfig(**base, tree_widths=w), True)}
     out: dict = {"trees": [list(w) for w in trees], "tokens": a.tokens, "runs": a.runs,
                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for name, cfg in loops.items():
-        generate(target, ids, cfg, scout=scout if cfg.tree_widths else None)  # capture and warm
-        out[name] = split(target, scout, ids, cfg, a.runs) | kernels(target, scout, ids, cfg)
+    for name, (cfg, separate) in loops.items():
+        with separate_catch_up(separate):
+            generate(target, ids, cfg, scout=scout if cfg.tree_widths else None)  # capture and warm
+            out[name] = split(target, scout, ids, cfg, a.runs) | kernels(target, scout, ids, cfg)
         print(name, json.dumps({k: v for k, v in out[name].items() if k != "top"}), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))

@@ -388,14 +388,19 @@ def _tree_cycle(run: _Run, step: TreeStep) -> tuple[list[int], list[float], int,
 
     The scout's catch-up forward (the tokens it missed, then last) gives depth 1; TreeStep does the rest on the
     device (the deeper levels, the verify, the kept path's compaction); one host read; both caches cropped to the kept
-    tokens (the scout to `last`: its next cycle catches up on the path)."""
+    tokens (the scout to `last`: its next cycle catches up on the path). On static caches a catch-up of at most
+    depth + 1 tokens (every cycle's but the first, unless plain cycles came between) is folded into the step, padded
+    (TreeStep.catch_up): under graphs the cycle is then one replay; pad_scout_catchup=False keeps it separate."""
     assert run.scout is not None and run.scout_cache is not None
     feed = run.ids[cache_length(run.scout_cache) : run.length]  # [F]: tokens the scout missed, then last
     run.stats.scout_catchup_tokens += feed.numel() - 1
-    first = forward(run.scout, feed, run.scout_cache, last_only=True)  # [1, V]
     root = run.length - 1  # last's slot in the target's cache and its position id
     precision = run.gear.int4 if run.gear is not None else None
-    ints_d, bits_d = step(first, run.last, root, precision)  # [2 + D], [1 + D]
+    if run.config.pad_scout_catchup and step.can_catch_up(feed.numel()):  # the catch-up folded into the step
+        ints_d, bits_d = step.catch_up(feed, root, precision)  # [2 + D], [1 + D]
+    else:  # a longer catch-up (the first cycle, or after plain cycles), or dynamic caches
+        first = forward(run.scout, feed, run.scout_cache, last_only=True)  # [1, V]
+        ints_d, bits_d = step(first, run.last, root, precision)
     step.advance()
     run.stats.scout_forwards += step.layout.max_depth
     run.stats.target_forwards += 1

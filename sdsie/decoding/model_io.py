@@ -138,6 +138,15 @@ class StaticKV:
                 if length:
                     torch._foreach_add_(counters, length)
 
+    def set_device_length(self, length: torch.Tensor) -> None:
+        """Move the device-side length (every layer's counter, where HF's next forward writes) to `length`, a 0-d
+        device tensor: device work alone, so a CUDA graph can hold it (a tree cycle's padded catch-up cuts the cache
+        back to its real tokens this way). The host's `length` is the caller's to match."""
+        counters = [layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+        if counters:
+            with torch.inference_mode():  # the counters are inference tensors (see _set_device_length)
+                torch._foreach_copy_(counters, [length] * len(counters))
+
     def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
         """Capture the n-token forward (capture_graph: the garbage written at positions length..length+n-1 is
         overwritten by the first replay)."""

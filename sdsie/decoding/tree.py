@@ -203,9 +203,7 @@ def _alive(ref: weakref.ref, role: str) -> Any:
 @dataclass
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph
-    first: torch.Tensor  # [1, V] static input: the scout's logits at the root
-    root: torch.Tensor  # [1] static input: the root token
-    r: torch.Tensor  # 0-d static input: the root's position
+    inputs: tuple[torch.Tensor, ...]  # static inputs: (first [1, V], root [1], r) or, catching up, (feed [P], n, r)
     ints: torch.Tensor  # [2 + D] static output
     bits: torch.Tensor  # [1 + D] static output
 
@@ -221,7 +219,11 @@ class TreeStep:
     scout cache is left r + 1 + (nodes above the last level) long and the target's r + 1 + nodes long on the device;
     `advance` moves a StaticKV's host length to match, and the caller crops both. With graphs (both caches StaticKV
     with cuda_graphs, on CUDA) the whole function is captured once per (tree, precision) and replayed: a cycle is then
-    three input copies and one replay instead of every op launched from the host."""
+    three input copies and one replay instead of every op launched from the host.
+
+    `catch_up` folds the scout's catch-up forward into the same function (and graph): the tokens the scout has not
+    read (the last cycle's kept path, then the new root), padded to `catch_up_size`, then the rest as above. The
+    engine takes it whenever both caches are StaticKV and the feed fits, so a graphed cycle is one replay."""
 
     def __init__(self, layout: TreeLayout, target: nn.Module, scout: nn.Module, target_cache: Any, scout_cache: Any,
                  graphs: bool) -> None:
@@ -279,22 +281,87 @@ class TreeStep:
         ints = torch.cat([verdict.accepted[None], drafted[verdict.path], verdict.next_token[None]])  # [2 + D]
         return ints, entropy(logits[rows])
 
+    @property
+    def catch_up_size(self) -> int:
+        """Tokens a folded catch-up forward reads (padded): a kept path of up to D tokens, then the new root."""
+        return self.layout.max_depth + 1
+
+    def body_catching_up(self, feed: torch.Tensor, n: torch.Tensor, r: torch.Tensor,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """feed [P]: the n tokens the scout has not read (the root last), then padding; the scout's StaticKV holds
+        r + 1 - n positions. Its padded forward, the cache cut back to r + 1 on the device (the padding's positions
+        become stale, as after a rejected draft), then body from the scout's logits at the root."""
+        scout_kv = self.scout_cache
+        with _static_attention(self.scout):
+            logits = _hf_forward(self.scout, feed[None], scout_kv.cache, False)  # [P, V]
+        scout_kv.set_device_length(r + 1)
+        at_root = (n - 1)[None]  # [1]
+        return self.body(logits.index_select(0, at_root), feed.index_select(0, at_root), r)
+
+    def can_catch_up(self, n: int) -> bool:
+        """Whether `catch_up` takes a feed of n tokens: both caches StaticKV and the padded forward fits."""
+        scout, target = self.scout_cache, self.target_cache
+        return (isinstance(scout, StaticKV) and isinstance(target, StaticKV) and 1 <= n <= self.catch_up_size
+                and scout.length + self.catch_up_size <= scout.max_len)
+
     def __call__(self, first: torch.Tensor, root: torch.Tensor, r: int,
                  precision: Hashable = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run (or replay) the cycle's device work; precision names the gear state the target runs in (one graph
-        each). A StaticKV without room for the cycle's positions is refused before anything runs."""
-        for cache, n in self._added():
-            if isinstance(cache, StaticKV) and cache.length + n > cache.max_len:
-                raise ValueError(f"StaticKV holds {cache.max_len} positions: a tree cycle {self.layout.widths} cannot "
-                                 f"add {n} to {cache.length}")
+        """Run (or replay) the cycle's device work after the scout's catch-up; precision names the gear state the
+        target runs in (one graph each). A StaticKV without room for the cycle's positions is refused before anything
+        runs."""
+        self._check_room()
         if not self.graphs:
             return self.body(first, root, torch.tensor(r, device=first.device))
-        c = self._captured.get(precision) or self._capture(first, root, r, precision)
-        c.first.copy_(first)
-        c.root.copy_(root)
-        c.r.fill_(r)
+        key = ("after catch-up", precision)
+        c = self._captured.get(key)
+        if c is None:
+            c = self._capture(key, self.body, (first, root, torch.tensor(r, device=root.device)))
+        c.inputs[0].copy_(first)
+        c.inputs[1].copy_(root)
+        c.inputs[2].fill_(r)
         c.graph.replay()
         return c.ints, c.bits
+
+    def catch_up(self, feed: torch.Tensor, r: int, precision: Hashable = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scout's catch-up over feed [n] (can_catch_up(n); the root, at position r, last) and the cycle, as one
+        function of device tensors (one replay under graphs). Leaves the scout's host length at r + 1, as a separate
+        catch-up forward would; `advance` then moves both caches past the tree."""
+        n = feed.numel()
+        if not self.can_catch_up(n):
+            raise ValueError(f"a folded catch-up takes 1..{self.catch_up_size} tokens into a StaticKV with room for "
+                             f"them, got {n}")
+        scout_kv = self.scout_cache
+        if scout_kv.length + n != r + 1:
+            raise ValueError(f"the feed's {n} tokens after the scout's {scout_kv.length} do not end at the root's "
+                             f"position {r}")
+        self._check_room(scout_length=r + 1)  # the tree's positions come after the catch-up's real tokens
+        if not self.graphs:
+            out = self.body_catching_up(*self._padded(feed, r))
+        else:  # the capture's warm-up runs restore the device length to the host's: move the host's after it
+            key = ("catching up", precision)
+            c = self._captured.get(key) or self._capture(key, self.body_catching_up, self._padded(feed, r))
+            c.inputs[0][:n].copy_(feed)  # the padding: earlier feeds' tokens, any valid ids
+            c.inputs[1].fill_(n)
+            c.inputs[2].fill_(r)
+            c.graph.replay()
+            out = c.ints, c.bits
+        scout_kv.length = r + 1
+        return out
+
+    def _padded(self, feed: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """body_catching_up's inputs: feed [n] padded with token 0 to [P], n and r as 0-d device tensors."""
+        padded = torch.zeros(self.catch_up_size, dtype=feed.dtype, device=feed.device)  # [P]
+        padded[: feed.numel()] = feed
+        return padded, torch.tensor(feed.numel(), device=feed.device), torch.tensor(r, device=feed.device)
+
+    def _check_room(self, scout_length: int | None = None) -> None:
+        for cache, n in self._added():
+            if not isinstance(cache, StaticKV):
+                continue
+            length = scout_length if scout_length is not None and cache is self.scout_cache else cache.length
+            if length + n > cache.max_len:
+                raise ValueError(f"StaticKV holds {cache.max_len} positions: a tree cycle {self.layout.widths} cannot "
+                                 f"add {n} to {length}")
 
     def advance(self) -> None:
         """Move the StaticKV host lengths past what the cycle's forwards appended on the device."""
@@ -305,8 +372,8 @@ class TreeStep:
     def _added(self) -> tuple[tuple[Any, int], ...]:
         return (self.scout_cache, self.scout_added), (self.target_cache, self.target_added)
 
-    def _capture(self, first: torch.Tensor, root: torch.Tensor, r: int, precision: Hashable) -> _Captured:
-        """Capture body on its own copies of the inputs (capture_graph, in the target cache's memory pool)."""
+    def _capture(self, key: Hashable, fn, inputs: tuple[torch.Tensor, ...]) -> _Captured:
+        """Capture fn on its own copies of the inputs (capture_graph, in the target cache's memory pool)."""
         caches = (self.target_cache, self.scout_cache)
         if not all(isinstance(c, StaticKV) and c.cuda_graphs for c in caches):
             raise ValueError("a graphed TreeStep needs both caches to be StaticKV with cuda_graphs")
@@ -314,8 +381,7 @@ class TreeStep:
             if model.config._attn_implementation != "sdpa":  # the mask is built for sdpa inside the graph
                 raise ValueError(f"graphed tree cycles need the sdpa attention implementation, not "
                                  f"{model.config._attn_implementation!r}; decode with cuda_graphs=False")
-        first_in, root_in, r_in = first.clone(), root.clone(), torch.tensor(r, device=first.device)
-        graph, (ints, bits) = capture_graph(lambda: self.body(first_in, root_in, r_in), caches,
-                                            f"a tree cycle {self.layout.widths}")
-        self._captured[precision] = _Captured(graph, first_in, root_in, r_in, ints, bits)
-        return self._captured[precision]
+        static = tuple(t.clone() for t in inputs)
+        graph, (ints, bits) = capture_graph(lambda: fn(*static), caches, f"a tree cycle {self.layout.widths}")
+        self._captured[key] = _Captured(graph, static, ints, bits)
+        return self._captured[key]

@@ -288,8 +288,10 @@ LONG_ADAPTIVE = f"fixed_k{LONG_K}_graphs_adaptive"
 # cycle after the scout's catch-up one CUDA graph (record 4f850b1f, another machine): 1.64x. Then the catch-up was
 # folded into that graph (TreeStep.catch_up). Prediction before a GPU run, from the cycle profile of random weights
 # (telemetry/raw/tree_cycle_profile_s19_h200.json: the separate catch-up's events span 0.52 ms around 0.23 ms of
-# kernels, and the step's replay waits on its host call): about 0.3 ms less a cycle, 3.73 to about 3.4 ms there,
-# so code from 1.64x to about 1.78x graphed plain. reproductions/standin/tree_cycle_profile.py times both ways.
+# kernels, and the step's replay waits on its host call): about 0.3 ms less a cycle; and a static cache's layers were
+# put in one tensor, so the compaction is 2 kernels, not 64 (about 0.13 ms less, at the profile's 2.4 us each):
+# 3.73 to about 3.3 ms there, so code from 1.64x to about 1.85x graphed plain, if the decode's cycles gain as much.
+# reproductions/standin/tree_cycle_profile.py times the engine with and without each change.
 TREE = "tree_graphs"
 # A second, wider tree in the same run (--wide-tree-widths), so two trees are compared side by side. Prediction (the
 # probe with up to 127 nodes and a 0.6 ms overhead per cycle, telemetry/raw/tree_probe_s18_nodes127_h200.json): 6,4,4

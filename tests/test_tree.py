@@ -121,6 +121,24 @@ def test_compaction_moves_the_path_and_leaves_the_prefix(kind):
             assert layer.keys[:, :, :6].equal(old[:, :, :6])
         with pytest.raises(ValueError, match="one shape"):
             compact_cache(cache, torch.tensor([1, 2]), torch.tensor([1]))
+    if kind == "static":  # one tensor behind every layer, so the move above was one index_select and one index_copy
+        assert cache.kv is not None and cache.kv.shape[:2] == (len(layers), 2)
+        assert all(layer.keys.data_ptr() == cache.kv[i, 0].data_ptr() for i, layer in enumerate(layers))
+
+
+def test_a_static_cache_consolidated_after_its_prefill_decodes_as_one_that_is_not(monkeypatch):
+    """StaticKV puts its layers' keys and values into one tensor after the first forward; a tree run on it equals one
+    on per-layer tensors, token for token and cycle for cycle (the compaction is the same move)."""
+    runs = []
+    for consolidate in (True, False):
+        if not consolidate:
+            monkeypatch.setattr(StaticKV, "_consolidate", lambda self: None)
+        model = copy.deepcopy(TARGET)  # a cache of its own (static caches are kept per model)
+        cfg = DecodeConfig(max_new_tokens=30, tree_widths=(3, 2, 2), kv_cache="static")
+        runs.append(generate(model, PROMPT, cfg, scout=SCOUTS["perturbed"]))
+    assert runs[0].tokens == runs[1].tokens == plain(30)
+    assert [(c.k, c.accepted) for c in runs[0].cycles] == [(c.k, c.accepted) for c in runs[1].cycles]
+    assert sum(c.accepted for c in runs[0].cycles) > 0  # paths were moved
 
 
 def plain(max_new: int, eos: int | None = None) -> list[int]:

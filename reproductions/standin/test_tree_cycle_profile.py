@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import sdsie.decoding.engine as engine
-from reproductions.standin.tree_cycle_profile import PARTS, separate_catch_up, split
+from reproductions.standin.tree_cycle_profile import PARTS, engine_as, split
 from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.model_io import StaticKV
 from sdsie.decoding.tree import TreeStep
 from sdsie.models import perturbed_copy, tiny_llama
 
@@ -20,11 +21,17 @@ IDS = torch.tensor([3, 17, 5, 42, 8, 11])
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("widths", [None, (3, 2)])
 def test_split_counts_every_cycle_restores_the_engine_and_its_parts_add_up(widths, separate):
-    originals = engine.forward, TreeStep.__call__, TreeStep.catch_up, TreeStep.can_catch_up, engine.to_host
+    def state():
+        return (engine.forward, TreeStep.__call__, TreeStep.catch_up, TreeStep.can_catch_up, engine.to_host,
+                StaticKV._consolidate)
+
+    originals = state()
     cfg = DecodeConfig(max_new_tokens=16, kv_cache="static", tree_widths=widths)
-    with separate_catch_up(separate):
+    with engine_as(separate=separate, per_layer=separate):
         row = split(TARGET, SCOUT, IDS, cfg, runs=2)
-    assert (engine.forward, TreeStep.__call__, TreeStep.catch_up, TreeStep.can_catch_up, engine.to_host) == originals
+        kv = engine._STATIC[TARGET]
+        assert all((c.kv is None) == separate for c in kv.values())  # per-layer tensors, or one
+    assert state() == originals and TARGET not in engine._STATIC
     plain = generate(TARGET, IDS, cfg, scout=SCOUT if widths else None)
     assert row["cycles"] == len(plain.cycles) and row["tokens"] == 16
     assert row["accepted_per_cycle"] == sum(c.accepted for c in plain.cycles) / len(plain.cycles)

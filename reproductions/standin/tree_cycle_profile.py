@@ -6,9 +6,9 @@ Record 4f850b1f measured a tree cycle (4,3,3, one CUDA graph per cycle) at 4.15 
 for its forwards; this splits a cycle into its parts. The engine's own calls are wrapped, unchanged, with CUDA
 events and host clocks around each: engine.forward (in a tree cycle the scout's catch-up, in plain decoding the
 target's step; the prompt's prefill is counted in too), the tree step (one graph replay), the one host read, and the
-rest of the host's work per cycle (wall minus the three). Each tree runs twice: its scout's catch-up folded into the
-tree step (`TreeStep.catch_up`, the engine's way since session 19: one replay a cycle) and as its own forward
-(`_separate`, as record 4f850b1f ran). Plain graphed decoding is split the same
+rest of the host's work per cycle (wall minus the three). Each tree runs three ways (engine_as): as the engine runs
+it, with the scout's catch-up as its own forward (`_separate`), and as record 4f850b1f ran it (`_as_4f850b1f`:
+also per-layer cache tensors, so a compaction is two kernels a layer). Plain graphed decoding is split the same
 way per token. A torch.profiler pass over one run counts the kernels each loop launches and their summed GPU time.
 Weights do not change the kernels a cycle launches, only how many nodes it keeps, so the scout here keeps few (the
 catch-up then feeds 1-2 tokens, as after a rejected path).
@@ -31,6 +31,7 @@ import torch
 
 import sdsie.decoding.engine as engine
 from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.model_io import StaticKV
 from sdsie.decoding.tree import TreeStep, check_widths
 from sdsie.standin import build_model, get_preset
 
@@ -92,16 +93,22 @@ def models(device: str, dtype: torch.dtype):
 
 
 @contextlib.contextmanager
-def separate_catch_up(on: bool) -> Iterator[None]:
-    """With on, tree cycles run the scout's catch-up as its own (graphed) forward, as before TreeStep.catch_up: the
-    A/B of folding it into the step."""
-    can = TreeStep.can_catch_up
-    if on:
+def engine_as(separate: bool = False, per_layer: bool = False) -> Iterator[None]:
+    """The engine as it ran before session 19's last two changes, for an A/B in one process: separate, the scout's
+    catch-up as its own (graphed) forward instead of folded into the tree step (TreeStep.can_catch_up); per_layer, the
+    static caches' layers in tensors of their own, so a compaction is two kernels a layer (StaticKV._consolidate).
+    Static caches are kept across runs, so they are dropped on the way in and out (the next run makes its own)."""
+    can, consolidate = TreeStep.can_catch_up, StaticKV._consolidate
+    engine._STATIC.clear()
+    if separate:
         TreeStep.can_catch_up = lambda self, n: False
+    if per_layer:
+        StaticKV._consolidate = lambda self: None
     try:
         yield
     finally:
-        TreeStep.can_catch_up = can
+        TreeStep.can_catch_up, StaticKV._consolidate = can, consolidate
+        engine._STATIC.clear()
 
 
 def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> dict:
@@ -164,15 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     target, scout, vocab = models("cuda", torch.bfloat16)
     ids = torch.randint(3, vocab, (48,), generator=torch.Generator().manual_seed(0)).cuda()
     base = dict(max_new_tokens=a.tokens, kv_cache="static", cuda_graphs=True)
-    loops = {"plain_graphs": (DecodeConfig(**base), False)}
-    for w in trees:  # each tree with the scout's catch-up folded into its step (the engine's way) and separate
-        name = f"tree_graphs_{'x'.join(map(str, w))}"
-        loops |= {name: (DecodeConfig(**base, tree_widths=w), False),
-                  f"{name}_separate": (DecodeConfig(**base, tree_widths=w), True)}
+    loops = {"plain_graphs": (DecodeConfig(**base), {})}
+    for w in trees:  # each tree as the engine runs it, with the catch-up separate, and as record 4f850b1f ran it
+        name, cfg = f"tree_graphs_{'x'.join(map(str, w))}", DecodeConfig(**base, tree_widths=w)
+        loops |= {name: (cfg, {}), f"{name}_separate": (cfg, {"separate": True}),
+                  f"{name}_as_4f850b1f": (cfg, {"separate": True, "per_layer": True})}
     out: dict = {"trees": [list(w) for w in trees], "tokens": a.tokens, "runs": a.runs,
                  "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for name, (cfg, separate) in loops.items():
-        with separate_catch_up(separate):
+    for name, (cfg, switches) in loops.items():
+        with engine_as(**switches):
             generate(target, ids, cfg, scout=scout if cfg.tree_widths else None)  # capture and warm
             out[name] = split(target, scout, ids, cfg, a.runs) | kernels(target, scout, ids, cfg)
         print(name, json.dumps({k: v for k, v in out[name].items() if k != "top"}), flush=True)

@@ -80,6 +80,7 @@ class StaticKV:
         self.pad_sizes = tuple(sorted(set(pad_sizes)))
         self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
         self._pool: Any = None
+        self.kv: torch.Tensor | None = None  # [L, 2, B, H, S, D] behind every layer's keys and values (_consolidate)
 
     def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable = None) -> torch.Tensor:
         """ids: [S] -> logits [S, V] (or [1, V] with last_only), written at positions length..length+S-1."""
@@ -90,6 +91,7 @@ class StaticKV:
         if padded is None:
             logits = self._run(model, ids, last_only, variant)
             self.length += n
+            self._consolidate()  # after the first forward, which initializes HF's layers, before any graph
             return logits
         start = self.length
         ids_padded = torch.zeros(padded, dtype=ids.dtype, device=ids.device)  # [padded]: ids, then token 0
@@ -98,6 +100,22 @@ class StaticKV:
         self.length = start + padded
         self.crop(start + n)  # the padding's positions become stale, as after a rejected draft
         return logits[n - 1 : n] if last_only else logits[:n]
+
+    def _consolidate(self) -> None:
+        """Put every layer's keys and values into one [L, 2, B, H, S, D] tensor (`kv`) and make them its views, so a
+        tree cycle's compaction (compact_cache) moves a position of all layers in one index_select and one index_copy,
+        not two of each per layer (on the H200 a cycle of the gpu stand-in pair spent 64 small kernels there). Done
+        once, after the first forward (HF initializes its layers lazily) and before any graph captures the layers'
+        tensors; left as is when the layers' shapes differ."""
+        layers = self.cache.layers
+        if self.kv is not None or not all(getattr(layer, "is_initialized", False) for layer in layers):
+            return
+        tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+        if any(t.shape != tensors[0].shape or t.dtype != tensors[0].dtype for t in tensors):
+            return
+        self.kv = torch.stack([torch.stack([layer.keys, layer.values]) for layer in layers])
+        for i, layer in enumerate(layers):
+            layer.keys, layer.values = self.kv[i, 0], self.kv[i, 1]
 
     def _padded_size(self, n: int) -> int | None:
         """The size an n-token forward is padded to, or None to run it as it is (the prefill, exact graph sizes,
@@ -277,6 +295,9 @@ def compact_cache(cache: Any, src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.shape != dst.shape or src.dim() != 1:
         raise ValueError(f"compact_cache needs src and dst of one shape [n], got {tuple(src.shape)} and "
                          f"{tuple(dst.shape)}")
+    if isinstance(cache, StaticKV) and cache.kv is not None:  # all layers at once: [L, 2, B, H, S, D]
+        cache.kv.index_copy_(4, dst, cache.kv.index_select(4, src))
+        return
     for layer in cache.cache.layers if isinstance(cache, StaticKV) else cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:  # a layer not yet initialized
             continue

@@ -218,12 +218,13 @@ class TreeStep:
     every node in one target forward, and moves the kept path's keys and values to the slots after the root. The
     scout cache is left r + 1 + (nodes above the last level) long and the target's r + 1 + nodes long on the device;
     `advance` moves a StaticKV's host length to match, and the caller crops both. With graphs (both caches StaticKV
-    with cuda_graphs, on CUDA) the whole function is captured once per (tree, precision) and replayed: a cycle is then
-    three input copies and one replay instead of every op launched from the host.
+    with cuda_graphs, on CUDA) the whole function is captured once per (tree, precision, way in) and replayed: a cycle
+    is then three small input writes and one replay instead of every op launched from the host.
 
     `catch_up` folds the scout's catch-up forward into the same function (and graph): the tokens the scout has not
     read (the last cycle's kept path, then the new root), padded to `catch_up_size`, then the rest as above. The
-    engine takes it whenever both caches are StaticKV and the feed fits, so a graphed cycle is one replay."""
+    engine takes it whenever both caches are StaticKV and the feed fits (pad_scout_catchup, the default), so a graphed
+    cycle is one replay; __call__ takes the scout's logits from a catch-up forward run before it."""
 
     def __init__(self, layout: TreeLayout, target: nn.Module, scout: nn.Module, target_cache: Any, scout_cache: Any,
                  graphs: bool) -> None:

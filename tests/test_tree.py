@@ -180,21 +180,23 @@ def test_a_wider_tree_keeps_at_least_what_its_chain_keeps_per_cycle():
     assert wide.stats.accepted > chain.stats.accepted and len(wide.cycles) < len(chain.cycles)
 
 
-def test_eos_and_the_budget_end_a_tree_run_exactly():
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_eos_and_the_budget_end_a_tree_run_exactly(kind):
     ref = plain(40)
     eos = ref[12]
-    r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=40, tree_widths=(3, 3), eos_token_id=eos),
+    r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=40, tree_widths=(3, 3), eos_token_id=eos, kv_cache=kind),
                  scout=SCOUTS["self"])
     assert r.tokens == plain(40, eos=eos) and r.stop_reason == "eos" and r.tokens[-1] == eos
     for n in (1, 2, 3, 4):  # budgets shorter than a full cycle cut the tree's depth
-        assert generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=n, tree_widths=(2, 2, 2)),
+        assert generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=n, tree_widths=(2, 2, 2), kv_cache=kind),
                         scout=SCOUTS["self"]).tokens == ref[:n]
 
 
-def test_a_clutch_gates_tree_cycles():
+@pytest.mark.parametrize("kind", ["dynamic", "static"])  # static: fallback cycles leave the scout behind, so the
+def test_a_clutch_gates_tree_cycles(kind):  # cycle after one runs its catch-up apart, the next ones fold it
     clutch = EntropyClutch(ClutchConfig(theta_low=1.2, theta_high=2.0, alpha=0.5, k_draft=2))
-    r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, tree_widths=(3, 2)), scout=SCOUTS["perturbed"],
-                 clutch=clutch)
+    r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, tree_widths=(3, 2), kv_cache=kind),
+                 scout=SCOUTS["perturbed"], clutch=clutch)
     assert r.tokens == plain(30)
     assert all((c.k > 0) == bool(c.engaged) for c in r.cycles)
     assert 0 < r.stats.speculate_cycles < len(r.cycles)  # the clutch both engaged and fell back in this run

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sdsie.decoding.engine as engine
-from reproductions.standin.tree_cycle_profile import PARTS, engine_as, split
+from reproductions.standin.tree_cycle_profile import PARTS, engine_as, fixed_ms, split
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import StaticKV
 from sdsie.decoding.tree import TreeStep
@@ -41,3 +41,10 @@ def test_split_counts_every_cycle_restores_the_engine_and_its_parts_add_up(width
         assert row["forward_calls"] == calls
     parts = sum(row[f"{p}_host_ms"] for p in PARTS)
     assert row["other_host_ms"] >= 0 and parts + row["other_host_ms"] == pytest.approx(row["wall_ms_per_cycle"])
+
+
+def test_fixed_ms_is_the_intercept_of_wall_time_over_cycles():
+    long, short = {"cycles": 40, "wall_ms_per_cycle": 3.0 + 10.0 / 40}, {"cycles": 10, "wall_ms_per_cycle": 4.0}
+    assert fixed_ms(long, short) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="two cycle counts"):
+        fixed_ms(long, long)

@@ -6,18 +6,20 @@ Record 4f850b1f measured a tree cycle (4,3,3, one CUDA graph per cycle) at 4.15 
 for its forwards; this splits a cycle into its parts. The engine's own calls are wrapped, unchanged, with CUDA
 events and host clocks around each: engine.forward (in a tree cycle the scout's catch-up, in plain decoding the
 target's step; the prompt's prefill is counted in too), the tree step (one graph replay), the one host read, and the
-rest of the host's work per cycle (wall minus the three). Each tree runs three ways (engine_as): as the engine runs
-it, with the scout's catch-up as its own forward (`_separate`), and as record 4f850b1f ran it (`_as_4f850b1f`:
-also per-layer cache tensors, so a compaction is two kernels a layer). Plain graphed decoding is split the same
-way per token. A torch.profiler pass over one run counts the kernels each loop launches and their summed GPU time.
-Weights do not change the kernels a cycle launches, only how many nodes it keeps, so the scout here keeps few (the
-catch-up then feeds 1-2 tokens, as after a rejected path).
+rest of the host's work per cycle (wall minus the three); a second, shorter budget gives a run's fixed cost outside
+its cycles. Each tree runs three ways (engine_as): as the engine runs it, with the scout's catch-up as its own
+forward (`_separate`), and as record 4f850b1f ran it (`_as_4f850b1f`: also per-layer cache tensors, so a compaction
+is two kernels a layer). Plain graphed decoding is split the same way per token. A torch.profiler pass over one run
+counts the kernels each loop launches and their summed GPU time. Weights do not change the kernels a cycle launches,
+only how many nodes it keeps, so the scout here keeps few (the catch-up then feeds 1-2 tokens, as after a rejected
+path).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -141,6 +143,16 @@ def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> 
     return {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
 
 
+def fixed_ms(long: dict, short: dict) -> float:
+    """A run's cost outside its cycles (the prefill, the scout's first catch-up over the prompt, setup), from two
+    budgets' splits: wall = fixed + cycles x per-cycle, solved for fixed. With a scout that keeps little, as here,
+    every cycle costs the same, so two points give the line."""
+    (c1, w1), (c2, w2) = ((r["cycles"], r["cycles"] * r["wall_ms_per_cycle"]) for r in (short, long))
+    if c2 == c1:
+        raise ValueError(f"fixed_ms needs two cycle counts, got {c1} twice")
+    return (w1 * c2 - w2 * c1) / (c2 - c1)
+
+
 def kernels(target, scout, ids: torch.Tensor, config: DecodeConfig) -> dict:
     """Kernel launches and their summed GPU time per cycle over one run (torch.profiler), and the ten largest."""
     from torch.profiler import ProfilerActivity, profile
@@ -181,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, (cfg, switches) in loops.items():
         with engine_as(**switches):
             generate(target, ids, cfg, scout=scout if cfg.tree_widths else None)  # capture and warm
-            out[name] = split(target, scout, ids, cfg, a.runs) | kernels(target, scout, ids, cfg)
+            row = split(target, scout, ids, cfg, a.runs)
+            short = split(target, scout, ids, dataclasses.replace(cfg, max_new_tokens=max(2, a.tokens // 4)), a.runs)
+            out[name] = row | {"fixed_ms_per_run": fixed_ms(row, short)} | kernels(target, scout, ids, cfg)
         print(name, json.dumps({k: v for k, v in out[name].items() if k != "top"}), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))

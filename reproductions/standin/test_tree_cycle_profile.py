@@ -48,3 +48,18 @@ def test_fixed_ms_is_the_intercept_of_wall_time_over_cycles():
     assert fixed_ms(long, short) == pytest.approx(10.0)
     with pytest.raises(ValueError, match="two cycle counts"):
         fixed_ms(long, long)
+
+
+def test_the_script_runs_end_to_end_as_a_cpu_dry_run(tmp_path):
+    """Every loop of a GPU call (plain, and each tree three ways) runs and lands in the JSON, fixed cost included."""
+    import json
+
+    from reproductions.standin.tree_cycle_profile import main
+
+    out = tmp_path / "p.json"
+    assert main(["--device", "cpu", "--tokens", "8", "--runs", "1", "--widths", "2,2", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert set(got) >= {"plain_graphs", "tree_graphs_2x2", "tree_graphs_2x2_separate", "tree_graphs_2x2_as_4f850b1f"}
+    for name in ("plain_graphs", "tree_graphs_2x2", "tree_graphs_2x2_separate", "tree_graphs_2x2_as_4f850b1f"):
+        assert got[name]["tokens"] == 8 and got[name]["fixed_ms_per_run"] is not None
+    assert got["tree_graphs_2x2"]["forward_calls"] < got["tree_graphs_2x2_separate"]["forward_calls"]

@@ -154,8 +154,12 @@ def fixed_ms(long: dict, short: dict) -> float:
 
 
 def kernels(target, scout, ids: torch.Tensor, config: DecodeConfig) -> dict:
-    """Kernel launches and their summed GPU time per cycle over one run (torch.profiler), and the ten largest."""
+    """Kernel launches and their summed GPU time per cycle over one run (torch.profiler), and the ten largest; none
+    without CUDA."""
     from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {"kernels_per_cycle": None}
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         r = generate(target, ids, config, scout=scout if config.tree_widths else None)
@@ -176,20 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no graphs, no kernel counts)")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("tree_cycle_profile needs a CUDA GPU")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tree_cycle_profile needs a CUDA GPU (or --device cpu for a dry run)")
     trees = [check_widths(tuple(int(w) for w in text.split(","))) for text in a.widths]
-    target, scout, vocab = models("cuda", torch.bfloat16)
-    ids = torch.randint(3, vocab, (48,), generator=torch.Generator().manual_seed(0)).cuda()
-    base = dict(max_new_tokens=a.tokens, kv_cache="static", cuda_graphs=True)
+    target, scout, vocab = models(a.device, torch.bfloat16)
+    ids = torch.randint(3, vocab, (48,), generator=torch.Generator().manual_seed(0)).to(a.device)
+    base = dict(max_new_tokens=a.tokens, kv_cache="static", cuda_graphs=a.device == "cuda")
     loops = {"plain_graphs": (DecodeConfig(**base), {})}
     for w in trees:  # each tree as the engine runs it, with the catch-up separate, and as record 4f850b1f ran it
         name, cfg = f"tree_graphs_{'x'.join(map(str, w))}", DecodeConfig(**base, tree_widths=w)
         loops |= {name: (cfg, {}), f"{name}_separate": (cfg, {"separate": True}),
                   f"{name}_as_4f850b1f": (cfg, {"separate": True, "per_layer": True})}
     out: dict = {"trees": [list(w) for w in trees], "tokens": a.tokens, "runs": a.runs,
-                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+                 "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None, "torch": torch.__version__}
     for name, (cfg, switches) in loops.items():
         with engine_as(**switches):
             generate(target, ids, cfg, scout=scout if cfg.tree_widths else None)  # capture and warm

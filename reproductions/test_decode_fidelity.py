@@ -581,7 +581,7 @@ def test_the_readme_tree_table_judges_the_code_target_from_the_interval_and_keep
             key = f"{v}.code.paired_speedup_vs_plain_graphs"
             mt |= {key: med, f"{key}_ci_low": lo, f"{key}_ci_high": 2.3}
         config = {"trials": 5, "tree_widths": [4, 3, 3], "wide_tree_widths": [6, 4, 4] if wide_low else None}
-        return SimpleNamespace(metrics=mt, config=config, conditions={"model": "pair"},
+        return SimpleNamespace(metrics=mt, config=config, conditions={"model": "pair"}, samples={},
                                source=SimpleNamespace(name="r.json"))
 
     table = "\n".join(tree_section(rec(2.02)))
@@ -590,6 +590,12 @@ def test_the_readme_tree_table_judges_the_code_target_from_the_interval_and_keep
     assert "6,4,4" not in table and "beside the adaptive K = 5 chain" in table
     assert "2.0x on code: **met** by the best tree, tree 4,3,3" in table and "(40% lower): **met**" in table
     assert "2.0x on code: **not met**" in "\n".join(tree_section(rec(1.98)))
+    fused = rec(1.98)
+    key = "tree_graphs_fused_scout.code.paired_speedup_vs_plain_graphs"
+    fused.metrics |= {key: 2.05, f"{key}_ci_low": 2.001, f"{key}_ci_high": 2.1}
+    fused_table = "\n".join(tree_section(fused))
+    assert "| code | 520 | tree 4,3,3, fused scout norms | 2.050x (2.001-2.100) | - | - | - |" in fused_table
+    assert "**met** by the best tree, tree 4,3,3, fused scout norms" in fused_table
     both = "\n".join(tree_section(rec(1.98, 2.01)))
     assert "| code | 520 | tree 6,4,4 | 2.200x (2.010-2.300) | 80% | 3.40 | 0.650x |" in both
     assert "**met** by the best tree, tree 6,4,4" in both and "(40% lower): **not met**" in both

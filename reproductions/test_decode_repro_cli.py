@@ -187,6 +187,7 @@ def test_the_tree_variant_is_graphed_plain_with_the_asked_tree_and_its_widths_ar
 
     seen = _what_runs(monkeypatch, (dr.TREE, dr.TREE_WIDE, "plain_graphs"))
     tree, wide, plain = seen[dr.TREE], seen[dr.TREE_WIDE], seen["plain_graphs"]
+    assert dr.TREE_FUSED in dr.GRAPHED and dr.BASELINE[dr.TREE_FUSED] == "plain_graphs"
     assert tree.config.tree_widths == dr.DEFAULT_TREE_WIDTHS and tree.clutch is None
     assert wide.config.tree_widths == dr.DEFAULT_WIDE_TREE_WIDTHS != dr.DEFAULT_TREE_WIDTHS and wide.clutch is None
     assert dataclasses.replace(tree.config, tree_widths=None) == plain.config
@@ -200,3 +201,28 @@ def test_the_tree_variant_is_graphed_plain_with_the_asked_tree_and_its_widths_ar
             with pytest.raises(SystemExit):
                 _parser().parse_args([flag, bad])
             assert flag in capsys.readouterr().err
+
+
+def test_the_fused_scout_variant_runs_the_tree_with_a_fused_copy_of_the_scout(monkeypatch):
+    """tree_graphs_fused_scout is tree_graphs' config with a copy of the scout whose RMSNorms are FusedRMSNorm; the
+    scout handed to the other variants is left as it was, and the copy is made once."""
+    import reproductions.decode_repro as dr
+    from sdsie.kernels.rmsnorm import FusedRMSNorm
+    from sdsie.models import tiny_llama
+
+    seen = []
+
+    def fake_generate(target, ids, config, scout=None, clutch=None):
+        seen.append((config, scout))
+        raise RuntimeError("seen")
+
+    monkeypatch.setattr(dr, "generate", fake_generate)
+    scout = tiny_llama(vocab_size=64, seed=1)
+    fns = dr.variants(None, scout, dr.DecodeConfig(max_new_tokens=4), graphs=True)
+    for name in (dr.TREE_FUSED, dr.TREE_FUSED, dr.TREE):
+        with pytest.raises(RuntimeError, match="seen"):
+            fns[name](torch.zeros(3, dtype=torch.long))
+    (fused_cfg, fused_1), (_, fused_2), (tree_cfg, plain_scout) = seen
+    assert fused_cfg == tree_cfg and fused_1 is fused_2 and plain_scout is scout
+    assert any(isinstance(m, FusedRMSNorm) for m in fused_1.modules())
+    assert not any(isinstance(m, FusedRMSNorm) for m in scout.modules())

@@ -62,3 +62,9 @@ def test_wide_tree_widths_adds_the_second_tree_to_the_same_decode_and_chain_0_dr
     calls, _ = run_script(tmp_path / "again", TREE_WIDTHS="4,3,3", WIDE_TREE_WIDTHS="6,4,4", CHAIN="0")
     decode = next(c for c in calls if "decode_repro" in c)
     assert "--variants plain plain_graphs tree_graphs tree_graphs_wide" in decode
+
+
+def test_fused_scout_adds_the_fused_tree(tmp_path):
+    calls, _ = run_script(tmp_path, TREE_WIDTHS="4,3,3", CHAIN="0", FUSED_SCOUT="1")
+    decode = next(c for c in calls if "decode_repro" in c)
+    assert "--variants plain plain_graphs tree_graphs tree_graphs_fused_scout --tree-widths 4,3,3" in decode

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from sdsie.clutch import ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward
+from sdsie.kernels.rmsnorm import fuse_rmsnorm
 from sdsie.models import perturbed_copy, tiny_llama
 from sdsie.quant.gated import gate_model
 
@@ -142,23 +143,26 @@ def test_cuda_graph_replay_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
 def test_cuda_graph_replay_of_tree_cycles_decodes_the_same_tokens_as_eager(dtype, monkeypatch):
     """On a GPU: a tree cycle replayed as one graph (TreeStep: the scout's catch-up folded in, the deeper scout levels,
     the verify, the kept path's compaction, its masks built on the device from the root's position) gives the eager
-    static path's tokens and cycles, fixed and gated, and so does the cycle with a separate catch-up; in fp32 both
-    equal plain decoding's tokens."""
+    static path's tokens and cycles, fixed and gated, and so do the cycle with a separate catch-up and the one with
+    the scout's norms fused (Triton kernels captured in the graph); in fp32 both equal plain decoding's tokens."""
     import sdsie.decoding.engine as engine
 
     monkeypatch.setattr(engine, "_scout_pad_sizes", lambda config: engine.SCOUT_PAD_SIZES)
     target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
     prompt = [1, 5, 9, 4, 7]
     plain = generate(target, prompt, DecodeConfig(max_new_tokens=48)).tokens
-    cases = [((3, 2), None, True), ((4, 2, 1), None, True), ((2, 2, 1, 1, 1), None, True), ((3, 2), MIXED, True),
-             ((4, 2, 1), None, False)]  # False: the scout's catch-up as its own forward, not folded into the step
-    for widths, clutch, fold in cases:
+    fused = copy.deepcopy(scout)  # the scout's norms as Triton kernels, inside the same graphs
+    fuse_rmsnorm(fused)
+    cases = [((3, 2), None, True, scout), ((4, 2, 1), None, True, scout), ((2, 2, 1, 1, 1), None, True, scout),
+             ((3, 2), MIXED, True, scout), ((4, 2, 1), None, False, scout),  # False: the catch-up on its own
+             ((4, 2, 1), None, True, fused)]
+    for widths, clutch, fold, drafter in cases:
         runs = []
         for graphs in (False, True):
             cfg = DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs, tree_widths=widths,
                                pad_scout_catchup=fold)
             gate = EntropyClutch(dataclasses.replace(clutch, k_draft=len(widths))) if clutch else None
-            runs.append(generate(target, prompt, cfg, scout=scout, clutch=gate))
+            runs.append(generate(target, prompt, cfg, scout=drafter, clutch=gate))
         eager, replayed = runs
         assert eager.tokens == replayed.tokens and eager.decisions == replayed.decisions, widths
         assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]

@@ -59,7 +59,9 @@ def test_the_script_runs_end_to_end_as_a_cpu_dry_run(tmp_path):
     out = tmp_path / "p.json"
     assert main(["--device", "cpu", "--tokens", "8", "--runs", "1", "--widths", "2,2", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    assert set(got) >= {"plain_graphs", "tree_graphs_2x2", "tree_graphs_2x2_separate", "tree_graphs_2x2_as_4f850b1f"}
-    for name in ("plain_graphs", "tree_graphs_2x2", "tree_graphs_2x2_separate", "tree_graphs_2x2_as_4f850b1f"):
+    names = ("plain_graphs", "tree_graphs_2x2", "tree_graphs_2x2_separate", "tree_graphs_2x2_as_4f850b1f",
+             "tree_graphs_2x2_fused_scout")
+    assert set(got) >= set(names)
+    for name in names:
         assert got[name]["tokens"] == 8 and got[name]["fixed_ms_per_run"] is not None
     assert got["tree_graphs_2x2"]["forward_calls"] < got["tree_graphs_2x2_separate"]["forward_calls"]

@@ -9,7 +9,8 @@ target's step; the prompt's prefill is counted in too), the tree step (one graph
 rest of the host's work per cycle (wall minus the three); a second, shorter budget gives a run's fixed cost outside
 its cycles. Each tree runs three ways (engine_as): as the engine runs it, with the scout's catch-up as its own
 forward (`_separate`), and as record 4f850b1f ran it (`_as_4f850b1f`: also per-layer cache tensors, so a compaction
-is two kernels a layer). Plain graphed decoding is split the same way per token. A torch.profiler pass over one run
+is two kernels a layer), and as the engine runs it with the scout's RMSNorms fused (`_fused_scout`, one Triton kernel
+a norm). Plain graphed decoding is split the same way per token. A torch.profiler pass over one run
 counts the kernels each loop launches and their summed GPU time. Weights do not change the kernels a cycle launches,
 only how many nodes it keeps, so the scout here keeps few (the catch-up then feeds 1-2 tokens, as after a rejected
 path).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import statistics
@@ -35,6 +37,7 @@ import sdsie.decoding.engine as engine
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import StaticKV
 from sdsie.decoding.tree import TreeStep, check_widths
+from sdsie.kernels.rmsnorm import fuse_rmsnorm
 from sdsie.standin import build_model, get_preset
 
 PARTS = ("forward", "tree_step", "to_host")  # engine.forward: a tree cycle's scout catch-up; plain's target step
@@ -188,19 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     target, scout, vocab = models(a.device, torch.bfloat16)
     ids = torch.randint(3, vocab, (48,), generator=torch.Generator().manual_seed(0)).to(a.device)
     base = dict(max_new_tokens=a.tokens, kv_cache="static", cuda_graphs=a.device == "cuda")
-    loops = {"plain_graphs": (DecodeConfig(**base), {})}
-    for w in trees:  # each tree as the engine runs it, with the catch-up separate, and as record 4f850b1f ran it
+    fused = copy.deepcopy(scout)  # the scout with one kernel a norm (decode_repro's tree_graphs_fused_scout)
+    fuse_rmsnorm(fused)
+    loops = {"plain_graphs": (DecodeConfig(**base), {}, scout)}
+    for w in trees:  # each tree as the engine runs it, with the catch-up separate, as record 4f850b1f ran it, and with
+        # the fused scout
         name, cfg = f"tree_graphs_{'x'.join(map(str, w))}", DecodeConfig(**base, tree_widths=w)
-        loops |= {name: (cfg, {}), f"{name}_separate": (cfg, {"separate": True}),
-                  f"{name}_as_4f850b1f": (cfg, {"separate": True, "per_layer": True})}
+        loops |= {name: (cfg, {}, scout), f"{name}_separate": (cfg, {"separate": True}, scout),
+                  f"{name}_as_4f850b1f": (cfg, {"separate": True, "per_layer": True}, scout),
+                  f"{name}_fused_scout": (cfg, {}, fused)}
     out: dict = {"trees": [list(w) for w in trees], "tokens": a.tokens, "runs": a.runs,
                  "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None, "torch": torch.__version__}
-    for name, (cfg, switches) in loops.items():
+    for name, (cfg, switches, drafter) in loops.items():
         with engine_as(**switches):
-            generate(target, ids, cfg, scout=scout if cfg.tree_widths else None)  # capture and warm
-            row = split(target, scout, ids, cfg, a.runs)
-            short = split(target, scout, ids, dataclasses.replace(cfg, max_new_tokens=max(2, a.tokens // 4)), a.runs)
-            out[name] = row | {"fixed_ms_per_run": fixed_ms(row, short)} | kernels(target, scout, ids, cfg)
+            generate(target, ids, cfg, scout=drafter if cfg.tree_widths else None)  # capture and warm
+            row = split(target, drafter, ids, cfg, a.runs)
+            short = split(target, drafter, ids, dataclasses.replace(cfg, max_new_tokens=max(2, a.tokens // 4)), a.runs)
+            out[name] = row | {"fixed_ms_per_run": fixed_ms(row, short)} | kernels(target, drafter, ids, cfg)
         print(name, json.dumps({k: v for k, v in out[name].items() if k != "top"}), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))

@@ -1,13 +1,18 @@
-"""Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls."""
+"""Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls; `fuse_rmsnorm` swaps a model's RMSNorms
+for one kernel each (`rms_norm`)."""
 
 from sdsie.kernels.int4_gemm import Int4KernelConfig, candidate_configs, int4_matmul, kernel_calls, select_config
 from sdsie.kernels.reference import int4_matmul_reference
+from sdsie.kernels.rmsnorm import FusedRMSNorm, fuse_rmsnorm, rms_norm
 
 __all__ = [
+    "FusedRMSNorm",
     "Int4KernelConfig",
     "candidate_configs",
+    "fuse_rmsnorm",
     "int4_matmul",
     "int4_matmul_reference",
     "kernel_calls",
+    "rms_norm",
     "select_config",
 ]

@@ -310,7 +310,7 @@ TREE_WIDE = "tree_graphs_wide"
 # The tree_graphs tree with the scout's RMSNorms as one kernel each (sdsie.kernels.rmsnorm, on a copy of the scout):
 # the scout serves speculation alone, so kernels it saves shorten the tree cycle and not plain decoding's step.
 # Prediction before a GPU run (the H200 profile, telemetry/raw/tree_cycle_profile_s19_h200.json, ~2 us a kernel): five
-# norms a scout forward, three forwards a cycle, about seven kernels saved each: ~0.2 ms less a cycle, ~5%.
+# norms a scout forward, three forwards a cycle, seven of each norm's eight kernels saved: ~0.2 ms less a cycle, ~5%.
 TREE_FUSED = "tree_graphs_fused_scout"
 TREES = (TREE, TREE_WIDE, TREE_FUSED)
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",

@@ -81,6 +81,7 @@ class StaticKV:
         self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
         self._pool: Any = None
         self.kv: torch.Tensor | None = None  # [L, 2, B, H, S, D] behind every layer's keys and values (_consolidate)
+        self._consolidated = False
 
     def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable = None) -> torch.Tensor:
         """ids: [S] -> logits [S, V] (or [1, V] with last_only), written at positions length..length+S-1."""
@@ -108,8 +109,9 @@ class StaticKV:
         once, after the first forward (HF initializes its layers lazily) and before any graph captures the layers'
         tensors; left as is when the layers' shapes differ."""
         layers = self.cache.layers
-        if self.kv is not None or not all(getattr(layer, "is_initialized", False) for layer in layers):
+        if self._consolidated or not all(getattr(layer, "is_initialized", False) for layer in layers):
             return
+        self._consolidated = True  # tried once: a model whose layers differ is not re-checked at every forward
         tensors = [t for layer in layers for t in (layer.keys, layer.values)]
         if any(t.shape != tensors[0].shape or t.dtype != tensors[0].dtype for t in tensors):
             return

@@ -142,30 +142,28 @@ class StaticKV:
         if not 0 <= length <= self.length:
             raise RuntimeError(f"cache holds {self.length} positions, cannot crop to {length}")
         if length < self.length:  # every cycle crops the target; a cycle that accepted everything launches nothing
-            self._set_device_length(length)
+            self.set_device_length(length)
             self.length = length
 
-    def _set_device_length(self, length: int) -> None:
+    def set_device_length(self, length: int | torch.Tensor) -> None:
+        """Move the device-side length (every layer's counter, where HF's next forward writes) to `length`: a host
+        int (a crop), or a 0-d device tensor, device work alone, so a CUDA graph can hold it (a tree cycle's padded
+        catch-up cuts the cache back to its real tokens this way). The host's `length` is the caller's to match."""
         # On CUDA, HF initializes a layer lazily in its first forward, which the engine runs under
         # inference_mode: the counter is then an inference tensor, which only inference mode may update
         # (the H200 refused the next run's crop(0) without this).
-        # One multi-tensor kernel pair for all layers, not a fill per layer: every speculative cycle crops the
+        # One multi-tensor kernel (pair) for all layers, not a fill per layer: every speculative cycle crops the
         # target, and after the cycle's host read each launch here is time the GPU sits idle.
         counters = [layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
-        if counters:
-            with torch.inference_mode():
-                torch._foreach_zero_(counters)
-                if length:
-                    torch._foreach_add_(counters, length)
-
-    def set_device_length(self, length: torch.Tensor) -> None:
-        """Move the device-side length (every layer's counter, where HF's next forward writes) to `length`, a 0-d
-        device tensor: device work alone, so a CUDA graph can hold it (a tree cycle's padded catch-up cuts the cache
-        back to its real tokens this way). The host's `length` is the caller's to match."""
-        counters = [layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
-        if counters:
-            with torch.inference_mode():  # the counters are inference tensors (see _set_device_length)
+        if not counters:
+            return
+        with torch.inference_mode():
+            if isinstance(length, torch.Tensor):
                 torch._foreach_copy_(counters, [length] * len(counters))
+                return
+            torch._foreach_zero_(counters)  # an int: no host-to-device copy
+            if length:
+                torch._foreach_add_(counters, length)
 
     def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
         """Capture the n-token forward (capture_graph: the garbage written at positions length..length+n-1 is
@@ -192,7 +190,7 @@ def capture_graph(fn: Callable[[], T], caches: Sequence[StaticKV], what: str) ->
     fallback to eager."""
     def reset() -> None:
         for cache in caches:
-            cache._set_device_length(cache.length)
+            cache.set_device_length(cache.length)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -35,7 +35,7 @@ import torch
 
 import sdsie.decoding.engine as engine
 from sdsie.decoding import DecodeConfig, generate
-from sdsie.decoding.model_io import StaticKV
+from sdsie.decoding.model_io import StaticKV, sync_device
 from sdsie.decoding.tree import TreeStep, check_widths
 from sdsie.kernels.rmsnorm import fuse_rmsnorm
 from sdsie.standin import build_model, get_preset
@@ -60,13 +60,13 @@ class _HostEvent:
 class Timer:
     """CUDA events (host clocks without CUDA) and host time around the wrapped calls, per part."""
 
-    def __init__(self) -> None:
-        self.cuda = torch.cuda.is_available()
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.events: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
         self.host_s: dict[str, float] = defaultdict(float)
 
     def wrap(self, name: str, fn):
-        event = torch.cuda.Event if self.cuda else _HostEvent
+        event = torch.cuda.Event if self.device.type == "cuda" else _HostEvent
 
         def inner(*args, **kwargs):
             start, end = event(enable_timing=True), event(enable_timing=True)
@@ -80,13 +80,8 @@ class Timer:
         return inner
 
     def gpu_ms(self, name: str) -> float:
-        _sync()
+        sync_device(self.device)
         return sum(s.elapsed_time(e) for s, e in self.events[name])
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def models(device: str, dtype: torch.dtype):
@@ -120,17 +115,17 @@ def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> 
     """Median over runs of each part's GPU and host ms per cycle, and the wall ms per cycle."""
     per_run = []
     for _ in range(runs):
-        timer = Timer()
+        timer = Timer(ids.device)
         originals = engine.forward, TreeStep.__call__, TreeStep.catch_up, engine.to_host
         engine.forward = timer.wrap("forward", engine.forward)
         TreeStep.__call__ = timer.wrap("tree_step", TreeStep.__call__)  # a cycle runs one of these two
         TreeStep.catch_up = timer.wrap("tree_step", TreeStep.catch_up)
         engine.to_host = timer.wrap("to_host", engine.to_host)
         try:
-            _sync()
+            sync_device(ids.device)
             t0 = time.perf_counter()
             r = generate(target, ids, config, scout=scout if config.tree_widths else None)
-            _sync()
+            sync_device(ids.device)
             wall = time.perf_counter() - t0
         finally:
             engine.forward, TreeStep.__call__, TreeStep.catch_up, engine.to_host = originals
@@ -158,15 +153,14 @@ def fixed_ms(long: dict, short: dict) -> float:
 
 def kernels(target, scout, ids: torch.Tensor, config: DecodeConfig) -> dict:
     """Kernel launches and their summed GPU time per cycle over one run (torch.profiler), and the ten largest; none
-    without CUDA."""
+    for a run off CUDA."""
     from torch.profiler import ProfilerActivity, profile
 
-    if not torch.cuda.is_available():
+    if ids.device.type != "cuda":
         return {"kernels_per_cycle": None}
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         r = generate(target, ids, config, scout=scout if config.tree_widths else None)
-        torch.cuda.synchronize()
+        sync_device(ids.device)
     n = len(r.cycles)
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list[float]] = defaultdict(list)

@@ -332,7 +332,7 @@ def tree_section(rec: RunRecord) -> list[str]:
     fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
     widths = {TREE: rec.config.get("tree_widths"), TREE_WIDE: rec.config.get("wide_tree_widths"),
               TREE_FUSED: rec.config.get("tree_widths")}
-    trees = {v: w for v, w in widths.items() if w}  # the record says which trees it decoded
+    trees = {v: w for v, w in widths.items() if w and v in rec.config.get("variants", ())}  # the trees it decoded
     chain = "fixed_k5_graphs_adaptive"
     names = {v: f"tree {','.join(map(str, w))}" + (", fused scout norms" if v == TREE_FUSED else "")
              for v, w in trees.items()} | {chain: "adaptive K5 chain"}

@@ -580,7 +580,9 @@ def test_the_readme_tree_table_judges_the_code_target_from_the_interval_and_keep
         for v, med, lo in cells:
             key = f"{v}.code.paired_speedup_vs_plain_graphs"
             mt |= {key: med, f"{key}_ci_low": lo, f"{key}_ci_high": 2.3}
-        config = {"trials": 5, "tree_widths": [4, 3, 3], "wide_tree_widths": [6, 4, 4] if wide_low else None}
+        config = {"trials": 5, "tree_widths": [4, 3, 3], "wide_tree_widths": [6, 4, 4] if wide_low else None,
+                  "variants": ["plain_graphs", "fixed_k5_graphs_adaptive", "tree_graphs", "tree_graphs_fused_scout",
+                               *(["tree_graphs_wide"] if wide_low else [])]}
         return SimpleNamespace(metrics=mt, config=config, conditions={"model": "pair"}, samples={},
                                source=SimpleNamespace(name="r.json"))
 

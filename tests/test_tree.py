@@ -221,9 +221,11 @@ def test_a_tree_needs_a_scout_and_a_list_of_widths_is_taken():
     assert DecodeConfig(tree_widths=[2, 1]).tree_widths == (2, 1)
 
 
-def test_a_static_tree_cycle_is_kept_across_runs_and_not_shared_with_another_scout():
-    """On a static cache the engine keeps each tree's TreeStep with the target's cache (its graphs are captured once per
-    tree, not per run); a run with another scout on the same cache gets its own step; neither keeps a model alive."""
+def test_a_static_tree_cycle_is_kept_across_runs_and_scouts_taking_turns_each_keep_their_own():
+    """On a static cache the engine keeps each tree's TreeStep with the target's cache and the scout's (its graphs are
+    captured once per tree and scout, not per run); a run with another scout on the same target cache gets its own
+    step, and the first scout's step survives it (interleaved variants with two scouts of one tree had replaced each
+    other's step, so every run captured its graph again); no step keeps a model alive."""
     import dataclasses
     import gc
     import weakref
@@ -232,15 +234,25 @@ def test_a_static_tree_cycle_is_kept_across_runs_and_not_shared_with_another_sco
 
     target = copy.deepcopy(TARGET)
     cfg = DecodeConfig(max_new_tokens=20, kv_cache="static", tree_widths=(3, 2))
+
+    def step_of(target: torch.nn.Module, scout: torch.nn.Module) -> object:
+        (cache,) = [c for (role, *_), c in engine._STATIC[target].items() if role == "target"]
+        (scout_cache,) = [c for (role, *_), c in engine._STATIC[scout].items() if role == "scout"]
+        return engine._TREE_STEPS[cache][scout_cache][(3, 2)]
+
     first = generate(target, PROMPT, cfg, scout=SCOUTS["perturbed"])
-    (cache,) = [c for (role, *_), c in engine._STATIC[target].items() if role == "target"]
-    step = engine._TREE_STEPS[cache][(3, 2)]
+    step = step_of(target, SCOUTS["perturbed"])
     again = generate(target, PROMPT, cfg, scout=SCOUTS["perturbed"])
-    assert engine._TREE_STEPS[cache][(3, 2)] is step and first.tokens == again.tokens == plain(20)
+    assert step_of(target, SCOUTS["perturbed"]) is step and first.tokens == again.tokens == plain(20)
     other = generate(target, PROMPT, cfg, scout=SCOUTS["random"])
-    assert engine._TREE_STEPS[cache][(3, 2)] is not step and other.tokens == plain(20)
+    other_step = step_of(target, SCOUTS["random"])
+    assert other_step is not step and other.tokens == plain(20)
+    back = generate(target, PROMPT, cfg, scout=SCOUTS["perturbed"])  # the turn back finds its step as it left it
+    assert step_of(target, SCOUTS["perturbed"]) is step and step_of(target, SCOUTS["random"]) is other_step
+    assert back.tokens == plain(20)
+    (cache,) = [c for (role, *_), c in engine._STATIC[target].items() if role == "target"]
     alive = weakref.ref(target), weakref.ref(cache)
-    del target, cache, step
+    del target, cache, step, other_step
     gc.collect()
     assert all(ref() is None for ref in alive)
     before = len(engine._TREE_STEPS)  # dynamic caches are new each run: their steps go with them

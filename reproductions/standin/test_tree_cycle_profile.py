@@ -65,3 +65,29 @@ def test_the_script_runs_end_to_end_as_a_cpu_dry_run(tmp_path):
     for name in names:
         assert got[name]["tokens"] == 8 and got[name]["fixed_ms_per_run"] is not None
     assert got["tree_graphs_2x2"]["forward_calls"] < got["tree_graphs_2x2_separate"]["forward_calls"]
+
+
+def test_compiled_scout_adds_a_loop_with_a_compiled_copy_and_only_selects_loops(tmp_path, monkeypatch):
+    """--compiled-scout times each tree with a copy of the scout compiled in place (Module.compile, recorded here
+    instead of compiling: inductor on two CPU cores takes a minute), and --only keeps the loops it names."""
+    import json
+
+    import reproductions.standin.tree_cycle_profile as profile
+
+    compiled: list[torch.nn.Module] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    out = tmp_path / "p.json"
+    names = ["plain_graphs", "tree_graphs_2x2_compiled_scout"]
+    assert profile.main(["--device", "cpu", "--tokens", "8", "--runs", "1", "--widths", "2,2", "--compiled-scout",
+                         "--only", *names, "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [k for k, v in got.items() if isinstance(v, dict)] == names and got[names[1]]["tokens"] == 8
+    assert len(compiled) == 1 and compiled[0].config.num_hidden_layers == 2  # a copy of the gpu preset's scout
+
+
+def test_only_names_a_loop_that_does_not_exist_and_is_refused(tmp_path):
+    from reproductions.standin.tree_cycle_profile import main
+
+    with pytest.raises(SystemExit, match="no loop named tree_graphs_2x2_compiled_scout"):
+        main(["--device", "cpu", "--widths", "2,2", "--only", "tree_graphs_2x2_compiled_scout",
+              "--out", str(tmp_path / "p.json")])

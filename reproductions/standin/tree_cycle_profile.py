@@ -10,8 +10,9 @@ rest of the host's work per cycle (wall minus the three); a second, shorter budg
 its cycles. Each tree runs three ways (engine_as): as the engine runs it, with the scout's catch-up as its own
 forward (`_separate`), and as record 4f850b1f ran it (`_as_4f850b1f`: also per-layer cache tensors, so a compaction
 is two kernels a layer), and as the engine runs it with the scout's RMSNorms fused (`_fused_scout`, one Triton kernel
-a norm). Plain graphed decoding is split the same way per token. A torch.profiler pass over one run
-counts the kernels each loop launches and their summed GPU time. Weights do not change the kernels a cycle launches,
+a norm); with --compiled-scout also with a copy of the scout compiled by torch.compile (`_compiled_scout`). Plain
+graphed decoding is split the same way per token. A torch.profiler pass over one run counts the kernels each loop
+launches and their summed GPU time. Weights do not change the kernels a cycle launches,
 only how many nodes it keeps, so the scout here keeps few (the catch-up then feeds 1-2 tokens, as after a rejected
 path).
 """
@@ -171,6 +172,25 @@ def kernels(target, scout, ids: torch.Tensor, config: DecodeConfig) -> dict:
             "top": [{"name": k[:120], "calls_per_cycle": len(v) / n, "us_per_cycle": sum(v) / n} for k, v in top]}
 
 
+def compiled_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of model whose forward runs through torch.compile (inductor fuses its norms, RoPE and SiLU into few
+    kernels). It compiles on its first calls, which a graphed tree step makes in its warm-up runs, before the capture
+    records inductor's kernels like any others."""
+    compiled = copy.deepcopy(model)
+    compiled.compile()  # in place: the engine's caches and tree steps key on the module object
+    return compiled
+
+
+def select(loops: dict[str, Any], only: list[str] | None) -> dict[str, Any]:
+    """The loops named in `only` (all without it), in their order; a name that is not a loop is an error."""
+    if only is None:
+        return loops
+    unknown = [name for name in only if name not in loops]
+    if unknown:
+        raise SystemExit(f"--only: no loop named {', '.join(unknown)}; the loops are {', '.join(loops)}")
+    return {name: loop for name, loop in loops.items() if name in only}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", nargs="+", default=["4,3,3"], help="one or more trees, e.g. 4,3,3 6,4,4")
@@ -178,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no graphs, no kernel counts)")
+    p.add_argument("--compiled-scout", action="store_true",
+                   help="also time each tree with a copy of the scout compiled by torch.compile (inductor; its kernels "
+                        "captured in the tree step's graph): `<tree>_compiled_scout`")
+    p.add_argument("--only", nargs="+", metavar="LOOP", help="time only these loops (names as in the JSON)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tree_cycle_profile needs a CUDA GPU (or --device cpu for a dry run)")
@@ -187,13 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(max_new_tokens=a.tokens, kv_cache="static", cuda_graphs=a.device == "cuda")
     fused = copy.deepcopy(scout)  # the scout with one kernel a norm (decode_repro's tree_graphs_fused_scout)
     fuse_rmsnorm(fused)
+    compiled = compiled_copy(scout) if a.compiled_scout else None
     loops = {"plain_graphs": (DecodeConfig(**base), {}, scout)}
     for w in trees:  # each tree as the engine runs it, with the catch-up separate, as record 4f850b1f ran it, and with
-        # the fused scout
+        # the fused scout (and the compiled one)
         name, cfg = f"tree_graphs_{'x'.join(map(str, w))}", DecodeConfig(**base, tree_widths=w)
         loops |= {name: (cfg, {}, scout), f"{name}_separate": (cfg, {"separate": True}, scout),
                   f"{name}_as_4f850b1f": (cfg, {"separate": True, "per_layer": True}, scout),
                   f"{name}_fused_scout": (cfg, {}, fused)}
+        if compiled is not None:
+            loops[f"{name}_compiled_scout"] = (cfg, {}, compiled)
+    loops = select(loops, a.only)
     out: dict = {"trees": [list(w) for w in trees], "tokens": a.tokens, "runs": a.runs,
                  "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None, "torch": torch.__version__}
     for name, (cfg, switches, drafter) in loops.items():

@@ -42,6 +42,7 @@ from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward,
 from sdsie.decoding.near_tie import decode_logits
 from sdsie.decoding.tree import check_widths
 from sdsie.kernels.rmsnorm import fuse_rmsnorm
+from sdsie.models import compiled_copy
 from sdsie.telemetry.energy import EnergyMeter, EnergyMeterError, calls_to_fill
 from sdsie.telemetry.env import host_launch_us, per_op_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
@@ -156,6 +157,10 @@ def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
         fuse_rmsnorm(fused)
         return fused
 
+    @functools.cache
+    def compiled_scout():  # TREE_COMPILED's scout: a compiled copy, made on first use
+        return compiled_copy(scout)
+
     def graphed(k: int | None = None, pad: bool = True, schedule: str = "constant") -> DecodeConfig:  # static
         # cache, replayed graphs; a clutch brings its own K
         return DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=k, kv_cache="static", cuda_graphs=True,
@@ -181,7 +186,8 @@ def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
                 "gated_tuned_graphs_adaptive": ours(graphed(schedule="adaptive"), scout, TUNED),
                 TREE: ours(tree_cfg, scout),
                 TREE_WIDE: ours(dataclasses.replace(graphed(), tree_widths=wide_tree_widths), scout),
-                TREE_FUSED: lambda ids: ours(tree_cfg, fused_scout())(ids)}
+                TREE_FUSED: lambda ids: ours(tree_cfg, fused_scout())(ids),
+                TREE_COMPILED: lambda ids: ours(tree_cfg, compiled_scout())(ids)}
     return fns
 
 
@@ -312,7 +318,13 @@ TREE_WIDE = "tree_graphs_wide"
 # Prediction before a GPU run (the H200 profile, telemetry/raw/tree_cycle_profile_s19_h200.json, ~2 us a kernel): five
 # norms a scout forward, three forwards a cycle, seven of each norm's eight kernels saved: ~0.2 ms less a cycle, ~5%.
 TREE_FUSED = "tree_graphs_fused_scout"
-TREES = (TREE, TREE_WIDE, TREE_FUSED)
+# The tree_graphs tree with a copy of the scout compiled by torch.compile (sdsie.models.compiled_copy: inductor's fused
+# kernels, captured in the tree step's graph), for the same reason. Prediction before a decode: session 20's profile
+# on random weights (telemetry/raw/tree_cycle_profile_s20_compiled_h200.json) put a 4,3,3 cycle at 3.05 ms against
+# 3.51 ms with the fused scout norms in the same run (0.87x); record b635e59f's fused-scout cycle on code, about
+# 3.47 ms at 1.80x graphed plain, would then take about 3.0 ms: about 2.1x, if the decode's cycles gain as much.
+TREE_COMPILED = "tree_graphs_compiled_scout"
+TREES = (TREE, TREE_WIDE, TREE_FUSED, TREE_COMPILED)
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
            *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, *TREES)
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
@@ -969,7 +981,8 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
     config = {"k": K, "max_new_tokens": max_new, "trials": trials,
               "idle_power_w": s.meter.idle.power_w if s.meter and s.meter.idle else None,
               "variants": sorted({r.variant for r in runs}),
-              "tree_widths": list(tree_widths) if any(r.variant in (TREE, TREE_FUSED) for r in runs) else None,
+              "tree_widths": (list(tree_widths) if any(r.variant in (TREE, TREE_FUSED, TREE_COMPILED) for r in runs)
+                              else None),
               "wide_tree_widths": list(wide_tree_widths) if any(r.variant == TREE_WIDE for r in runs) else None,
               "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
               "energy_window_s": energy_window_s if windows else None,

@@ -226,3 +226,28 @@ def test_the_fused_scout_variant_runs_the_tree_with_a_fused_copy_of_the_scout(mo
     assert fused_cfg == tree_cfg and fused_1 is fused_2 and plain_scout is scout
     assert any(isinstance(m, FusedRMSNorm) for m in fused_1.modules())
     assert not any(isinstance(m, FusedRMSNorm) for m in scout.modules())
+
+
+def test_the_compiled_scout_variant_runs_the_tree_with_a_compiled_copy_of_the_scout(monkeypatch):
+    """tree_graphs_compiled_scout is tree_graphs' config with a copy of the scout compiled in place (Module.compile,
+    recorded here instead of compiling); the scout handed to the other variants is not compiled, and the copy is made
+    once."""
+    import reproductions.decode_repro as dr
+    from sdsie.models import tiny_llama
+
+    seen, compiled = [], []
+
+    def fake_generate(target, ids, config, scout=None, clutch=None):
+        seen.append((config, scout))
+        raise RuntimeError("seen")
+
+    monkeypatch.setattr(dr, "generate", fake_generate)
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    scout = tiny_llama(vocab_size=64, seed=1)
+    fns = dr.variants(None, scout, dr.DecodeConfig(max_new_tokens=4), graphs=True)
+    for name in (dr.TREE_COMPILED, dr.TREE_COMPILED, dr.TREE):
+        with pytest.raises(RuntimeError, match="seen"):
+            fns[name](torch.zeros(3, dtype=torch.long))
+    (compiled_cfg, copy_1), (_, copy_2), (tree_cfg, plain_scout) = seen
+    assert compiled_cfg == tree_cfg and copy_1 is copy_2 is not scout and plain_scout is scout
+    assert compiled == [copy_1] and dr.TREE_COMPILED in dr.TREES

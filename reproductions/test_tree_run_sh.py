@@ -68,3 +68,10 @@ def test_fused_scout_adds_the_fused_tree(tmp_path):
     calls, _ = run_script(tmp_path, TREE_WIDTHS="4,3,3", CHAIN="0", FUSED_SCOUT="1")
     decode = next(c for c in calls if "decode_repro" in c)
     assert "--variants plain plain_graphs tree_graphs tree_graphs_fused_scout --tree-widths 4,3,3" in decode
+
+
+def test_compiled_scout_adds_the_compiled_tree(tmp_path):
+    calls, _ = run_script(tmp_path, TREE_WIDTHS="4,3,3", CHAIN="0", FUSED_SCOUT="1", COMPILED_SCOUT="1")
+    decode = next(c for c in calls if "decode_repro" in c)
+    assert ("--variants plain plain_graphs tree_graphs tree_graphs_fused_scout tree_graphs_compiled_scout "
+            "--tree-widths 4,3,3") in decode

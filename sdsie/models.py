@@ -171,3 +171,15 @@ def perturbed_copy(model: nn.Module, noise: float, seed: int = 0) -> nn.Module:
                 jitter = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 param.add_((noise * param.float().std() * jitter).to(param.dtype))
     return clone.eval()
+
+
+def compiled_copy(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """A copy of `model` whose calls run through torch.compile (inductor fuses its norms, RoPE and SiLU into few
+    kernels), for a scout: it serves speculation alone, so kernels it saves shorten a speculative cycle and not plain
+    decoding's step. Compiled in place (Module.compile), so the engine's caches and tree steps, keyed on the module,
+    take it like any model. It compiles on its first calls of each shape; under CUDA graphs those are the capture's
+    warm-up runs, and the capture then records inductor's kernels like any others. compile_kwargs go to
+    torch.compile (e.g. backend="eager": dynamo's tracing alone, as the CPU tests take it)."""
+    compiled = copy.deepcopy(model)
+    compiled.compile(**compile_kwargs)
+    return compiled

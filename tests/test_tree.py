@@ -379,3 +379,18 @@ def test_every_tree_cycle_runs_the_scout_once_per_depth_and_a_gear_follows_the_c
     assert scout_calls[0] == r.stats.scout_forwards == sum(c.k for c in r.cycles) == 2 * r.stats.speculate_cycles
     assert seen == [r.prefill_gear_int4] + [c.gear_int4 for c in r.cycles] and set(seen) == {True, False}
     assert all(c.gear_int4 == bool(c.engaged) for c in r.cycles)
+
+
+def test_a_tree_run_with_a_compiled_scout_is_lossless():
+    """A scout copy compiled in place (sdsie.models.compiled_copy; dynamo's tracing with the eager backend here, as
+    inductor takes about a minute on two cores) drafts through the engine's tree forwards, masks and static caches
+    (the graphed path's; a dynamic cache retraces as it grows, 28 s here), and the tokens are plain decoding's; the
+    scout it copied is left uncompiled."""
+    from sdsie.models import compiled_copy
+
+    scout = SCOUTS["perturbed"]
+    compiled = compiled_copy(scout, backend="eager")
+    cfg = DecodeConfig(max_new_tokens=20, kv_cache="static", tree_widths=(3, 2))
+    for _ in range(2):  # the second run reuses what the first traced (and, on a static cache, its tree step)
+        assert generate(TARGET, PROMPT, cfg, scout=compiled).tokens == plain(20)
+    assert compiled is not scout and compiled._compiled_call_impl is not None and scout._compiled_call_impl is None

@@ -39,6 +39,7 @@ from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import StaticKV, sync_device
 from sdsie.decoding.tree import TreeStep, check_widths
 from sdsie.kernels.rmsnorm import fuse_rmsnorm
+from sdsie.models import compiled_copy
 from sdsie.standin import build_model, get_preset
 
 PARTS = ("forward", "tree_step", "to_host")  # engine.forward: a tree cycle's scout catch-up; plain's target step
@@ -170,15 +171,6 @@ def kernels(target, scout, ids: torch.Tensor, config: DecodeConfig) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
     return {"kernels_per_cycle": len(evs) / n, "kernel_gpu_ms_per_cycle": sum(map(sum, by_name.values())) / n / 1e3,
             "top": [{"name": k[:120], "calls_per_cycle": len(v) / n, "us_per_cycle": sum(v) / n} for k, v in top]}
-
-
-def compiled_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of model whose forward runs through torch.compile (inductor fuses its norms, RoPE and SiLU into few
-    kernels). It compiles on its first calls, which a graphed tree step makes in its warm-up runs, before the capture
-    records inductor's kernels like any others."""
-    compiled = copy.deepcopy(model)
-    compiled.compile()  # in place: the engine's caches and tree steps key on the module object
-    return compiled
 
 
 def select(loops: dict[str, Any], only: list[str] | None) -> dict[str, Any]:

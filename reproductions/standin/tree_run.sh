@@ -15,6 +15,7 @@
 #   TREE_WIDTHS=4,3,3 ...   skip the probe and decode this tree (build + tests + decode: about 9 minutes)
 #   WIDE_TREE_WIDTHS=6,4,4 ...   and decode this tree beside it
 #   FUSED_SCOUT=1 ...   add the tree_graphs tree with the scout's RMSNorms fused (tree_graphs_fused_scout)
+#   COMPILED_SCOUT=1 ...   add the tree_graphs tree with a torch.compile'd copy of the scout (tree_graphs_compiled_scout)
 #   CHAIN=0 ...   leave the adaptive chain out (its standing figures are in record 9d3c7d76), which keeps a run of two
 #                 trees inside one call
 set -uo pipefail
@@ -51,6 +52,7 @@ echo "tree widths: ${widths:-default}${wide:+ and $wide}" | tee -a "$OUT/steps.t
 step decode "$PYTHON" -m reproductions.decode_repro --cuda-graphs --trials 5 --out "$OUT" \
     --variants plain plain_graphs $([[ ${CHAIN:-1} == 0 ]] || echo fixed_k5_graphs_adaptive) tree_graphs \
     ${wide:+tree_graphs_wide} $([[ ${FUSED_SCOUT:-0} == 1 ]] && echo tree_graphs_fused_scout) \
+    $([[ ${COMPILED_SCOUT:-0} == 1 ]] && echo tree_graphs_compiled_scout) \
     ${widths:+--tree-widths "$widths"} ${wide:+--wide-tree-widths "$wide"} \
     --skip grid fidelity gear near_ties entropy_sync "$@"
 # last: a call near its limit loses the tests, not the decode (a failing graph capture also fails the decode, at once)

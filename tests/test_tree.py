@@ -394,3 +394,23 @@ def test_a_tree_run_with_a_compiled_scout_is_lossless():
     for _ in range(2):  # the second run reuses what the first traced (and, on a static cache, its tree step)
         assert generate(TARGET, PROMPT, cfg, scout=compiled).tokens == plain(20)
     assert compiled is not scout and compiled._compiled_call_impl is not None and scout._compiled_call_impl is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_tree_cycles_with_an_inductor_compiled_scout_decode_as_its_eager_runs(dtype):
+    """On a GPU: a scout compiled by inductor (compiled_copy, decode_repro's tree_graphs_compiled_scout) inside tree
+    cycles captured as one CUDA graph gives the tokens and cycles of the same scout run without graphs; in fp32 those
+    are plain decoding's."""
+    from sdsie.models import compiled_copy
+
+    target = copy.deepcopy(TARGET).to("cuda", dtype)
+    scout = compiled_copy(copy.deepcopy(SCOUTS["perturbed"]).to("cuda", dtype))
+    plain = generate(target, PROMPT, DecodeConfig(max_new_tokens=48)).tokens
+    runs = [generate(target, PROMPT, DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs,
+                                                  tree_widths=(4, 2, 1)), scout=scout) for graphs in (False, True)]
+    eager, replayed = runs
+    assert eager.tokens == replayed.tokens and replayed.stats.tree_nodes > 0
+    assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]
+    if dtype == torch.float32:
+        assert replayed.tokens == plain

@@ -7,7 +7,7 @@ for its forwards; this splits a cycle into its parts. The engine's own calls are
 events and host clocks around each: engine.forward (in a tree cycle the scout's catch-up, in plain decoding the
 target's step; the prompt's prefill is counted in too), the tree step (one graph replay), the one host read, and the
 rest of the host's work per cycle (wall minus the three); a second, shorter budget gives a run's fixed cost outside
-its cycles. Each tree runs three ways (engine_as): as the engine runs it, with the scout's catch-up as its own
+its cycles. Each tree runs four ways (engine_as): as the engine runs it, with the scout's catch-up as its own
 forward (`_separate`), and as record 4f850b1f ran it (`_as_4f850b1f`: also per-layer cache tensors, so a compaction
 is two kernels a layer), and as the engine runs it with the scout's RMSNorms fused (`_fused_scout`, one Triton kernel
 a norm); with --compiled-scout also with a copy of the scout compiled by torch.compile (`_compiled_scout`). Plain

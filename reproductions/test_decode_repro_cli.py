@@ -203,11 +203,10 @@ def test_the_tree_variant_is_graphed_plain_with_the_asked_tree_and_its_widths_ar
             assert flag in capsys.readouterr().err
 
 
-def test_the_fused_scout_variant_runs_the_tree_with_a_fused_copy_of_the_scout(monkeypatch):
-    """tree_graphs_fused_scout is tree_graphs' config with a copy of the scout whose RMSNorms are FusedRMSNorm; the
-    scout handed to the other variants is left as it was, and the copy is made once."""
+def _scouts_seen(monkeypatch, variant: str) -> tuple[torch.nn.Module, list[tuple[object, torch.nn.Module]]]:
+    """Run `variant` twice, then tree_graphs, through decode_repro.variants with a generate that only records its
+    (config, scout) -> (the scout handed to variants, the three (config, scout) pairs)."""
     import reproductions.decode_repro as dr
-    from sdsie.kernels.rmsnorm import FusedRMSNorm
     from sdsie.models import tiny_llama
 
     seen = []
@@ -219,9 +218,19 @@ def test_the_fused_scout_variant_runs_the_tree_with_a_fused_copy_of_the_scout(mo
     monkeypatch.setattr(dr, "generate", fake_generate)
     scout = tiny_llama(vocab_size=64, seed=1)
     fns = dr.variants(None, scout, dr.DecodeConfig(max_new_tokens=4), graphs=True)
-    for name in (dr.TREE_FUSED, dr.TREE_FUSED, dr.TREE):
+    for name in (variant, variant, dr.TREE):
         with pytest.raises(RuntimeError, match="seen"):
             fns[name](torch.zeros(3, dtype=torch.long))
+    return scout, seen
+
+
+def test_the_fused_scout_variant_runs_the_tree_with_a_fused_copy_of_the_scout(monkeypatch):
+    """tree_graphs_fused_scout is tree_graphs' config with a copy of the scout whose RMSNorms are FusedRMSNorm; the
+    scout handed to the other variants is left as it was, and the copy is made once."""
+    import reproductions.decode_repro as dr
+    from sdsie.kernels.rmsnorm import FusedRMSNorm
+
+    scout, seen = _scouts_seen(monkeypatch, dr.TREE_FUSED)
     (fused_cfg, fused_1), (_, fused_2), (tree_cfg, plain_scout) = seen
     assert fused_cfg == tree_cfg and fused_1 is fused_2 and plain_scout is scout
     assert any(isinstance(m, FusedRMSNorm) for m in fused_1.modules())
@@ -233,21 +242,10 @@ def test_the_compiled_scout_variant_runs_the_tree_with_a_compiled_copy_of_the_sc
     recorded here instead of compiling); the scout handed to the other variants is not compiled, and the copy is made
     once."""
     import reproductions.decode_repro as dr
-    from sdsie.models import tiny_llama
 
-    seen, compiled = [], []
-
-    def fake_generate(target, ids, config, scout=None, clutch=None):
-        seen.append((config, scout))
-        raise RuntimeError("seen")
-
-    monkeypatch.setattr(dr, "generate", fake_generate)
+    compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
-    scout = tiny_llama(vocab_size=64, seed=1)
-    fns = dr.variants(None, scout, dr.DecodeConfig(max_new_tokens=4), graphs=True)
-    for name in (dr.TREE_COMPILED, dr.TREE_COMPILED, dr.TREE):
-        with pytest.raises(RuntimeError, match="seen"):
-            fns[name](torch.zeros(3, dtype=torch.long))
+    scout, seen = _scouts_seen(monkeypatch, dr.TREE_COMPILED)
     (compiled_cfg, copy_1), (_, copy_2), (tree_cfg, plain_scout) = seen
     assert compiled_cfg == tree_cfg and copy_1 is copy_2 is not scout and plain_scout is scout
     assert compiled == [copy_1] and dr.TREE_COMPILED in dr.TREES

@@ -27,6 +27,7 @@ import triton.language as tl
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from reproductions.kernels.int4_bench import WIDE_PROGRAMS
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
 from sdsie.kernels.int4_gemm import CODE_HI, CODE_LO, CODE_MAGIC, _code_pair_f32, _plans_of, tuned_key, tuned_lookup
 from sdsie.quant.format import Int4Weight, pack_int4
@@ -684,6 +685,8 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
 WIDE_K = (Int4KernelConfig(1, 64, 512, split_k=2, num_warps=4, num_stages=4),
           Int4KernelConfig(1, 32, 1024, split_k=1, num_warps=4, num_stages=3),
           Int4KernelConfig(1, 128, 512, split_k=2, num_warps=8, num_stages=4))
+# and session 21's wide programs: 8-16 warps along one program's K range, 64-128 codes a thread
+WIDE_K += tuple(Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=w, num_stages=1) for bn, bk, sk, w in WIDE_PROGRAMS)
 
 
 @pytest.mark.parametrize("config", WIDE_K, ids=str)

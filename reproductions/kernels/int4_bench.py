@@ -362,6 +362,11 @@ GEMV_SWEEP_M = (1, 2)  # the one-row GEMV kernel is timed at these M; the tl.dot
 MULTI_ROW_SWEEP_M = (2, 4, 8)  # GEMV programs of 2 or 4 rows
 
 
+# (block_n, block_k, split_k, num_warps) of session 21's wide programs (sweep_configs), all one-row, num_stages 1
+WIDE_PROGRAMS = ((8, 4096, 1, 16), (16, 4096, 1, 16), (4, 4096, 1, 8), (8, 2048, 1, 8), (8, 2048, 2, 8),
+                 (16, 2048, 1, 8), (8, 1024, 4, 4), (16, 1024, 4, 4))
+
+
 def sweep_configs() -> list[Int4KernelConfig]:
     """A wider grid than the shipped candidates, for tuning runs (--sweep). Kept to ~70 configurations:
     every one is compiled per specialization, and compilation dominates a sweep."""
@@ -392,6 +397,13 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=p)
              for bn, bk in ((64, 512), (32, 1024)) for sk in (1, 2, 4) for p in (3, 4)]
     cfgs += [Int4KernelConfig(1, 128, 512, split_k=sk, num_warps=8, num_stages=4) for sk in (1, 2)]
+    # Wide programs for the latency-bound small shapes (session 21). Every one-row configuration above gives a thread
+    # 256 codes: on 1024x4096 that is 512 warps for 528 schedulers, each running a chain of about 1,000 instructions,
+    # and then (split 16) a semaphore epilogue. Here 8-16 warps share one program's K range, a thread holds 64-128
+    # codes and the program reduces across its warps, with no K split or a short one: more warps and shorter chains,
+    # paid for in instructions, since a thread's x conversions now serve 1-2 rows (offline SASS 4.2-6.5 per code
+    # against 3.4-3.9). num_stages 1 names the family; its loop is the register-prefetch one (stages <= 2).
+    cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=w, num_stages=1) for bn, bk, sk, w in WIDE_PROGRAMS]
     cfgs += [Int4KernelConfig(16, bn, bk, split_k=sk, num_warps=4)
              for bn in (64, 128) for bk in (64, 128) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(16, 32, 128, split_k=4, num_warps=4)]

@@ -324,7 +324,11 @@ TREE_FUSED = "tree_graphs_fused_scout"
 # 3.51 ms with the fused scout norms in the same run (0.87x); record b635e59f's fused-scout cycle on code, about
 # 3.47 ms at 1.80x graphed plain, would then take about 3.0 ms: about 2.1x, if the decode's cycles gain as much.
 TREE_COMPILED = "tree_graphs_compiled_scout"
-TREES = (TREE, TREE_WIDE, TREE_FUSED, TREE_COMPILED)
+# Each tree variant and the record config key holding its widths (one place: decode_record writes them, readme_results
+# reads them back)
+TREE_WIDTHS_KEY = {TREE: "tree_widths", TREE_WIDE: "wide_tree_widths", TREE_FUSED: "tree_widths",
+                   TREE_COMPILED: "tree_widths"}
+TREES = tuple(TREE_WIDTHS_KEY)
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
            *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, *TREES)
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
@@ -950,6 +954,14 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30,
     return out
 
 
+def tree_widths_config(ran: Iterable[str], tree_widths: tuple[int, ...], wide_tree_widths: tuple[int, ...],
+                       ) -> dict[str, list[int] | None]:
+    """A record's tree_widths and wide_tree_widths: each the widths a variant that ran decoded with, else None."""
+    keys = {TREE_WIDTHS_KEY[v] for v in ran if v in TREE_WIDTHS_KEY}
+    return {key: list(widths) if key in keys else None
+            for key, widths in (("tree_widths", tree_widths), ("wide_tree_widths", wide_tree_widths))}
+
+
 def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check: bool = True,
                   entropy_sync: bool = True, graphs: bool = False, only: Iterable[str] | None = None,
                   energy_window_s: float = ENERGY_WINDOW_S,
@@ -981,9 +993,7 @@ def decode_record(s: Setup, trials: int = 5, max_new: int = 128, near_ties_check
     config = {"k": K, "max_new_tokens": max_new, "trials": trials,
               "idle_power_w": s.meter.idle.power_w if s.meter and s.meter.idle else None,
               "variants": sorted({r.variant for r in runs}),
-              "tree_widths": (list(tree_widths) if any(r.variant in (TREE, TREE_FUSED, TREE_COMPILED) for r in runs)
-                              else None),
-              "wide_tree_widths": list(wide_tree_widths) if any(r.variant == TREE_WIDE for r in runs) else None,
+              **tree_widths_config({r.variant for r in runs}, tree_widths, wide_tree_widths),
               "production": PRODUCTION.__dict__, "tuned": TUNED.__dict__,
               "energy_window_s": energy_window_s if windows else None,
               "energy_windows": [asdict(w) for w in windows],

@@ -249,3 +249,21 @@ def test_the_compiled_scout_variant_runs_the_tree_with_a_compiled_copy_of_the_sc
     (compiled_cfg, copy_1), (_, copy_2), (tree_cfg, plain_scout) = seen
     assert compiled_cfg == tree_cfg and copy_1 is copy_2 is not scout and plain_scout is scout
     assert compiled == [copy_1] and dr.TREE_COMPILED in dr.TREES
+
+
+def test_each_tree_variant_decodes_the_widths_its_record_key_names(monkeypatch):
+    """TREE_WIDTHS_KEY, which decode_record writes the widths by and readme_results reads them back by, names for every
+    tree variant the widths it hands the engine; a record keeps a tree's widths only when a variant decoded them."""
+    import reproductions.decode_repro as dr
+
+    monkeypatch.setattr(dr, "fuse_rmsnorm", lambda model: None)  # the scout copies' transforms, not under test here
+    monkeypatch.setattr(dr, "compiled_copy", lambda model: model)
+    seen = _what_runs(monkeypatch, dr.TREES)
+    widths = {"tree_widths": dr.DEFAULT_TREE_WIDTHS, "wide_tree_widths": dr.DEFAULT_WIDE_TREE_WIDTHS}
+    assert {v: seen[v].config.tree_widths for v in dr.TREES} == {v: widths[k] for v, k in dr.TREE_WIDTHS_KEY.items()}
+    assert dr.tree_widths_config({"plain", dr.TREE_COMPILED}, (4, 3, 3), (6, 4, 4)) == {
+        "tree_widths": [4, 3, 3], "wide_tree_widths": None}
+    assert dr.tree_widths_config({dr.TREE_WIDE}, (4, 3, 3), (6, 4, 4)) == {
+        "tree_widths": None, "wide_tree_widths": [6, 4, 4]}
+    assert dr.tree_widths_config({"plain", "plain_graphs"}, (4, 3, 3), (6, 4, 4)) == {
+        "tree_widths": None, "wide_tree_widths": None}

@@ -10,8 +10,10 @@ Kernel medians are recomputed from the records' raw do_bench samples.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from sdsie.telemetry.records import RunRecord, load_records
@@ -28,10 +30,16 @@ FAMILIES = ("code", "physics", "poem")
 KERNEL_TARGET = 3.0  # issue 4: M = 1 geometric-mean speedup over bf16 on the five Llama shapes
 
 
-def newest(records: list[RunRecord], suite: str, variants: tuple[str, ...] = ()) -> RunRecord | None:
+def newest(records: list[RunRecord], suite: str,
+           variants: tuple[str, ...] | Callable[[RunRecord], bool] = ()) -> RunRecord | None:
     """The newest record of a suite; with `variants`, the newest whose run decoded all of them (a `--variants`
-    subset run does not replace the full table, it adds its own)."""
-    rs = [r for r in records if r.suite == suite and set(variants) <= set(r.config.get("variants", variants))]
+    subset run does not replace the full table, it adds its own), or, given a predicate, the newest it accepts."""
+    def fits(r: RunRecord) -> bool:
+        if callable(variants):
+            return variants(r)
+        return set(variants) <= set(r.config.get("variants", variants))
+
+    rs = [r for r in records if r.suite == suite and fits(r)]
     return max(rs, key=lambda r: r.created) if rs else None
 
 
@@ -42,7 +50,16 @@ ADAPTIVE_PAIRS = (("fixed_k5_graphs", "fixed_k5_graphs_adaptive"),  # (constant 
                   ("gated_tuned_graphs", "gated_tuned_graphs_adaptive"))
 ADAPTIVE_RUN = ("plain_graphs", *(v for pair in ADAPTIVE_PAIRS for v in pair))
 LONG_ADAPTIVE_RUN = ("plain_graphs", "fixed_k5_graphs", "fixed_k5_graphs_adaptive", "fixed_k8_graphs_adaptive")
-TREE_RUN = ("plain_graphs", "tree_graphs")  # the adaptive chain beside it when the run decoded it
+
+
+def tree_run(rec: RunRecord) -> bool:
+    """A decode that ran graphed plain decoding and a tree in every speculate cycle (decode_repro.TREES)."""
+    from reproductions.decode_repro import TREES
+
+    ran = set(rec.config.get("variants", ()))
+    return "plain_graphs" in ran and bool(ran & set(TREES))
+
+
 GATED_BOUND = 0.99  # issue 8: gated speculation never more than 1% slower than plain on the high-entropy family
 
 
@@ -216,44 +233,85 @@ def _prompts_by_family() -> dict[str, list[str]]:
 
 
 def gated_graphs_section(rec: RunRecord) -> list[str]:
-    """Gated speculation against plain decoding, both under CUDA graphs, paired by prompt and trial, with the bound
-    the issue sets on the family of highest median entropy (where the clutch should stay out of the way)."""
+    """Chain-gated speculation (gated_production_graphs, gated_tuned_graphs) against plain decoding under CUDA graphs,
+    with issue 8's bound, the clutch's host cost, the padded catch-up's A/B and the graphed loops' identity."""
+    lines = _gated_lines(rec, {mode: f"gated_{mode}_graphs" for mode in ("production", "tuned")},
+                         "Gated speculation against plain decoding")
+    if lines[-1].startswith("Issue 8's bound is not judged"):
+        return lines
     mt = rec.metrics
-    by_family = _prompts_by_family()
-    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
-    lines = [f"Gated speculation against plain decoding, both under CUDA graphs ({rec.conditions['model']}, "
-             f"{rec.config['trials']} interleaved trials, record `{rec.source.name}`): tokens/s ratio paired by prompt "
-             "and trial (median, 95% bootstrap interval), and the share of cycles the clutch fell back:", "",
-             "| family | p50 entropy (bits) | plain graphs tok/s | production | tuned |", "|---|---|---|---|---|"]
-    paired: dict[tuple[str, str], tuple[float, float, float] | None] = {}
-    for f in fams:
-        cells = []
-        for mode in ("production", "tuned"):
-            got = paired[f, mode] = paired_cell(rec, f"gated_{mode}_graphs", f, by_family[f])
-            fb = mt.get(f"gated_{mode}_graphs.{f}.fallback_pct")
-            cells.append("-" if got is None else f"{got[0]:.3f}x ({got[1]:.3f}-{got[2]:.3f}), "
-                         + (f"{fb:.0f}% fallback" if fb is not None else "fallback -"))
-        lines.append(f"| {f} | {mt.get(f'{f}.entropy_bits_p50', float('nan')):.2f} | "
-                     f"{mt[f'plain_graphs.{f}.tokens_per_s']:.0f} | " + " | ".join(cells) + " |")
-    if not fams or any(f"{f}.entropy_bits_p50" not in mt for f in fams):
-        return [*lines, "", "Issue 8's bound is not judged here: the record lacks a family's median entropy, so which "
-                            "family is the high-entropy one is not known."]
-    high = max(fams, key=lambda f: mt[f"{f}.entropy_bits_p50"])
-    verdicts = [f"at the {mode} clutch {bound_verdict(paired[high, mode])}" for mode in ("production", "tuned")
-                if paired[high, mode] is not None]
-    if verdicts:
-        lines += ["", f"Issue 8's bound (gated never more than 1% slower than plain on the high-entropy family, here "
-                      f"{high}): " + "; ".join(verdicts) + "."]
     cu = rec.environment.get("clutch_update_us")
-    if cu is not None:
+    high = _high_entropy_family(rec)
+    if cu is not None and high is not None:
         token_us = 1e6 / mt[f"plain_graphs.{high}.tokens_per_s"]
         lines.append(f"Where the clutch never engages, the gated loop runs plain decoding's GPU work plus one clutch "
                      f"update per token on the host: {cu['median']:.2f} us on this run's host, "
                      f"{100 * cu['median'] / token_us:.2f}% of a graphed plain token on {high} ({token_us:.0f} us).")
-    lines += catch_up_lines(rec, fams, by_family)
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
+    lines += catch_up_lines(rec, fams, _prompts_by_family())
     graphed_identity = graphed_identity_line(rec)
     if graphed_identity:
         lines += ["", graphed_identity]
+    return lines
+
+
+def gated_tree_section(rec: RunRecord) -> list[str]:
+    """Tree-gated speculation (decode_repro's GATED_TREES: the clutch picks a tree cycle or a plain step) against plain
+    decoding under CUDA graphs, with issue 8's bound; beside the always-on tree when the run decoded it."""
+    from reproductions.decode_repro import GATED_TREES, TREE_COMPILED
+
+    loops = {mode: v for v in GATED_TREES for mode in ("production", "tuned") if v.startswith(f"gated_{mode}_")}
+    widths = ",".join(map(str, rec.config.get("tree_widths") or ()))
+    lines = _gated_lines(rec, loops, f"Gated tree speculation (the clutch picks, per cycle, a {widths} tree with the "
+                                     "compiled scout, its K the tree's depth, or a plain step)")
+    mt, by_family = rec.metrics, _prompts_by_family()
+    always = [f"{f} {_cell(c)}" for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt
+              for c in [paired_cell(rec, TREE_COMPILED, f, by_family[f])] if c is not None]
+    if always:
+        lines += ["", f"The same tree in every cycle (`{TREE_COMPILED}`), in the same run: " + "; ".join(always) + "."]
+    return lines
+
+
+def _high_entropy_family(rec: RunRecord) -> str | None:
+    """The family of highest median target entropy (plain runs' entropy_bits), None where a family lacks it."""
+    mt = rec.metrics
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
+    if not fams or any(f"{f}.entropy_bits_p50" not in mt for f in fams):
+        return None
+    return max(fams, key=lambda f: mt[f"{f}.entropy_bits_p50"])
+
+
+def _gated_lines(rec: RunRecord, loops: dict[str, str], title: str) -> list[str]:
+    """The table of gated loops ({clutch setting: variant}) against graphed plain decoding, paired by prompt and trial
+    (median, 95% bootstrap interval, fallback share), and the bound the issue sets on the family of highest median
+    entropy (where the clutch should stay out of the way)."""
+    mt = rec.metrics
+    by_family = _prompts_by_family()
+    fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
+    lines = [f"{title}, both under CUDA graphs ({rec.conditions['model']}, {rec.config['trials']} interleaved trials, "
+             f"record `{rec.source.name}`): tokens/s ratio paired by prompt and trial (median, 95% bootstrap "
+             "interval), and the share of cycles the clutch fell back:", "",
+             "| family | p50 entropy (bits) | plain graphs tok/s | " + " | ".join(loops) + " |",
+             "|---|---|---|" + "---|" * len(loops)]
+    paired: dict[tuple[str, str], tuple[float, float, float] | None] = {}
+    for f in fams:
+        cells = []
+        for mode, v in loops.items():
+            got = paired[f, mode] = paired_cell(rec, v, f, by_family[f])
+            fb = mt.get(f"{v}.{f}.fallback_pct")
+            cells.append("-" if got is None else f"{got[0]:.3f}x ({got[1]:.3f}-{got[2]:.3f}), "
+                         + (f"{fb:.0f}% fallback" if fb is not None else "fallback -"))
+        lines.append(f"| {f} | {mt.get(f'{f}.entropy_bits_p50', float('nan')):.2f} | "
+                     f"{mt[f'plain_graphs.{f}.tokens_per_s']:.0f} | " + " | ".join(cells) + " |")
+    high = _high_entropy_family(rec)
+    if high is None:
+        return [*lines, "", "Issue 8's bound is not judged here: the record lacks a family's median entropy, so which "
+                            "family is the high-entropy one is not known."]
+    verdicts = [f"at the {mode} clutch {bound_verdict(paired[high, mode])}" for mode in loops
+                if paired[high, mode] is not None]
+    if verdicts:
+        lines += ["", f"Issue 8's bound (gated never more than 1% slower than plain on the high-entropy family, here "
+                      f"{high}): " + "; ".join(verdicts) + "."]
     return lines
 
 
@@ -320,7 +378,7 @@ def long_adaptive_section(rec: RunRecord) -> list[str]:
     return lines
 
 
-def tree_section(rec: RunRecord) -> list[str]:
+def tree_section(rec: RunRecord, records: list[RunRecord] = ()) -> list[str]:
     """Static-tree speculation (decode_repro's tree variants, TREES) beside the adaptive chain, each over graphed plain
     decoding paired by prompt and trial, with acceptance, tokens per cycle, J/token over energy windows, and issue 8's
     2.0x target on code judged on the best tree's interval; then greedy identity with graphed plain decoding and every
@@ -369,10 +427,28 @@ def tree_section(rec: RunRecord) -> list[str]:
                       f"interval {code[1]:.3f}-{code[2]:.3f}); its J/token target (40% lower): "
                   + ("**met**" if (mt.get(f"{best}.code.j_per_token_window_ratio") or 1.0) <= 0.6 else "**not met**")
                   + "."]
+        lines += replication_lines(rec, records, best, names[best])
     graphed_identity = graphed_identity_line(rec)
     if graphed_identity:
         lines += ["", graphed_identity]
     return lines
+
+
+def replication_lines(rec: RunRecord, records: list[RunRecord], variant: str, name: str) -> list[str]:
+    """Every record that decoded `variant` with `rec`'s widths, oldest first, and its paired ratio on code: each run
+    on its own (none is pooled or picked), so a replication shows beside the run it repeats."""
+    from reproductions.decode_repro import TREE_WIDTHS_KEY
+
+    key = TREE_WIDTHS_KEY[variant]
+    same = sorted((r for r in records if r.suite == rec.suite and variant in r.config.get("variants", ())
+                   and r.config.get(key) == rec.config.get(key)), key=lambda r: r.created)
+    by_family = _prompts_by_family()
+    cells = [f"`{r.source.name}` ({r.config['trials']} trials) "
+             f"{_cell(paired_cell(r, variant, 'code', by_family['code']))}" for r in same]
+    if len(cells) < 2:
+        return []
+    return ["", f"Every run of the {name} on code, oldest first, each paired against graphed plain decoding in its own "
+                "run: " + "; ".join(cells) + "."]
 
 
 def energy_window_section(rec: RunRecord) -> list[str]:
@@ -562,6 +638,8 @@ def grid_section(rec: RunRecord) -> list[str]:
 
 
 def render(records_dir: Path = Path("telemetry")) -> str:
+    from reproductions.decode_repro import GATED_TREES
+
     records = load_records(records_dir)
     out = [BEGIN, "", "_Generated by `python -m reproductions.readme_results --write` from `telemetry/`._", ""]
     # (suite, section, variants its record must have decoded, optional: left out while no record has it)
@@ -572,7 +650,8 @@ def render(records_dir: Path = Path("telemetry")) -> str:
                 ("decode_standin", adaptive_section, ADAPTIVE_RUN, True),
                 ("decode_standin", long_adaptive_section, LONG_ADAPTIVE_RUN, True),
                 ("decode_standin", energy_window_section, ("plain_graphs", "gated_production_graphs"), True),
-                ("decode_standin", tree_section, TREE_RUN, True),
+                ("decode_standin", functools.partial(tree_section, records=records), tree_run, True),
+                ("decode_standin", gated_tree_section, ("plain_graphs", *GATED_TREES), True),
                 ("resolution_gear_fidelity", fidelity_section, (), False),
                 ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False))
     for suite, fn, variants, optional in sections:

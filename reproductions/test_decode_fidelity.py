@@ -609,3 +609,65 @@ def test_the_readme_tree_table_judges_the_code_target_from_the_interval_and_keep
     assert "Static-tree speculation" in text and "9d3c7d76" in text
     energy = next(line for line in text.splitlines() if line.startswith("Energy of the graphed loops"))
     assert "dc91eea8" in energy
+
+
+def _gated_tree_record(ratios_high: list[float], always: float):
+    """_gated_record with the chain-gated loops' samples under the gated trees' names, and the always-on compiled tree
+    at `always` times graphed plain on every prompt."""
+    from reproductions.decode_repro import GATED_TREES, TREE_COMPILED
+
+    rec = _gated_record(ratios_high, {"code": 1.9, "physics": 2.5, "poem": 2.0})
+    for v in GATED_TREES:
+        mode = "production" if "production" in v else "tuned"
+        rec.samples |= {k.replace(f"gated_{mode}_graphs|", f"{v}|"): x for k, x in list(rec.samples.items())
+                        if k.startswith(f"gated_{mode}_graphs|")}
+    rec.samples = {k: x for k, x in rec.samples.items() if not k.startswith(("gated_production_graphs|",
+                                                                             "gated_tuned_graphs|"))}
+    rec.samples |= {k.replace("plain_graphs|", f"{TREE_COMPILED}|"): [always * y for y in x]
+                    for k, x in list(rec.samples.items()) if k.startswith("plain_graphs|")}
+    rec.config |= {"tree_widths": [4, 3, 3], "variants": ["plain", "plain_graphs", TREE_COMPILED, *GATED_TREES]}
+    return rec
+
+
+def test_the_gated_tree_section_judges_issue_8s_bound_on_the_gated_trees():
+    """The gated trees get the chain-gated loops' table and verdict (their own variants, not the chain's), and the
+    always-on tree of the same run is set beside them."""
+    from reproductions.decode_repro import GATED_TREES
+    from reproductions.readme_results import gated_tree_section
+
+    text = "\n".join(gated_tree_section(_gated_tree_record([1.02, 1.03, 1.01, 1.04, 1.02], always=1.7)))
+    assert "| family | p50 entropy (bits) | plain graphs tok/s | production | tuned |" in text
+    assert "a 4,3,3 tree with the compiled scout" in text
+    assert "here physics): at the production clutch **met** (the interval's low end is 1.015)" in text
+    assert "; at the tuned clutch **met**" in text
+    assert "(`tree_graphs_compiled_scout`), in the same run: code 1.700x (1.700-1.700); physics 1.700x" in text
+    assert "gated_tuned_graphs" not in text and set(GATED_TREES) <= set(_gated_tree_record([1.0], 1.0).config[
+        "variants"])
+
+
+def test_a_tree_run_is_any_graphed_run_of_an_ungated_tree_and_each_replication_is_listed_on_its_own():
+    """The tree table comes from the newest record with graphed plain and any always-on tree (the compiled-scout tree
+    alone suffices); every record that decoded the best tree with the same widths is listed with its own interval,
+    oldest first, and none with other widths."""
+    from types import SimpleNamespace
+
+    from reproductions.decode_repro import TREE_COMPILED
+    from reproductions.readme_results import newest, replication_lines, tree_run
+
+    first = _gated_tree_record([1.0] * 5, always=2.0)
+    second = _gated_tree_record([1.0] * 10, always=1.9)
+    other = _gated_tree_record([1.0] * 3, always=3.0)
+    for rec, created, name, widths in ((first, "2026-12-02T05:00", "a.json", [4, 3, 3]),
+                                       (second, "2026-12-02T09:00", "b.json", [4, 3, 3]),
+                                       (other, "2026-12-02T08:00", "c.json", [5, 3])):
+        rec.suite, rec.created, rec.source, rec.config["tree_widths"] = "decode_standin", created, \
+            SimpleNamespace(name=name), widths
+    gated_only = SimpleNamespace(suite="decode_standin", created="2026-12-02T10:00",
+                                 config={"variants": ["plain", "plain_graphs", "gated_tuned_graphs"]})
+    records = [second, gated_only, first, other]
+    assert tree_run(first) and not tree_run(gated_only)
+    assert newest(records, "decode_standin", tree_run) is second
+    line = "\n".join(replication_lines(second, records, TREE_COMPILED, "tree 4,3,3, compiled scout"))
+    assert ("`a.json` (5 trials) 2.000x (2.000-2.000); `b.json` (10 trials) 1.900x (1.900-1.900).") in line
+    assert "c.json" not in line
+    assert replication_lines(other, records, TREE_COMPILED, "tree 5,3") == []  # one run: nothing to set beside

@@ -258,12 +258,47 @@ def test_each_tree_variant_decodes_the_widths_its_record_key_names(monkeypatch):
 
     monkeypatch.setattr(dr, "fuse_rmsnorm", lambda model: None)  # the scout copies' transforms, not under test here
     monkeypatch.setattr(dr, "compiled_copy", lambda model: model)
-    seen = _what_runs(monkeypatch, dr.TREES)
+    seen = _what_runs(monkeypatch, tuple(dr.TREE_WIDTHS_KEY))
     widths = {"tree_widths": dr.DEFAULT_TREE_WIDTHS, "wide_tree_widths": dr.DEFAULT_WIDE_TREE_WIDTHS}
-    assert {v: seen[v].config.tree_widths for v in dr.TREES} == {v: widths[k] for v, k in dr.TREE_WIDTHS_KEY.items()}
+    assert {v: seen[v].config.tree_widths for v in dr.TREE_WIDTHS_KEY} == {
+        v: widths[k] for v, k in dr.TREE_WIDTHS_KEY.items()}
+    assert set(dr.TREE_WIDTHS_KEY) == {*dr.TREES, *dr.GATED_TREES}
     assert dr.tree_widths_config({"plain", dr.TREE_COMPILED}, (4, 3, 3), (6, 4, 4)) == {
         "tree_widths": [4, 3, 3], "wide_tree_widths": None}
     assert dr.tree_widths_config({dr.TREE_WIDE}, (4, 3, 3), (6, 4, 4)) == {
         "tree_widths": None, "wide_tree_widths": [6, 4, 4]}
     assert dr.tree_widths_config({"plain", "plain_graphs"}, (4, 3, 3), (6, 4, 4)) == {
         "tree_widths": None, "wide_tree_widths": None}
+
+
+def test_the_gated_tree_variants_gate_the_compiled_scout_tree_with_the_seed_clutches_at_the_tree_depth(monkeypatch):
+    """Each gated tree variant is tree_graphs_compiled_scout's config and compiled scout with a clutch: the seed's
+    production or tuned thresholds and alpha, its K the tree's depth (the engine refuses any other); graphed plain is
+    its baseline, and its decisions are kept like the chain-gated loops'."""
+    import reproductions.decode_repro as dr
+    from sdsie.models import tiny_llama
+
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    seen = {}
+
+    def fake_generate(target, ids, config, scout=None, clutch=None):
+        seen[len(seen)] = (config, scout, clutch)
+        raise RuntimeError("seen")
+
+    monkeypatch.setattr(dr, "generate", fake_generate)
+    scout = tiny_llama(vocab_size=64, seed=1)
+    fns = dr.variants(None, scout, dr.DecodeConfig(max_new_tokens=4), graphs=True, tree_widths=(4, 2))
+    names = (dr.TREE_COMPILED, *dr.GATED_TREES)
+    for name in names:
+        with pytest.raises(RuntimeError, match="seen"):
+            fns[name](torch.zeros(3, dtype=torch.long))
+    (tree_cfg, tree_scout, no_clutch), *gated = (seen[i] for i in range(len(names)))
+    assert no_clutch is None and len(compiled) == 1 and tree_scout is compiled[0] is not scout
+    assert tree_cfg.tree_widths == (4, 2)
+    for (cfg, scout_, clutch), seed_clutch in zip(gated, dr.GATED_TREES.values(), strict=True):
+        assert cfg == tree_cfg and scout_ is tree_scout
+        assert clutch.config == dataclasses.replace(seed_clutch, k_draft=2)
+    assert set(dr.GATED_TREES.values()) == {dr.PRODUCTION, dr.TUNED}
+    for v in dr.GATED_TREES:
+        assert v.startswith("gated") and dr.BASELINE[v] == "plain_graphs" and v in dr.COMPARED

@@ -75,3 +75,18 @@ def test_compiled_scout_adds_the_compiled_tree(tmp_path):
     decode = next(c for c in calls if "decode_repro" in c)
     assert ("--variants plain plain_graphs tree_graphs tree_graphs_fused_scout tree_graphs_compiled_scout "
             "--tree-widths 4,3,3") in decode
+
+
+def test_gated_tree_eager_tree_and_trials_switches(tmp_path):
+    """GATED_TREE=1 adds the two gated compiled-scout trees, EAGER_TREE=0 drops tree_graphs, TRIALS sets the trial count
+    (default 5)."""
+    calls, _ = run_script(tmp_path, TREE_WIDTHS="4,3,3", CHAIN="0", EAGER_TREE="0", COMPILED_SCOUT="1",
+                          GATED_TREE="1", TRIALS="10")
+    decode = next(c for c in calls if "decode_repro" in c)
+    assert decode.split("--variants ")[1].split(" --")[0].split() == [
+        "plain", "plain_graphs", "tree_graphs_compiled_scout", "gated_production_tree_graphs_compiled_scout",
+        "gated_tuned_tree_graphs_compiled_scout"]
+    assert "--trials 10" in decode and "--tree-widths 4,3,3" in decode
+    (tmp_path / "again").mkdir()
+    calls, _ = run_script(tmp_path / "again", TREE_WIDTHS="4,3,3")
+    assert "--trials 5" in next(c for c in calls if "decode_repro" in c)

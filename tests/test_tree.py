@@ -4,6 +4,7 @@ kept path's cache compaction, and the engine's tree cycles (lossless, honest cou
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -394,23 +395,35 @@ def test_a_tree_run_with_a_compiled_scout_is_lossless():
     for _ in range(2):  # the second run reuses what the first traced (and, on a static cache, its tree step)
         assert generate(TARGET, PROMPT, cfg, scout=compiled).tokens == plain(20)
     assert compiled is not scout and compiled._compiled_call_impl is not None and scout._compiled_call_impl is None
+    # gated (decode_repro's gated tree variants): plain steps leave the compiled scout behind, so its catch-ups come
+    # in lengths the always-on tree never feeds it
+    clutch = EntropyClutch(ClutchConfig(theta_low=1.2, theta_high=2.0, alpha=0.5, k_draft=2))
+    r = generate(TARGET, PROMPT, dataclasses.replace(cfg, max_new_tokens=30), scout=compiled, clutch=clutch)
+    assert r.tokens == plain(30) and 0 < r.stats.speculate_cycles < len(r.cycles)
+    assert r.stats.scout_catchup_tokens > r.stats.speculate_cycles  # some catch-up spanned plain steps
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True], ids=["always", "gated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_tree_cycles_with_an_inductor_compiled_scout_decode_as_its_eager_runs(dtype):
-    """On a GPU: a scout compiled by inductor (compiled_copy, decode_repro's tree_graphs_compiled_scout) inside tree
-    cycles captured as one CUDA graph gives the tokens and cycles of the same scout run without graphs; in fp32 those
-    are plain decoding's."""
+def test_graphed_tree_cycles_with_an_inductor_compiled_scout_decode_as_its_eager_runs(dtype, gated):
+    """On a GPU: a scout compiled by inductor (compiled_copy, decode_repro's tree_graphs_compiled_scout and, gated by a
+    clutch, its gated tree variants) inside tree cycles captured as one CUDA graph gives the tokens and cycles of the
+    same scout run without graphs; in fp32 those are plain decoding's. Gated, the scout's catch-ups after plain steps
+    are padded and replayed graphs of the compiled scout."""
     from sdsie.models import compiled_copy
 
     target = copy.deepcopy(TARGET).to("cuda", dtype)
     scout = compiled_copy(copy.deepcopy(SCOUTS["perturbed"]).to("cuda", dtype))
     plain = generate(target, PROMPT, DecodeConfig(max_new_tokens=48)).tokens
+    clutch = ClutchConfig(theta_low=1.2, theta_high=2.0, alpha=0.5, k_draft=3) if gated else None
     runs = [generate(target, PROMPT, DecodeConfig(max_new_tokens=48, kv_cache="static", cuda_graphs=graphs,
-                                                  tree_widths=(4, 2, 1)), scout=scout) for graphs in (False, True)]
+                                                  tree_widths=(4, 2, 1)), scout=scout,
+                     clutch=EntropyClutch(clutch) if clutch else None) for graphs in (False, True)]
     eager, replayed = runs
     assert eager.tokens == replayed.tokens and replayed.stats.tree_nodes > 0
     assert [(c.k, c.accepted) for c in eager.cycles] == [(c.k, c.accepted) for c in replayed.cycles]
+    if gated:
+        assert 0 < replayed.stats.speculate_cycles < len(replayed.cycles)
     if dtype == torch.float32:
         assert replayed.tokens == plain

@@ -18,6 +18,10 @@
 #   COMPILED_SCOUT=1 ...   add the tree_graphs tree with a torch.compile'd copy of the scout (tree_graphs_compiled_scout)
 #   CHAIN=0 ...   leave the adaptive chain out (its standing figures are in record 9d3c7d76), which keeps a run of two
 #                 trees inside one call
+#   EAGER_TREE=0 ...   leave tree_graphs (the tree with the uncompiled scout) out, with COMPILED_SCOUT=1 or FUSED_SCOUT=1
+#   GATED_TREE=1 ...   add the compiled-scout tree gated by the seed's production and tuned clutches (decode_repro's
+#                      GATED_TREES; they need the compiled scout, so COMPILED_SCOUT=1 goes with it)
+#   TRIALS=10 ...   interleaved trials of the decode (default 5); fix it before the call, never after seeing results
 set -uo pipefail
 
 OUT=${OUT:-.run/out}
@@ -49,10 +53,13 @@ if [[ -z $widths && -f $OUT/tree_probe_gpu.json ]]; then
 fi
 wide=${WIDE_TREE_WIDTHS:-}
 echo "tree widths: ${widths:-default}${wide:+ and $wide}" | tee -a "$OUT/steps.txt"
-step decode "$PYTHON" -m reproductions.decode_repro --cuda-graphs --trials 5 --out "$OUT" \
-    --variants plain plain_graphs $([[ ${CHAIN:-1} == 0 ]] || echo fixed_k5_graphs_adaptive) tree_graphs \
+step decode "$PYTHON" -m reproductions.decode_repro --cuda-graphs --trials "${TRIALS:-5}" --out "$OUT" \
+    --variants plain plain_graphs $([[ ${CHAIN:-1} == 0 ]] || echo fixed_k5_graphs_adaptive) \
+    $([[ ${EAGER_TREE:-1} == 0 ]] || echo tree_graphs) \
     ${wide:+tree_graphs_wide} $([[ ${FUSED_SCOUT:-0} == 1 ]] && echo tree_graphs_fused_scout) \
     $([[ ${COMPILED_SCOUT:-0} == 1 ]] && echo tree_graphs_compiled_scout) \
+    $([[ ${GATED_TREE:-0} == 1 ]] && echo gated_production_tree_graphs_compiled_scout \
+        gated_tuned_tree_graphs_compiled_scout) \
     ${widths:+--tree-widths "$widths"} ${wide:+--wide-tree-widths "$wide"} \
     --skip grid fidelity gear near_ties entropy_sync "$@"
 # last: a call near its limit loses the tests, not the decode (a failing graph capture also fails the decode, at once)

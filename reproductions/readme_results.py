@@ -383,12 +383,12 @@ def tree_section(rec: RunRecord, records: list[RunRecord] = ()) -> list[str]:
     decoding paired by prompt and trial, with acceptance, tokens per cycle, J/token over energy windows, and issue 8's
     2.0x target on code judged on the best tree's interval; then greedy identity with graphed plain decoding and every
     divergence's logit gap."""
-    from reproductions.decode_repro import TREE_COMPILED, TREE_FUSED, TREE_WIDTHS_KEY
+    from reproductions.decode_repro import TREE_COMPILED, TREE_FUSED, TREE_WIDTHS_KEY, TREES
 
     mt = rec.metrics
     by_family = _prompts_by_family()
     fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt]
-    widths = {v: rec.config.get(key) for v, key in TREE_WIDTHS_KEY.items()}
+    widths = {v: rec.config.get(TREE_WIDTHS_KEY[v]) for v in TREES}  # the gated trees have a section of their own
     trees = {v: w for v, w in widths.items() if w and v in rec.config.get("variants", ())}  # the trees it decoded
     chain = "fixed_k5_graphs_adaptive"
     scouts = {TREE_FUSED: ", fused scout norms", TREE_COMPILED: ", compiled scout"}

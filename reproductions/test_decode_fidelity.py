@@ -671,3 +671,8 @@ def test_a_tree_run_is_any_graphed_run_of_an_ungated_tree_and_each_replication_i
     assert ("`a.json` (5 trials) 2.000x (2.000-2.000); `b.json` (10 trials) 1.900x (1.900-1.900).") in line
     assert "c.json" not in line
     assert replication_lines(other, records, TREE_COMPILED, "tree 5,3") == []  # one run: nothing to set beside
+    from reproductions.readme_results import tree_section
+
+    table = "\n".join(tree_section(second, records))  # the gated trees decoded the same widths: not rows here
+    assert table.count("| code |") == 1 and "| code | 500 | tree 4,3,3, compiled scout | 1.900x" in table
+    assert "`a.json` (5 trials) 2.000x" in table

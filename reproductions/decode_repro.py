@@ -1119,9 +1119,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per fidelity run")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="add plain_graphs, fixed-K (K = 5 and SHORTER_K), the two gated loops, the tuned one with an "
-                        "eager catch-up, fixed-K5 and tuned with the adaptive draft length and adaptive with K up to 8 "
-                        "(GRAPHED): this engine "
-                        "on a static cache with replayed CUDA graphs")
+                        "eager catch-up, fixed-K5 and tuned with the adaptive draft length and adaptive with K up to "
+                        "8, the static trees (TREES) and the compiled-scout tree gated by both clutches (GATED_TREES) "
+                        "(GRAPHED): this engine on a static cache with replayed CUDA graphs")
     p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                    help="decode only these variants (with their baselines: plain, and plain_graphs for graphed "
                         "loops), e.g. a quick K sweep: plain plain_graphs fixed_k2_graphs fixed_k3_graphs "

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from reproductions.decode_repro import PRODUCTION, TUNED, bootstrap_median_ci, load_setup
-from sdsie.clutch import ClutchConfig, EntropyClutch
+from reproductions.decode_repro import bootstrap_median_ci, load_setup
+from sdsie.clutch import SEED_CLUTCHES, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
 
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     s = load_setup(a.preset, "cuda")
     forward_ms = catchup_forward_ms(s.scout)
     print(json.dumps(forward_ms), flush=True)
-    clutches = {"production": PRODUCTION, "tuned": TUNED, "switching": ClutchConfig(a.low, a.high, 0.5)}
+    clutches = {**SEED_CLUTCHES, "switching": ClutchConfig(a.low, a.high, 0.5)}
     runs: dict[tuple[str, str, str], list[tuple]] = {}
     for trial in range(-1, a.trials):  # trial -1 warms up: captures every graph both arms use
         for pid, (_family, ids) in s.prompts.items():

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from sdsie.claims import load_registry, missing_inputs
-from sdsie.clutch import PRODUCTION, TUNED, ClutchConfig, EntropyClutch
+from sdsie.clutch import PRODUCTION, SEED_CLUTCHES, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
 from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache
 from sdsie.decoding.near_tie import decode_logits
@@ -192,7 +192,7 @@ def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
                 TREE_WIDE: ours(dataclasses.replace(graphed(), tree_widths=wide_tree_widths), scout),
                 TREE_FUSED: lambda ids: ours(tree_cfg, fused_scout())(ids),
                 TREE_COMPILED: lambda ids: ours(tree_cfg, compiled_scout())(ids),
-                **{name: gated_tree(clutch) for name, clutch in GATED_TREES.items()}}
+                **{name: gated_tree(SEED_CLUTCHES[mode]) for mode, name in GATED_TREES.items()}}
     return fns
 
 
@@ -338,14 +338,14 @@ TREES = (TREE, TREE_WIDE, TREE_FUSED, TREE_COMPILED)  # every speculate cycle dr
 # (record 31c48162) and should do better on the low-entropy stretches the clutch picks, so both gated trees at or
 # above 1.0x graphed plain on every family, the 1% bound met on physics with the interval's low end above 0.99; on
 # code between 1.0x and the always-on tree's 2.0x, lower the more the clutch falls back.
-GATED_TREES = {"gated_production_tree_graphs_compiled_scout": PRODUCTION,
-               "gated_tuned_tree_graphs_compiled_scout": TUNED}
+GATED_TREES = {mode: f"gated_{mode}_tree_graphs_compiled_scout" for mode in SEED_CLUTCHES}  # clutch setting -> variant
 # Each variant that decodes tree_widths or wide_tree_widths and the record config key holding its widths (one place:
 # decode_record writes them, readme_results reads them back)
 TREE_WIDTHS_KEY = {TREE: "tree_widths", TREE_WIDE: "wide_tree_widths", TREE_FUSED: "tree_widths",
-                   TREE_COMPILED: "tree_widths", **dict.fromkeys(GATED_TREES, "tree_widths")}
+                   TREE_COMPILED: "tree_widths", **dict.fromkeys(GATED_TREES.values(), "tree_widths")}
 GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
-           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, *TREES, *GATED_TREES)
+           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, *TREES,
+           *GATED_TREES.values())
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
 # static-cache kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from sdsie.clutch import SEED_CLUTCHES
 from sdsie.telemetry.records import RunRecord, load_records
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -235,14 +236,14 @@ def _prompts_by_family() -> dict[str, list[str]]:
 def gated_graphs_section(rec: RunRecord) -> list[str]:
     """Chain-gated speculation (gated_production_graphs, gated_tuned_graphs) against plain decoding under CUDA graphs,
     with issue 8's bound, the clutch's host cost, the padded catch-up's A/B and the graphed loops' identity."""
-    lines = _gated_lines(rec, {mode: f"gated_{mode}_graphs" for mode in ("production", "tuned")},
+    lines = _gated_lines(rec, {mode: f"gated_{mode}_graphs" for mode in SEED_CLUTCHES},
                          "Gated speculation against plain decoding")
-    if lines[-1].startswith("Issue 8's bound is not judged"):
+    high = _high_entropy_family(rec)
+    if high is None:  # _gated_lines said why the bound is not judged
         return lines
     mt = rec.metrics
     cu = rec.environment.get("clutch_update_us")
-    high = _high_entropy_family(rec)
-    if cu is not None and high is not None:
+    if cu is not None:
         token_us = 1e6 / mt[f"plain_graphs.{high}.tokens_per_s"]
         lines.append(f"Where the clutch never engages, the gated loop runs plain decoding's GPU work plus one clutch "
                      f"update per token on the host: {cu['median']:.2f} us on this run's host, "
@@ -260,10 +261,9 @@ def gated_tree_section(rec: RunRecord) -> list[str]:
     decoding under CUDA graphs, with issue 8's bound; beside the always-on tree when the run decoded it."""
     from reproductions.decode_repro import GATED_TREES, TREE_COMPILED
 
-    loops = {mode: v for v in GATED_TREES for mode in ("production", "tuned") if v.startswith(f"gated_{mode}_")}
     widths = ",".join(map(str, rec.config.get("tree_widths") or ()))
-    lines = _gated_lines(rec, loops, f"Gated tree speculation (the clutch picks, per cycle, a {widths} tree with the "
-                                     "compiled scout, its K the tree's depth, or a plain step)")
+    lines = _gated_lines(rec, GATED_TREES, f"Gated tree speculation (the clutch picks, per cycle, a {widths} tree with "
+                                           "the compiled scout, its K the tree's depth, or a plain step)")
     mt, by_family = rec.metrics, _prompts_by_family()
     always = [f"{f} {_cell(c)}" for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in mt
               for c in [paired_cell(rec, TREE_COMPILED, f, by_family[f])] if c is not None]
@@ -651,7 +651,7 @@ def render(records_dir: Path = Path("telemetry")) -> str:
                 ("decode_standin", long_adaptive_section, LONG_ADAPTIVE_RUN, True),
                 ("decode_standin", energy_window_section, ("plain_graphs", "gated_production_graphs"), True),
                 ("decode_standin", functools.partial(tree_section, records=records), tree_run, True),
-                ("decode_standin", gated_tree_section, ("plain_graphs", *GATED_TREES), True),
+                ("decode_standin", gated_tree_section, ("plain_graphs", *GATED_TREES.values()), True),
                 ("resolution_gear_fidelity", fidelity_section, (), False),
                 ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False))
     for suite, fn, variants, optional in sections:

@@ -262,7 +262,7 @@ def test_each_tree_variant_decodes_the_widths_its_record_key_names(monkeypatch):
     widths = {"tree_widths": dr.DEFAULT_TREE_WIDTHS, "wide_tree_widths": dr.DEFAULT_WIDE_TREE_WIDTHS}
     assert {v: seen[v].config.tree_widths for v in dr.TREE_WIDTHS_KEY} == {
         v: widths[k] for v, k in dr.TREE_WIDTHS_KEY.items()}
-    assert set(dr.TREE_WIDTHS_KEY) == {*dr.TREES, *dr.GATED_TREES}
+    assert set(dr.TREE_WIDTHS_KEY) == {*dr.TREES, *dr.GATED_TREES.values()}
     assert dr.tree_widths_config({"plain", dr.TREE_COMPILED}, (4, 3, 3), (6, 4, 4)) == {
         "tree_widths": [4, 3, 3], "wide_tree_widths": None}
     assert dr.tree_widths_config({dr.TREE_WIDE}, (4, 3, 3), (6, 4, 4)) == {
@@ -289,16 +289,16 @@ def test_the_gated_tree_variants_gate_the_compiled_scout_tree_with_the_seed_clut
     monkeypatch.setattr(dr, "generate", fake_generate)
     scout = tiny_llama(vocab_size=64, seed=1)
     fns = dr.variants(None, scout, dr.DecodeConfig(max_new_tokens=4), graphs=True, tree_widths=(4, 2))
-    names = (dr.TREE_COMPILED, *dr.GATED_TREES)
+    names = (dr.TREE_COMPILED, *dr.GATED_TREES.values())
     for name in names:
         with pytest.raises(RuntimeError, match="seen"):
             fns[name](torch.zeros(3, dtype=torch.long))
     (tree_cfg, tree_scout, no_clutch), *gated = (seen[i] for i in range(len(names)))
     assert no_clutch is None and len(compiled) == 1 and tree_scout is compiled[0] is not scout
     assert tree_cfg.tree_widths == (4, 2)
-    for (cfg, scout_, clutch), seed_clutch in zip(gated, dr.GATED_TREES.values(), strict=True):
+    for (cfg, scout_, clutch), mode in zip(gated, dr.GATED_TREES, strict=True):
         assert cfg == tree_cfg and scout_ is tree_scout
-        assert clutch.config == dataclasses.replace(seed_clutch, k_draft=2)
-    assert set(dr.GATED_TREES.values()) == {dr.PRODUCTION, dr.TUNED}
-    for v in dr.GATED_TREES:
+        assert clutch.config == dataclasses.replace({"production": dr.PRODUCTION, "tuned": dr.TUNED}[mode], k_draft=2)
+    assert list(dr.GATED_TREES) == ["production", "tuned"]
+    for v in dr.GATED_TREES.values():
         assert v.startswith("gated") and dr.BASELINE[v] == "plain_graphs" and v in dr.COMPARED

@@ -90,3 +90,12 @@ def test_gated_tree_eager_tree_and_trials_switches(tmp_path):
     (tmp_path / "again").mkdir()
     calls, _ = run_script(tmp_path / "again", TREE_WIDTHS="4,3,3")
     assert "--trials 5" in next(c for c in calls if "decode_repro" in c)
+
+
+def test_a_switch_other_than_0_or_1_is_refused_by_name_before_anything_runs(tmp_path):
+    for switch in ("CHAIN", "EAGER_TREE", "FUSED_SCOUT", "COMPILED_SCOUT", "GATED_TREE"):
+        out = tmp_path / switch
+        r = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "OUT": str(out), switch: "yes", "PYTHON": "false"})
+        assert r.returncode == 2 and f"{switch} must be 0 or 1, got 'yes'" in r.stderr
+        assert not out.exists()  # refused before the build or any step

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ClutchConfig", "EntropyClutch"]
+__all__ = ["PRODUCTION", "SEED_CLUTCHES", "TUNED", "ClutchConfig", "EntropyClutch"]
 
 
 def _check_threshold(name: str, value: float) -> None:
@@ -65,6 +65,7 @@ class ClutchConfig:
 # The seed's two published settings, by name.
 PRODUCTION = ClutchConfig(theta_low=0.55, theta_high=1.25, alpha=0.35)
 TUNED = ClutchConfig(theta_low=0.15, theta_high=0.70, alpha=0.65)
+SEED_CLUTCHES = {"production": PRODUCTION, "tuned": TUNED}  # by the names records and reports give them
 
 
 class EntropyClutch:

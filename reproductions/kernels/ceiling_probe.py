@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from reproductions.kernels.int4_bench import (
+    COPY_ALIGN,
     LARGE,
     LLAMA_SHAPES,
     Case,
@@ -52,7 +53,7 @@ ARMS = ("bf16", "int4", "copy", "read")
 
 def read_buffers(nbytes: int, device: str) -> list[torch.Tensor]:
     """int32 buffers of `nbytes` (rounded up to 4 KiB like the copies), enough to cover > 4x L2 when rotated."""
-    words = copy_half_bytes(2 * nbytes) // 4
+    words = -(-nbytes // COPY_ALIGN) * COPY_ALIGN // 4
     return [torch.randint(-(2**30), 2**30, (words,), dtype=torch.int32, device=device)
             for _ in range(l2_busting_copies(device, 4 * words))]
 

@@ -20,9 +20,17 @@
 #                 trees inside one call
 #   EAGER_TREE=0 ...   leave tree_graphs (the tree with the uncompiled scout) out, with COMPILED_SCOUT=1 or FUSED_SCOUT=1
 #   GATED_TREE=1 ...   add the compiled-scout tree gated by the seed's production and tuned clutches (decode_repro's
-#                      GATED_TREES; they need the compiled scout, so COMPILED_SCOUT=1 goes with it)
+#                      GATED_TREES; they compile their own copy of the scout, the one tree_graphs_compiled_scout uses
+#                      when COMPILED_SCOUT=1 is set too)
 #   TRIALS=10 ...   interleaved trials of the decode (default 5); fix it before the call, never after seeing results
 set -uo pipefail
+for switch in CHAIN EAGER_TREE FUSED_SCOUT COMPILED_SCOUT GATED_TREE; do  # a typo must not change the variants silently
+    value=${!switch:-}
+    if [[ -n $value && $value != 0 && $value != 1 ]]; then
+        echo "tree_run.sh: $switch must be 0 or 1, got '$value'" >&2
+        exit 2
+    fi
+done
 
 OUT=${OUT:-.run/out}
 mkdir -p "$OUT"

@@ -64,3 +64,12 @@ def test_the_ceiling_probe_sets_bf16_against_the_faster_of_moving_the_bytes_by_c
     assert math.isclose(s["graph.m1.min_ceiling_pct_of_copy_large"], 200.0)
     partial = summarize(cases[:2], copy_gbs=4000.0)  # two shapes: no geomean, no large-shape figure
     assert "eager.m1.geomean_ceiling_speedup" not in partial and "eager.m1.min_ceiling_pct_of_copy_large" not in partial
+
+
+@pytest.mark.parametrize("argv, named", [(["--m", "0"], "--m"), (["--m", "3"], "--m"), (["--rep-ms", "0"], "--rep-ms")])
+def test_the_ceiling_probe_refuses_an_m_or_window_outside_its_range_by_name(argv, named, tmp_path, capsys):
+    from reproductions.kernels.ceiling_probe import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "x.json"), *argv])
+    assert exc.value.code == 2 and named in capsys.readouterr().err and not (tmp_path / "x.json").exists()

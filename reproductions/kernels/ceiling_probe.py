@@ -32,6 +32,7 @@ from reproductions.kernels.int4_bench import (
     COPY_ALIGN,
     LARGE,
     LLAMA_SHAPES,
+    M_VALUES,
     Case,
     bench,
     bytes_moved_int4,
@@ -105,11 +106,18 @@ def summarize(cases: list[dict], copy_gbs: float) -> dict[str, float]:
     return s
 
 
+def _window_ms(text: str) -> int:
+    value = int(text)
+    if not 10 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be 10-1000 ms, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--m", type=int, nargs="+", default=[1, 16], choices=M_VALUES, help="the suite's M values")
+    p.add_argument("--rep-ms", type=_window_ms, default=100, help="do_bench's timing window per arm, 10-1000 ms")
     a = p.parse_args(argv)
     if cuda_missing("ceiling_probe"):
         return 2

@@ -1,0 +1,75 @@
+"""The results generator's two outputs: README's headline block and docs/results.md, and `--check` over both."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from reproductions.readme_results import HEAD_BEGIN, HEAD_END, headline, lossless_rows, main
+
+TELEMETRY = Path(__file__).resolve().parents[1] / "telemetry"
+RECORDS = ("20261202T052856521175Z-f9372e49_kernel_int4.json",
+           "20261202T074826947969Z-cddbea2b_decode_standin.json",
+           "20261130T122043185603Z-cd768096_speculative_lossless_cpu.json")
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A records folder with the kernel, the tree decode and the CPU lossless record, and a README with markers."""
+    records = tmp_path / "telemetry"
+    records.mkdir()
+    for name in RECORDS:
+        shutil.copy(TELEMETRY / name, records)
+    (tmp_path / "README.md").write_text(f"# x\n\n{HEAD_BEGIN}\n{HEAD_END}\n\ntail\n")
+    return tmp_path
+
+
+def _args(root: Path, *flags: str) -> list[str]:
+    return [*flags, "--readme", str(root / "README.md"), "--results", str(root / "docs" / "results.md"),
+            "--records", str(root / "telemetry")]
+
+
+def test_check_fails_until_written_and_again_when_either_output_is_edited(tree: Path, capsys):
+    assert main(_args(tree, "--check")) == 1  # empty headline block, no results page
+    assert main(_args(tree, "--write")) == 0
+    readme, page = (tree / "README.md").read_text(), (tree / "docs" / "results.md").read_text()
+    assert readme.startswith("# x\n\n") and readme.endswith("\n\ntail\n") and "`cddbea2b`" in readme
+    assert "<!-- results:begin -->" in page and "f9372e49" in page and "<!-- results:begin -->" not in readme
+    assert main(_args(tree, "--check")) == 0
+    (tree / "docs" / "results.md").write_text(page.replace("1.946x", "1.999x"))
+    assert main(_args(tree, "--check")) == 1
+    assert "results.md" in capsys.readouterr().err
+    (tree / "docs" / "results.md").write_text(page)
+    (tree / "README.md").write_text(readme.replace("2.04x eager", "2.40x eager"))
+    assert main(_args(tree, "--check")) == 1
+    assert "README.md" in capsys.readouterr().err
+
+
+def test_the_headline_reads_each_figure_from_its_record(tree: Path):
+    from sdsie.telemetry.records import load_records
+
+    text = headline(load_records(tree / "telemetry"))
+    assert "| 2.04x eager, 2.21x under CUDA graphs; target 3.0x not met | `f9372e49` |" in text
+    assert "static tree 4,3,3" in text and "code 1.946x (1.807-2.133)" in text
+    assert "code 0.527x, physics 0.577x, poem 0.624x | `cddbea2b` |" in text
+    assert "identical in all 27 runs | `cd768096` |" in text
+    assert "57.1% of runs; every divergence at a bf16 near-tie (top-2 logit gap at most 0.0625)" in text
+    assert "| 3 records |" in text  # the claims row counts what it judged
+    assert "chain" not in text  # no record here decoded the chains: their rows are left out, not invented
+
+
+def test_lossless_rows_say_when_a_run_diverged_in_length_or_not_at_all():
+    def tree_rec(mismatches: list[dict]) -> SimpleNamespace:
+        return SimpleNamespace(metrics={"tree_graphs.fidelity_pct": 90.0}, config={"mismatches": mismatches},
+                               source=SimpleNamespace(name="20260101T000000Z-abcdef12_decode_standin.json"))
+
+    none = "\n".join(lossless_rows([], tree_rec([]), "tree_graphs"))
+    assert "90.0% of runs; no divergence | `abcdef12` |" in none
+    length = "\n".join(lossless_rows([], tree_rec([{"variant": "tree_graphs", "plain_gap": None}]), "tree_graphs"))
+    assert "a divergence in length" in length
+    gaps = [{"variant": "tree_graphs", "plain_gap": g} for g in (0.0, 0.125)]
+    assert "gap at most 0.1250" in "\n".join(lossless_rows([], tree_rec(gaps), "tree_graphs"))
+    assert lossless_rows([], tree_rec(gaps), "tree_graphs_wide") == []  # a variant the run did not decode

@@ -195,10 +195,10 @@ def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 6
 
 
 def graph_us(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int, device: str,
-             reps: int = 20) -> float:
+             reps: int = 20, max_copies: int = 64) -> float:
     """Per-call time with launch overhead removed: one CUDA graph replays calls that cycle over enough
-    weight copies (> 4x L2) that none is served from L2; time per call = replay time / calls."""
-    calls = [make_call(i) for i in range(l2_busting_copies(device, bytes_per_call))]
+    weight copies (> 4x L2, at most `max_copies`) that none is served from L2; time per call = replay time / calls."""
+    calls = [make_call(i) for i in range(l2_busting_copies(device, bytes_per_call, hi=max_copies))]
     for c in calls:  # warm-up outside the capture: compilation, workspaces, semaphores
         c()
     torch.cuda.synchronize()
@@ -268,24 +268,26 @@ def copy_half_bytes(nbytes: int) -> int:
     return -(-max(1, nbytes // 2) // COPY_ALIGN) * COPY_ALIGN
 
 
-def copy_buffers(half: int, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Source buffers of `half` random bytes, enough to cover > 4x L2, and one destination: a copy moves 2 * half."""
+def copy_buffers(half: int, device: str, max_copies: int = 64) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Source buffers of `half` random bytes, enough to cover > 4x L2 (at most `max_copies`), and one destination: a
+    copy moves 2 * half."""
     srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255)
-            for _ in range(l2_busting_copies(device, half))]
+            for _ in range(l2_busting_copies(device, half, hi=max_copies))]
     return srcs, torch.empty(half, dtype=torch.uint8, device=device)
 
 
-def copy_time_us(srcs: list[torch.Tensor], dst: torch.Tensor, device: str) -> float:
+def copy_time_us(srcs: list[torch.Tensor], dst: torch.Tensor, device: str, reps: int = 20) -> float:
     """Graphed per-call time of dst.copy_(src), cycling over srcs (L2-cold)."""
-    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), dst.numel(), device)
+    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), dst.numel(), device, reps,
+                    max_copies=len(srcs))
 
 
-def copy_graph_us(nbytes: int, device: str) -> float:
+def copy_graph_us(nbytes: int, device: str, reps: int = 20, max_copies: int = 64) -> float:
     """Graphed per-call time of a device-to-device copy moving `nbytes` (read + write, as copy_bandwidth_gbs
     counts them; the size rounded up to COPY_ALIGN), L2-cold like the matmuls beside it: 100% of copy bandwidth for
     a call of that many bytes under the same timer, its per-kernel floor included, which a 1 GiB copy's rate leaves
     out for small shapes."""
-    return copy_time_us(*copy_buffers(copy_half_bytes(nbytes), device), device)
+    return copy_time_us(*copy_buffers(copy_half_bytes(nbytes), device, max_copies), device, reps)
 
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 200, reps: int = 5) -> float:

@@ -300,6 +300,9 @@ def precompile(pool: cf.Executor | None, cases: list[Case], configs: list[Int4Ke
                 out["errors"][f"m{m}|{n}x{k}|g{g}|{config_name(Int4KernelConfig(**cfg))}"] = err
     except cf.TimeoutError:
         out["cut_at_deadline"] = sum(f.cancel() for f in futures)
+    except Exception as err:  # a worker died (BrokenProcessPool): what is left compiles in the timing process
+        out["pool_failed"] = f"{type(err).__name__}: {str(err)[:300]}"
+        out["cut_at_deadline"] = sum(f.cancel() for f in futures)
     out["seconds"] = round(time.monotonic() - t0, 1)
     return out
 

@@ -289,8 +289,9 @@ def precompile(pool: cf.Executor | None, cases: list[Case], configs: list[Int4Ke
     # by its module's name (not __main__'s), so the spawned workers import this file as a module
     from reproductions.kernels.shape_bench import _compile_task as compile_task
 
-    futures = {pool.submit(compile_task, t): t for t in tasks.values()}
+    futures: dict = {}
     try:
+        futures = {pool.submit(compile_task, t): t for t in tasks.values()}
         for fut in cf.as_completed(futures, timeout=max(1.0, deadline - time.monotonic())):
             err = fut.result()
             m, n, k, g, cfg = futures[fut]

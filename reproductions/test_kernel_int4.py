@@ -73,3 +73,84 @@ def test_the_ceiling_probe_refuses_an_m_or_window_outside_its_range_by_name(argv
     with pytest.raises(SystemExit) as exc:
         main(["--out", str(tmp_path / "x.json"), *argv])
     assert exc.value.code == 2 and named in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_the_shape_table_lists_each_decoder_shape_once_with_every_model_that_has_it_and_untuned_shapes_first():
+    from reproductions.kernels.int4_bench import LLAMA_SHAPES
+    from reproductions.kernels.shape_bench import shape_table
+
+    shapes = shape_table()
+    by_nk = {(s.n, s.k): s for s in shapes}
+    assert len(by_nk) == len(shapes) == 30
+    assert set(by_nk[(4096, 4096)].aliases) == {"Llama-3.1-8B.q_o", "Llama-2-7B.q_k_v_o", "Mistral-7B.q_o"}
+    assert by_nk[(28672, 4096)].aliases == ("Llama-3.1-8B.gate_up_fused",)
+    assert by_nk[(28672, 3584)].aliases == ("Gemma-2-9B.gate_up_fused",)
+    for nk in [(3584, 18944), (152064, 3584), (4608, 3584), (37888, 3584), (256000, 3584), (8192, 3584),
+               (11008, 4096), (4096, 11008), (32000, 4096), (256, 1536), (1536, 8960)]:
+        assert nk in by_nk
+    tuned = [s.tuned for s in shapes]
+    assert tuned == sorted(tuned) and sum(tuned) == len(LLAMA_SHAPES)  # the tuned five run last
+
+
+def test_shape_bench_runs_m1_first_then_16_and_its_parts_split_the_shapes():
+    from reproductions.kernels.shape_bench import output_name, plan_cases, shape_table
+
+    shapes = shape_table()
+    cases = plan_cases(shapes, [4, 16, 1, 2], ["128", "pc"])
+    assert [c.m for c in cases[:: 2 * len(shapes)]] == [1, 16, 2, 4]
+    assert (cases[0].shape, cases[0].group, cases[1].group) == (shapes[0], "128", "pc")
+    parts = [{c.shape for c in plan_cases(shapes, [1], ["128"], (i, 3))} for i in (1, 2, 3)]
+    assert set.union(*parts) == set(shapes) and sum(map(len, parts)) == len(shapes)
+    assert output_name(True, [16, 1], (2, 3)) == "shape_bench.sweep.m1-16.part2of3.json"
+
+
+def test_shape_bench_summary_sets_each_arm_against_bf16_and_sdsie_against_the_sweeps_best():
+    import math
+
+    from reproductions.kernels.shape_bench import summarize
+
+    def rec(shape: str, bf16: float, sdsie: float, tinygemm: float, best: float) -> dict:
+        return {"shape": shape, "m": 1, "group": "128", "sweep": {"best_us": best, "sdsie_over_best": sdsie / best},
+                "graph_us": {"bf16": bf16, "sdsie": sdsie, "tinygemm": tinygemm, "copy": bf16 / 4}}
+
+    s = summarize([rec("a", 40.0, 10.0, 20.0, 10.0), rec("b", 90.0, 30.0, 20.0, 20.0),
+                   {**rec("c", 10.0, 5.0, 1.0, 5.0), "group": "pc"}])
+    g = s["m1.g128"]
+    assert g["shapes"] == 2 and g["sdsie_beats_tinygemm"] == "1/2"
+    assert math.isclose(g["sdsie_geomean_speedup"], math.sqrt(4.0 * 3.0)) and g["sdsie_min_speedup"] == 3.0
+    assert math.isclose(g["tinygemm_geomean_speedup"], math.sqrt(2.0 * 4.5)) and g["ceiling_geomean_speedup"] == 4.0
+    assert math.isclose(g["sdsie_over_best_geomean"], math.sqrt(1.5)) and g["sdsie_over_best_max"] == 1.5
+    assert s["m1.gpc"]["shapes"] == 1
+
+
+@pytest.mark.parametrize("argv, named", [(["--part", "3/2"], "--part"), (["--device", "cpu"], "--tiny"),
+                                         (["--m", "3"], "--m"), (["--shapes", "Nemotron"], "--shapes")])
+def test_shape_bench_refuses_bad_arguments_by_name(argv, named, tmp_path, capsys):
+    from reproductions.kernels.shape_bench import main
+
+    with pytest.raises((SystemExit, ValueError)) as exc:
+        main(["--out", str(tmp_path), *argv])
+    said = capsys.readouterr().err if exc.type is SystemExit else str(exc.value)
+    assert named in said and not list(tmp_path.iterdir())
+
+
+def test_shape_bench_dry_run_times_every_arm_and_both_sweep_configurations_and_checks_them(tmp_path):
+    """The CPU dry run (interpreter, one tiny shape, two configurations) goes through the GPU run's code: its JSON
+    has every arm, the sweep's errors and best, and the progress block says it finished."""
+    import json
+    import os
+
+    from reproductions.kernels.shape_bench import main
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the dry run needs the Triton interpreter (TRITON_INTERPRET=1, set on CPU-only machines)")
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--sweep", "--m", "1", "--groups", "128"]) == 0
+    data = json.loads((tmp_path / "shape_bench.sweep.m1.json").read_text())
+    assert data["progress"]["complete"] and data["progress"]["done_cases"] == 1
+    (case,) = data["cases"]
+    assert set(case["graph_us"]) == {"bf16", "sdsie", "copy"} and set(case["eager_us"]) == {"bf16", "sdsie"}
+    sweep = case["sweep"]
+    assert len(sweep["graph_us"]) == 2 and not sweep["failed"] and max(sweep["errors"].values()) < 2e-2
+    assert sweep["best_us"] == min(sweep["graph_us"].values())
+    assert sweep["sdsie_over_best"] == case["graph_us"]["sdsie"] / sweep["best_us"]
+    assert case["errors"]["sdsie"] < 2e-2 and data["summary"]["m1.g128"]["shapes"] == 1

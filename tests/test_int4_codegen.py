@@ -1,8 +1,8 @@
 """What the INT4 GEMV compiles to for sm_90, checked offline (Triton's bundled ptxas and nvdisasm; no GPU).
 
-A loop-instruction budget is the GEMV's speed at batch 1 (reproductions/kernels/NOTES.md): these tests pin
+A loop-instruction budget is the GEMV's speed at batch 1 (docs/kernel-log.md): these tests pin
 the code-generation decisions that the H200 measurements rest on, so a refactor that undoes one fails here
-rather than on the next GPU lease. The compile runs in a subprocess: the test session interprets kernels
+rather than on the next GPU run. The compile runs in a subprocess: the test session interprets kernels
 (TRITON_INTERPRET=1), which has nothing to compile."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_each_code_costs_one_lop3_and_the_pipelined_loop_stays_lean():
 
 
 def test_the_gemv_pays_its_scale_once_per_32_codes():
-    """Session 16's fold: one FMA chain over a thread's four words before the scale and zero-point terms, so the loop
+    """The run fold: one FMA chain over a thread's four words before the scale and zero-point terms, so the loop
     issues 34 FMAs per 32 codes (1.06 a code, 1.10 with the x offsets) where one chain per word issued 40 (1.30 in
     the SASS). Per channel there is no scale in the loop: one FFMA a code. The accumulators shrink with it: the
     LM-head configuration holds at most 170 registers a thread (168 before, with five times the accumulators)."""
@@ -63,8 +63,8 @@ def test_pipeline_stages_decide_how_weight_tiles_arrive():
 def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_instructions_per_code():
     """At M <= 16 the planes kernel's weight tile is the left operand of a Hopper wgmma, which takes it from registers.
     Its two nibble planes are elementwise functions of one loaded byte tile, so the register layout reaches back to
-    the shared-memory load and no dequantized tile is stored (session 7's words kernel, whose one loaded word fed
-    several dots, stored one per dot: the hoist check's two). The inline PTX dequantizes two bytes per call; the loop
+    the shared-memory load and no dequantized tile is stored (a words kernel, whose one loaded word fed several
+    dots, stored one per dot: the hoist check's two). The inline PTX dequantizes two bytes per call; the loop
     costs fewer instructions per code than the bytes tl.dot kernel's (offline at BN 256: 2.6 against 6.4)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.gemm_sass_probe import probe, hoist_check; "
@@ -85,7 +85,7 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     assert ops["weight_tiles_through_shared"] == 0 and ops["sass_per_code"] > planes["sass_per_code"] + 1.0
     assert 64 <= planes["registers"] <= 255  # cuobjdump's count: BN 256 with 4 warps uses the whole register file
     # X_WORDS acts: x's pairs as words join the weights in cp.async (no global load left in the loop); the two
-    # strided gathers load synchronously in every tile and store x to shared memory there (session 13)
+    # strided gathers load synchronously in every tile and store x to shared memory there (docs/kernel-log.md)
     gathers = r["package planes, x gathers"]
     assert planes["ldg"] == 0 < gathers["ldg"]
     assert planes["ldgsts"] > gathers["ldgsts"] and planes["sts"] < gathers["sts"]
@@ -96,8 +96,8 @@ def test_scales_as_words_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
     """SZ_WORDS acts in the compiled loop (sm_90, BN 64, 4 warps): read as int32 words (the scales a word per row,
     the zero-points two rows a word), they are staged through cp.async with the weights and no global load is left
     in the loop; as 2-byte values a thread's share is under the 4 bytes cp.async takes, so they are loaded
-    synchronously in every tile (session 14's ncu: the down_proj BN 64 tile's hottest wait). The words add no
-    barrier (pairs for the scales too added two, session 14). The left operand stays in registers either way."""
+    synchronously in every tile (under ncu the down_proj BN 64 tile's hottest wait). The words add no
+    barrier (pairs for the scales too add two: docs/kernel-log.md). The left operand stays in registers either way."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.gemm_sass_probe import probe; "
             "print(json.dumps(probe(16, 64, 128, 4, ('package planes', 'package planes, 2-byte scales'))))")
@@ -116,7 +116,7 @@ def test_scales_as_words_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
 
 def test_the_packed_probe_compiles_its_toy_loops_to_bf16x2_arithmetic():
     """reproductions/kernels/packed_sass_probe.py: Triton ops on a joined pair of bf16 codes become packed bf16x2
-    instructions (the premise of its SASS counts, NOTES.md session 11)."""
+    instructions (the premise of its SASS counts, docs/kernel-log.md)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.packed_sass_probe import count; "
             "print(json.dumps(count('join', block_n=64, block_cols=32)))")

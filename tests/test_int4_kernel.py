@@ -681,11 +681,11 @@ def test_the_compiled_fast_path_passes_every_argument_in_order(kernel_device, mo
     assert kernel.fast_launches == 2
 
 
-# K tiles of several groups, split across warps (session 11's sweep candidates: reproductions/kernels/int4_bench.py)
+# K tiles of several groups, split across warps (sweep candidates of reproductions/kernels/int4_bench.py)
 WIDE_K = (Int4KernelConfig(1, 64, 512, split_k=2, num_warps=4, num_stages=4),
           Int4KernelConfig(1, 32, 1024, split_k=1, num_warps=4, num_stages=3),
           Int4KernelConfig(1, 128, 512, split_k=2, num_warps=8, num_stages=4))
-# and session 21's wide programs: 8-16 warps along one program's K range, 64-128 codes a thread. The interpreter takes
+# and the wide programs: 8-16 warps along one program's K range, 64-128 codes a thread. The interpreter takes
 # 1-2 s a case, so CPU runs take three of the eight (one K tile, a split tile, several tiles a split); a GPU all.
 _WIDE_CPU = ((4, 4096, 1, 8), (8, 2048, 2, 8), (16, 1024, 4, 4))
 assert set(_WIDE_CPU) <= set(WIDE_PROGRAMS), "the CPU sample must come from the sweep's family"

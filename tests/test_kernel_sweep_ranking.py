@@ -36,8 +36,8 @@ def test_eager_medians_rank_when_no_graphed_time_and_wrong_results_never_win():
 
 
 def test_a_sweep_result_summarizes_and_keeps_its_per_config_graph_times_apart():
-    """A sweep's per-configuration graphed times must not be read as a record's bf16/INT4 graphed pair: the H200
-    sweep of session 4 crashed in `summarize` (KeyError 'bf16') after writing its table."""
+    """A sweep's per-configuration graphed times must not be read as a record's bf16/INT4 graphed pair: reading them
+    so crashes `summarize` (KeyError 'bf16') after the sweep has written its table."""
     r = _result({"A": 20.9, "B": 21.5, "C": 23.0, "bf16": 10.8, "int4": 19.0},
                 {"A": 3e-3, "B": 3e-3, "C": 3e-3, "bf16": 0.0, "int4": 3e-3},
                 graph_us={"A": 12.4, "B": 5.0, "C": 6.1})
@@ -168,8 +168,8 @@ def test_host_overhead_stubs_reach_the_compiled_fast_path(tmp_path, monkeypatch)
 
 
 def test_a_sweep_keeps_a_configuration_slower_than_its_timing_window():
-    """A call longer than the sweep's window gives do_bench one sample; the spread takes it (the H200 sweep of
-    session 7 crashed there), and no samples at all is an error."""
+    """A call longer than the sweep's window gives do_bench one sample; the spread takes it (a sweep must not
+    crash there), and no samples at all is an error."""
     from reproductions.kernels.int4_bench import spread
 
     assert spread([7484.4]) == {"min": 7484.4, "p10": 7484.4, "p90": 7484.4, "n": 1}
@@ -188,7 +188,7 @@ def test_a_focused_sweep_times_the_named_configurations_beside_the_incumbent():
     assert len(swap) == sum(c.swap_ab for c in everything)
     gather = focus_configs(everything, ["gather"])
     assert gather and all(not c.x_tile for c in gather)
-    both = set(gather) & set(swap)  # planes with x's two strided gathers instead of its words (session 13)
+    both = set(gather) & set(swap)  # planes with x's two strided gathers instead of its words
     assert both and both == set(focus_configs(everything, ["gather,swap"])) and both < set(gather)
     assert focus_configs(everything, None) == everything
     with pytest.raises(ValueError, match="matches no sweep configuration"):
@@ -261,13 +261,14 @@ def test_the_graphed_copy_percentage_takes_the_worst_large_shape_and_ignores_sma
     s = summarize(results, [], copy_gbs=4200.0)
     assert s["m1_g128_min_pct_copy_large_graph"] == pytest.approx(60.0)
     assert s["graph_us.gate_up_14336x4096.m1.g128.copy"] == 9.0
-    results[0]["graph_us"].pop("copy")  # a record without copies (before session 9) has no such metric
+    results[0]["graph_us"].pop("copy")  # a record without copies (an older record) has no such metric
     results[1]["graph_us"].pop("copy")
     assert "m1_g128_min_pct_copy_large_graph" not in summarize(results, [], copy_gbs=4200.0)
 
 
 def test_graphed_copies_are_sized_in_whole_4k_blocks():
-    """Session 9: graphed copies of sizes not a multiple of 4 KiB took a slower path; the floor copies round up."""
+    """Graphed copies of sizes not a multiple of 4 KiB take a slower path (docs/kernel-log.md); the floor copies round
+    up."""
     from reproductions.kernels.int4_bench import COPY_ALIGN, copy_half_bytes
 
     assert COPY_ALIGN == 4096

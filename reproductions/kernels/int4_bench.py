@@ -147,8 +147,8 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
             record("tinygemm", lambda: torch.ops.aten._weight_int4pack_mm(x, packed, w.group_size, sz))
     except RuntimeError as err:  # a torch without tinygemm for this GPU/shape: say so in the record
         out["tinygemm_error"] = str(err)[:300]
-    # the weight's group picks the tuned entry, as in int4_matmul (without it a lookup reads the per-channel key: the
-    # records of sessions 4-8 name the heuristic's config here for every grouped M > 1 case, not the one that ran)
+    # the weight's group picks the tuned entry, as in int4_matmul (without it a lookup reads the per-channel key and
+    # a record would name the heuristic's config for every grouped M > 1 case, not the one that ran)
     out["auto_config"] = asdict(select_config(case.m, case.n, case.k, x.device, case.group))
     record("int4", lambda: int4_matmul(x, w))
     out["configs"] = {}
@@ -180,8 +180,8 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)]. (Session 12's
-    raw sweeps also name ',planes', a flag that the planes kernel's swap_ab replaced when the words kernel went.)"""
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)]. (Older
+    raw sweeps also name ',planes', a flag that swap_ab replaced: docs/kernel-log.md.)"""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
             f"{',swap' if cfg.swap_ab else ''}]")
@@ -195,10 +195,10 @@ def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 6
 
 
 def graph_us(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int, device: str,
-             reps: int = 20) -> float:
+             reps: int = 20, max_copies: int = 64) -> float:
     """Per-call time with launch overhead removed: one CUDA graph replays calls that cycle over enough
-    weight copies (> 4x L2) that none is served from L2; time per call = replay time / calls."""
-    calls = [make_call(i) for i in range(l2_busting_copies(device, bytes_per_call))]
+    weight copies (> 4x L2, at most `max_copies`) that none is served from L2; time per call = replay time / calls."""
+    calls = [make_call(i) for i in range(l2_busting_copies(device, bytes_per_call, hi=max_copies))]
     for c in calls:  # warm-up outside the capture: compilation, workspaces, semaphores
         c()
     torch.cuda.synchronize()
@@ -247,7 +247,7 @@ def graph_case(case: Case, gen: torch.Generator, device: str) -> dict:
     return out
 
 
-COPY_ALIGN = 4096  # bytes: a graphed device-to-device copy of another size took the slow path (NOTES.md, session 9)
+COPY_ALIGN = 4096  # bytes: a graphed device-to-device copy of another size takes a slower path (docs/kernel-log.md)
 
 
 def cuda_missing(tool: str) -> bool:
@@ -260,38 +260,40 @@ def cuda_missing(tool: str) -> bool:
 
 def copy_half_bytes(nbytes: int) -> int:
     """The size of each buffer of a copy moving `nbytes` (read + write), rounded up to a multiple of COPY_ALIGN.
-    In session 9's suites the graphed copies whose size was a multiple of 4 KiB ran at ~4 TB/s and those that were
-    not (the M = 1 cases, 256-2048-byte multiples) 1.3-1.5x slower, allocation ruled out by graph_floor_probe: the
-    memcpy's own path, not the memory's rate. The rounding adds under 4 KiB."""
+    On the H200 the graphed copies whose size is a multiple of 4 KiB run at ~4 TB/s and those that are not (the
+    M = 1 cases, 256-2048-byte multiples) 1.3-1.5x slower, allocation ruled out by graph_floor_probe: the memcpy's
+    own path, not the memory's rate (docs/kernel-log.md). The rounding adds under 4 KiB."""
     if nbytes < 1:
         raise ValueError(f"copy_half_bytes: a copy must move at least 1 byte, got {nbytes}")
     return -(-max(1, nbytes // 2) // COPY_ALIGN) * COPY_ALIGN
 
 
-def copy_buffers(half: int, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Source buffers of `half` random bytes, enough to cover > 4x L2, and one destination: a copy moves 2 * half."""
+def copy_buffers(half: int, device: str, max_copies: int = 64) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Source buffers of `half` random bytes, enough to cover > 4x L2 (at most `max_copies`), and one destination: a
+    copy moves 2 * half."""
     srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255)
-            for _ in range(l2_busting_copies(device, half))]
+            for _ in range(l2_busting_copies(device, half, hi=max_copies))]
     return srcs, torch.empty(half, dtype=torch.uint8, device=device)
 
 
-def copy_time_us(srcs: list[torch.Tensor], dst: torch.Tensor, device: str) -> float:
+def copy_time_us(srcs: list[torch.Tensor], dst: torch.Tensor, device: str, reps: int = 20) -> float:
     """Graphed per-call time of dst.copy_(src), cycling over srcs (L2-cold)."""
-    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), dst.numel(), device)
+    return graph_us(lambda i: (lambda: dst.copy_(srcs[i % len(srcs)])), dst.numel(), device, reps,
+                    max_copies=len(srcs))
 
 
-def copy_graph_us(nbytes: int, device: str) -> float:
+def copy_graph_us(nbytes: int, device: str, reps: int = 20, max_copies: int = 64) -> float:
     """Graphed per-call time of a device-to-device copy moving `nbytes` (read + write, as copy_bandwidth_gbs
     counts them; the size rounded up to COPY_ALIGN), L2-cold like the matmuls beside it: 100% of copy bandwidth for
     a call of that many bytes under the same timer, its per-kernel floor included, which a 1 GiB copy's rate leaves
     out for small shapes."""
-    return copy_time_us(*copy_buffers(copy_half_bytes(nbytes), device), device)
+    return copy_time_us(*copy_buffers(copy_half_bytes(nbytes), device, max_copies), device, reps)
 
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 200, reps: int = 5) -> float:
     """Host time to enqueue one call: `calls` back-to-back launches with no synchronization inside, median over
     `reps`. At batch 1 the kernels are shorter than this, so it is the rate a host-bound caller gets, and the
-    time do_bench counts whenever it exceeds the cache flush in front of the call (NOTES.md, v2)."""
+    time do_bench counts whenever it exceeds the cache flush in front of the call (docs/kernel-log.md, v2)."""
     fn()
     times = []
     for _ in range(reps):
@@ -355,14 +357,14 @@ def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window
     return result
 
 
-# Tuned buckets timed by --sweep. M = 8 joined after the session-3 suite timed it on the untuned heuristic at
-# 0.43-0.83x of bf16 (record 22f3a099); K+1 = 6-token verification forwards land in that bucket.
+# Tuned buckets timed by --sweep. M = 8 is one: the untuned heuristic ran it at 0.43-0.83x of bf16 (record
+# 22f3a099); K+1 = 6-token verification forwards land in that bucket.
 SWEEP_M = (1, 2, 4, 8, 16)
 GEMV_SWEEP_M = (1, 2)  # the one-row GEMV kernel is timed at these M; the tl.dot kernel at M >= 2
 MULTI_ROW_SWEEP_M = (2, 4, 8)  # GEMV programs of 2 or 4 rows
 
 
-# (block_n, block_k, split_k, num_warps) of session 21's wide programs (sweep_configs), all one-row, num_stages 1
+# (block_n, block_k, split_k, num_warps) of the wide programs (sweep_configs), all one-row, num_stages 1
 WIDE_PROGRAMS = ((8, 4096, 1, 16), (16, 4096, 1, 16), (4, 4096, 1, 8), (8, 2048, 1, 8), (8, 2048, 2, 8),
                  (16, 2048, 1, 8), (8, 1024, 4, 4), (16, 1024, 4, 4))
 
@@ -375,7 +377,7 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(1, bn, 256, split_k=sk, num_warps=8) for bn in (128, 256) for sk in (1, 2, 4)]
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=2)
              for bn, bk in ((32, 256), (64, 128), (64, 256)) for sk in (2, 4, 8)]
-    # Word tiles through Triton's cp.async pipeline, 2-3 tiles in flight (session 6): offline PTX 4.60-4.66 loop
+    # Word tiles through Triton's cp.async pipeline, 2-3 tiles in flight: offline PTX 4.60-4.66 loop
     # instructions per code and 2 barriers per tile, against 4.87 and 6 with the one-tile register prefetch.
     # (The x-gather variant at M = 1 lost to the tile on all 10 M = 1 cases of kernel_sweep_v3_h200.json: out.)
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=3)
@@ -383,13 +385,13 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=4)
              for bn, bk, sk in ((128, 256, 1), (128, 256, 2), (256, 128, 1))]
     cfgs += [Int4KernelConfig(1, 256, 256, split_k=1, num_warps=8, num_stages=3)]
-    # More K splits for the small shapes (session 9): at split 8 the 1024x4096 GEMV is 128 programs of two tiles and
+    # More K splits for the small shapes: at split 8 the 1024x4096 GEMV is 128 programs of two tiles and
     # took 5.3 us graphed where a graphed copy of its bytes took 2.0-2.3 us and tinygemm 4.7; split 16 or 32 gives each
     # program one tile (more loads in flight, a shorter chain before the partial sums), at the cost of more partials.
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=w)
              for bn, bk, w in ((32, 256, 2), (64, 256, 2), (64, 256, 4), (128, 256, 4), (64, 128, 2), (128, 128, 4))
              for sk in (16, 32) if not (bk == 256 and sk == 32)]
-    # The K tile split across warps (session 11, session 10's second prediction): BK 512 at BN 64 and BK 1024 at BN 32
+    # The K tile split across warps (docs/kernel-log.md): BK 512 at BN 64 and BK 1024 at BN 32
     # keep the tuned loop's 256 codes and 32 x values per thread (offline SASS 3.65 and 3.93 per code against 3.57,
     # 4 and 26 barriers per tile against 2) with two and four warps along K instead of all four along N, so a program
     # covers the same bytes per tile with fewer rows: gate_up fills 224 programs without a K split (no partial sums,
@@ -397,7 +399,7 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=4, num_stages=p)
              for bn, bk in ((64, 512), (32, 1024)) for sk in (1, 2, 4) for p in (3, 4)]
     cfgs += [Int4KernelConfig(1, 128, 512, split_k=sk, num_warps=8, num_stages=4) for sk in (1, 2)]
-    # Wide programs for the latency-bound small shapes (session 21). Every one-row configuration above gives a thread
+    # Wide programs for the latency-bound small shapes. Every one-row configuration above gives a thread
     # 256 codes: on 1024x4096 that is 512 warps for 528 schedulers, each running a chain of about 1,000 instructions,
     # and then (split 16) a semaphore epilogue. Here 8-16 warps share one program's K range, a thread holds 64-128
     # codes and the program reduces across its warps, with no K split or a short one: more warps and shorter chains,
@@ -407,7 +409,7 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(16, bn, bk, split_k=sk, num_warps=4)
              for bn in (64, 128) for bk in (64, 128) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(16, 32, 128, split_k=4, num_warps=4)]
-    # GEMV programs of 2 and 4 rows (session 5): offline PTX counts 3.24 and 2.44 loop instructions per code and
+    # GEMV programs of 2 and 4 rows: offline PTX counts 3.24 and 2.44 loop instructions per code and
     # row against 4.84 for one row, and one weight stream per program instead of one per row
     cfgs += [Int4KernelConfig(rows, bn, bk, split_k=sk, num_warps=4)
              for rows in (2, 4) for bn, bk in ((128, 256), (256, 128)) for sk in (1, 4)]
@@ -415,8 +417,8 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(4, 128, 256, split_k=sk, num_warps=4, x_tile=False) for sk in (1, 4)]
     cfgs += [Int4KernelConfig(rows, 128, 256, split_k=sk, num_warps=4, num_stages=3)
              for rows in (2, 4) for sk in (1, 4)]
-    # Weights as the wgmma's left operand (swap_ab: the planes kernel, session 12; it replaced session 7's words
-    # kernel and its one_dot form): the weights' bytes as they are stored, low and high nibbles two dots per tile
+    # Weights as the wgmma's left operand (swap_ab: the planes kernel, faster than a words kernel and its one_dot
+    # form, docs/kernel-log.md): the weights' bytes as they are stored, low and high nibbles two dots per tile
     # against x's even and odd columns, dequantized in the wgmma's register layout by inline PTX (no round trip of the
     # codes through shared memory). Offline 2.6-3.3 SASS per code for all 16 rows (one_dot: 3.5-4.1); BN 512 with 8
     # warps is the leanest, BN 256 with 4 warps spills a few registers. Timed at M = 1 too: 16 rows cost it no more.
@@ -435,14 +437,14 @@ def sweep_configs() -> list[Int4KernelConfig]:
              for sk in (1, 4, 8)]
     cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, swap_ab=True)
              for sk in (8, 16)]
-    # Session 13: x's pairs read as int32 words through cp.async (X_WORDS) took the loop's last global loads off its
+    # x's pairs read as int32 words through cp.async (X_WORDS) took the loop's last global loads off its
     # critical path and its spills with them (BN 256, 4 warps: 2.6 SASS per code, no local memory), so a fourth
     # stage may now pay where a tile waited on x before.
     cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=4, swap_ab=True)
              for bn, splits in ((64, (8, 16)), (128, (4, 8)), (256, (4,))) for sk in splits]
-    # ... but beside session 12's kernel in one run (ab_s13_xwords_h200.json) 1024x4096 at M = 4 was 4% slower with
-    # the words, on a tile whose programs run two K tiles each: the gathers again (x_tile=False), for a sweep to judge.
-    # Not yet timed.
+    # ... but beside the kernel without them in one run (ab_s13_xwords_h200.json) 1024x4096 at M = 4 was 4% slower
+    # with the words, on a tile whose programs run two K tiles each: the gathers again (x_tile=False), for a sweep to
+    # judge.
     cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, x_tile=False, swap_ab=True)
              for sk in (8, 16)]
     return cfgs
@@ -450,9 +452,9 @@ def sweep_configs() -> list[Int4KernelConfig]:
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2. Planes was timed at M = 1 in sessions
-    12 and 13 and lost all 20 cases to the GEMV, by 15-67% (kernel_sweep_s12_planes_m1_m16_h200.json,
-    kernel_sweep_s13_xwords_h200.json), so a sweep no longer spends lease time on it there."""
+    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2. Planes, timed at M = 1, lost all 20
+    cases to the GEMV, by 15-67% (kernel_sweep_s12_planes_m1_m16_h200.json, kernel_sweep_s13_xwords_h200.json), so a
+    sweep spends no GPU time on it there."""
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
     if cfg.gemv:
@@ -594,7 +596,7 @@ def best_configs(results: list[dict], device_name: str | None = None) -> dict:
     for r in results:
         c = r["case"]
         # graphed time where measured: eager medians of tiny shapes measure host time, and picked a config
-        # 2.5x slower than the heuristic's for kv_1024x4096 (reproductions/kernels/NOTES.md, v3 run 4)
+        # 2.5x slower than the heuristic's for kv_1024x4096 (docs/kernel-log.md, v3 run 4)
         times = r.get("graph_us_by_config") or r["median_us"]
         timed = [(times[name], name) for name in r.get("configs", {}) if r["errors"][name] < 2e-2 and name in times]
         if not timed:

@@ -11,13 +11,13 @@ Three kernels, one launcher (`int4_matmul`):
   The zero-point is folded out of the inner loop:
       sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k)      (per group)
   and codes become exact floats by bit tricks (no int->float conversion), so the inner loop is a
-  shift per two codes, one LOP3 and one FMA per code (v3, reproductions/kernels/NOTES.md).
+  shift per two codes, one LOP3 and one FMA per code (v3, docs/kernel-log.md).
 * `_int4_gemm_kernel` (M > 1): the even and odd nibbles are two `tl.dot`s against the even and
   odd columns of x, with the same zero-point folding per group.
 * `_int4_gemm_planes_kernel` (small M, `Int4KernelConfig.swap_ab`): the dequantized weights as the left operand of
   a Hopper wgmma (y^T = W x^T), so x pads only to 16 columns; the low and high nibbles of one loaded byte tile are
   two dots, dequantized in the wgmma's registers by inline PTX on a GPU and by the same bit operations in Triton
-  ops under the interpreter. (It replaced session 7's words kernel, whose codes went through shared memory: NOTES.)
+  ops under the interpreter. (A kernel whose codes went through shared memory ran slower: docs/kernel-log.md.)
 
 `int4_matmul` keeps a launch plan per (weight object, M, x layout, config) and, after the first
 call, hands arguments straight to Triton's compiled kernel (host time before a launch is latency
@@ -60,7 +60,7 @@ _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _codes_f32(q):
     """INT4 codes (int32 in [0, 15]) to exact fp32 without an I2F conversion: OR the code into the
     mantissa of 2**23 and subtract 2**23. Conversions run at a quarter of the FMA rate on Hopper and
-    were the v1 GEMV's bottleneck (reproductions/kernels/NOTES.md)."""
+    were the v1 GEMV's bottleneck (docs/kernel-log.md)."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
@@ -109,7 +109,7 @@ def _code_pair_f32(w, SHIFT: tl.constexpr, magic_lo, magic_hi):
     One shift puts the pair at bits 15..22; one and-or per code then drops each nibble into a float's
     mantissa: bits 15..18 of 256.0 (0x43800000, ulp 2**-15) step by 1, and so do bits 19..22 of 16.0
     (0x41800000, ulp 2**-19). So a code costs half a shift, one LOP3 and its FMA; the caller removes
-    the offsets per tile with sums of x (v3, reproductions/kernels/NOTES.md). No int->float conversion, which ran
+    the offsets per tile with sums of x (v3, docs/kernel-log.md). No int->float conversion, which ran
     at a quarter rate in v1. (Bits 16..23 would spare the pair there its shift, but bit 23 is the exponent's
     lowest: a high nibble there is not linear in its float; tests/test_int4_kernel.py checks every byte at every
     position.) magic_lo and magic_hi are those bit patterns (CODE_MAGIC), passed as run-time arguments."""
@@ -217,7 +217,7 @@ def _gemv_words_tile(raw, x_row, k0, K, stride_xk, magic_lo, magic_hi, BLOCK_COL
 
     A thread holds four consecutive words of a row (16-byte loads), so the reshape and splits below are register
     renames, and one FMA chain runs over a run's 32 codes: the scale and zero-point terms (_accumulate) are paid
-    once per 32 codes, not once per word (reproductions/kernels/NOTES.md, session 16)."""
+    once per 32 codes, not once per word (docs/kernel-log.md, the run fold)."""
     BN: tl.constexpr = raw.shape[0]
     BC4: tl.constexpr = BLOCK_COLS // 4
     ev, od = tl.split(tl.reshape(raw, [BN, BC4, 2, 2]))  # words 4c + (0, 2) and 4c + (1, 3)
@@ -302,10 +302,10 @@ def _load_group_params(s_ptr, z_ptr, g, offs_n, mask, N, HAS_ZEROS: tl.constexpr
     Given the tile's row pairs offs_p [BN / 2] and their mask (16-bit parameters, N even, 4-byte aligned tensors),
     they are read as int32 words, so a thread's share of a [BN] tile is a whole 4-byte word and the pipeliner can
     stage it through cp.async (2 bytes cannot be; below BN 64 x warps every K tile of the planes kernel waited on
-    these loads: ncu, NOTES.md session 14). The scales, which multiply the accumulator, read a word per row
+    these loads under ncu: docs/kernel-log.md). The scales, which multiply the accumulator, read a word per row
     (ROW_WORDS: no layout change). The zero-points, which meet the wgmma's register operand, read a word per pair
     (PAIRS): offline (sm_90, BN 64) a word per row there moved two dequantized weight tiles through shared memory,
-    and pairs for the scales too cost two more barriers a tile (NOTES.md sessions 14 and 15)."""
+    and pairs for the scales too cost two more barriers a tile (docs/kernel-log.md)."""
     WORDS: tl.constexpr = offs_p is not None
     s = _group_param(s_ptr, g, offs_n, mask, N, ROW_WORDS if WORDS else PLAIN, BLOCK_N)
     if HAS_ZEROS:
@@ -434,7 +434,7 @@ def _int4_gemv_kernel(
     # magic_lo, magic_hi: the float bit patterns codes are OR-ed into (CODE_LO and CODE_HI, CODE_MAGIC; see
     # _code_pair_f32), passed as run-time arguments. As compile-time constants ptxas split every and-or into two
     # LOP3s (one LOP3 takes one immediate); held in registers, and + or is one LOP3 per code (sm_90 SASS,
-    # reproductions/kernels/NOTES.md). Both are arguments: one derived from the other was rematerialized per use.
+    # docs/kernel-log.md). Both are arguments: one derived from the other was rematerialized per use.
 
     # Per group, sum_k (q - z) s x = s * (sum_k q x - z sum_k x): the zero-point leaves the inner loop.
     # Accumulate elementwise and reduce across threads once at the end, not every iteration.
@@ -570,7 +570,7 @@ def _byte_planes_ptx(magic: int) -> str:
     """Two bytes (one 16-bit operand) -> their low and high nibbles ORed into the mantissa of `magic`'s two halves."""
     # PRMT spreads the two bytes into the halves of a register; one LOP3 per pair ORs each half's low nibble into
     # the magic's mantissa; one shift brings the high nibbles down for the second LOP3. Both results are register
-    # pairs in the order the wgmma takes them: nothing to repack (reproductions/kernels/NOTES.md, session 12).
+    # pairs in the order the wgmma takes them: nothing to repack (docs/kernel-log.md, planes kernel).
     return f"""{{
     .reg .b32 t, u;
     cvt.u32.u16 t, $2;
@@ -647,18 +647,19 @@ def _int4_gemm_planes_kernel(
     # y^T [BN, BM] = lo [BN, BK/2] @ x_even^T [BK/2, BM] + hi [BN, BK/2] @ x_odd^T [BK/2, BM], lo and hi the low and
     # high nibbles of one loaded byte tile (k = 2j and 2j + 1). Both planes are elementwise functions of that tile,
     # so Triton loads it from shared memory straight into the wgmma's register layout and dequantizes it there: no
-    # dequantized tile goes through shared memory (session 7's words kernel, whose one loaded word fed eight dots or
-    # a join, paid that round trip; reproductions/kernels/NOTES.md, sessions 7 and 12). Any K: bytes need no words.
+    # dequantized tile goes through shared memory (a kernel whose one loaded word fed eight dots or a join paid that
+    # round trip and ran slower: docs/kernel-log.md, planes kernel). Any K: bytes need no words.
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL.
     # EVEN: N % BLOCK_N == 0, K % BLOCK_K == 0 and the splits cover K exactly (no masks on the weights or x's K).
     # X_WORDS: K even, x's rows contiguous and even-strided, x 16-byte aligned (the words need 4 bytes; the host asks
     # for the 16 that the plan key pins): x's (even, odd) pairs are read as int32 words, one contiguous tile the
     # pipeliner stages through cp.async like the weights. Else x_even and x_odd are two strided 2-byte gathers,
-    # which cp.async cannot take, so every K tile waited on them (ncu, NOTES.md session 13).
+    # which cp.async cannot take, so every K tile waited on them (ncu: docs/kernel-log.md).
     # SZ_WORDS (the host sets it for 16-bit scales and zero-points, N even, both 4-byte aligned, on wgmma tiles whose
     # threads would hold under 4 bytes of them): a group's values are read as int32 words of two rows each
     # (_load_group_params given the row pairs), which the pipeliner stages like the weights. Else 2-byte loads per row,
-    # synchronous in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait: NOTES.md session 14).
+    # synchronous in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait under ncu:
+    # docs/kernel-log.md).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -756,7 +757,7 @@ class Int4KernelConfig:
 
 
 # Configurations the selector can return (tests run every one of them). Tuned on an H200;
-# see reproductions/kernels/NOTES.md for how each was chosen.
+# docs/kernel-log.md says how each was chosen.
 _GEMV_CONFIGS = (  # v3: many rows per program so each x value serves several weight words
     Int4KernelConfig(1, 256, 128, split_k=1, num_warps=4),
     Int4KernelConfig(1, 128, 256, split_k=2, num_warps=4),
@@ -764,7 +765,7 @@ _GEMV_CONFIGS = (  # v3: many rows per program so each x value serves several we
     Int4KernelConfig(1, 64, 256, split_k=8, num_warps=2),
     Int4KernelConfig(1, 32, 256, split_k=8, num_warps=2),
 )
-_GEMM_CONFIGS = (  # M <= 16: planes, the H200 sweep's winners at M = 4-16 (session 12); larger M: the bytes tl.dot
+_GEMM_CONFIGS = (  # M <= 16: planes, the H200 sweep's winners at M = 4-16; larger M: the bytes tl.dot
     Int4KernelConfig(16, 256, 128, split_k=4, num_warps=4, num_stages=3, swap_ab=True),
     Int4KernelConfig(16, 64, 128, split_k=8, num_warps=4, num_stages=3, swap_ab=True),
     Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4),
@@ -917,7 +918,7 @@ class _Plan:
     Built on the first call and kept per weight object (see `_plans_of`). On a GPU the first launch returns
     Triton's compiled kernel; later calls hand the arguments straight to its launcher, skipping Triton's
     per-call binding and specialization (the key below pins every value Triton specializes on), which
-    on the H200 host cost ~20 us in front of every GEMV (reproductions/kernels/NOTES.md, v3)."""
+    on the H200 host cost ~20 us in front of every GEMV (docs/kernel-log.md, v3)."""
 
     kernel: triton.runtime.JITFunction
     grid: tuple[int, int, int]
@@ -991,7 +992,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
         # the scales and zero-points as int32 words where a thread's share of a tile's 2-byte values is under the
         # 4 bytes cp.async takes (BN < 64 per warp; BN 256 with 4 warps already stages them, and the zero-points'
         # pair regrouping would only add 2 barriers a tile there), on wgmma tiles (BN >= 64: at BN 32, group 32,
-        # with zero-points, the H200 gave wrong sums on every row, session 14): 16-bit, N even, 4-byte aligned
+        # with zero-points, the H200 gives wrong sums on every row: docs/kernel-log.md): 16-bit, N even, 4-byte aligned
         # (Int4Weight guarantees the zero-points share the scales' dtype and layout)
         sz_words = (64 <= cfg.block_n < 64 * cfg.num_warps and n % 2 == 0 and w.scales.element_size() == 2
                     and w.scales.data_ptr() % 4 == 0 and (w.zeros is None or w.zeros.data_ptr() % 4 == 0))

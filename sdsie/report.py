@@ -309,10 +309,9 @@ def _seed_cell(res: ClaimResult) -> str:
 
 
 def _markdown(evaluation: Evaluation, records: Sequence[RunRecord], figures: list[FigureOutcome],
-              root: Path, out_dir: Path, registry: Registry, cite: str) -> str:
+              root: Path, out_dir: Path, registry: Registry, cite: str, git: dict[str, Any]) -> str:
     refs = {v: len(rs) for v, rs in evaluation.by_reference().items() if rs}
     gate = "FAIL" if evaluation.failed() else "PASS"
-    git = git_state(root)
     lines = [
         "# SDSIE claims report", "",
         f"Generated {utc_now()} from {len(records)} record(s) at git {git.get('sha')}"
@@ -377,10 +376,11 @@ def build_report(registry: Registry, records: Sequence[RunRecord], evaluation: E
     """Write report.md, report.json and figures/*.png under `out_dir`; returns their paths."""
     out, root = Path(out_dir), Path(root)
     out.mkdir(parents=True, exist_ok=True)
+    git = git_state(root)  # before anything is written: the tree the report was built from
     figures = draw_figures(records, out / "figures")
     cite = citation_text(root / "CITATION.cff")
     payload = {
-        "generated": utc_now(), "git": git_state(root), "registry": _rel(registry.path, root),
+        "generated": utc_now(), "git": git, "registry": _rel(registry.path, root),
         "gate_failed": evaluation.failed(), "record_errors": evaluation.errors,
         "seed_summary": summary(evaluation),
         "how_to_cite": cite,
@@ -394,5 +394,5 @@ def build_report(registry: Registry, records: Sequence[RunRecord], evaluation: E
     }
     json_path, md_path = out / "report.json", out / "report.md"
     json_path.write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
-    md_path.write_text(_markdown(evaluation, records, figures, root, out, registry, cite), encoding="utf-8")
+    md_path.write_text(_markdown(evaluation, records, figures, root, out, registry, cite, git), encoding="utf-8")
     return Report(md_path, json_path, figures)

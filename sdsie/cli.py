@@ -1,8 +1,8 @@
 """The `sdsie` command.
 
     sdsie claims check [--records telemetry] [--registry reproductions/claims.toml] [--strict]
-    sdsie claims list  [--registry ...]
-    sdsie claims pin RECORD [--claim ID ...]     print [[reference]] entries pinned from a reviewed record
+    sdsie claims list  [--records ...] [--registry ...]   both judgments per claim, with conditions and record
+    sdsie claims pin RECORD [--claim ID ...]     print a [[reference]] block pinned from a reviewed record
     sdsie report [--records telemetry] [--registry ...] [--out reports]
 
 Adding a subcommand: write `configure(parser)` and `run(args) -> exit code`, then
@@ -83,8 +83,8 @@ def _configure_claims(p: argparse.ArgumentParser) -> None:
                        help="also fail on unmeasured claims, claims without a reference, and missing tests")
     check.add_argument("--root", default=".", help="repository root for test node ids (default .)")
     check.set_defaults(_claims=_claims_check)
-    listing = actions.add_parser("list", help="list the registry's claims")
-    _add_inputs(listing, records=False)
+    listing = actions.add_parser("list", help="each claim judged vs the seed and vs our reference, with conditions")
+    _add_inputs(listing)
     listing.set_defaults(_claims=_claims_list)
     pin = actions.add_parser("pin", help="print [[reference]] entries for a reviewed record's conditions")
     _add_inputs(pin, records=False)
@@ -111,38 +111,50 @@ def _load_inputs(args: argparse.Namespace, records: bool = True):  # -> (Registr
 
 
 def _claims_check(args: argparse.Namespace) -> int:
-    from sdsie.claims import evaluate, missing_tests
+    from sdsie.claims import evaluate, missing_tests, summary
 
     inputs = _load_inputs(args)
     if inputs is None:
         return 1
     registry, records = inputs
     evaluation = evaluate(registry, records)
-    order = ("drifted", "invalid", "improved", "reproduced", "no_reference", "unmeasured", "not_measurable")
-    groups = evaluation.by_verdict()
-    for verdict in order:
-        for res in groups[verdict]:
-            where = "" if res.record is None else f"\n{'':15}record: {res.record.source}"
-            print(res.summary() + where)
+    failing = [r for r in evaluation.results if r.failed]
+    for res in [*failing, *(r for r in evaluation.results if not r.failed)]:
+        label = "FAIL" if res.failed else "ok"
+        where = "" if res.record is None else f"\n{'':6}record: {res.record.source or res.record.record_id}"
+        print(f"{label:<5} {res.summary()}{where}")
     for error in evaluation.errors:
-        print(f"ERROR          {error}")
+        print(f"ERROR {error}")
     missing = missing_tests(registry, args.root)
     for entry in missing:
-        print(f"MISSING TEST   {entry}")
-    counts = ", ".join(f"{v} {len(groups[v])}" for v in order if groups[v])
+        print(f"MISSING TEST {entry}")
+    refs = ", ".join(f"{v} {len(rs)}" for v, rs in evaluation.by_reference().items() if rs)
     failed = evaluation.failed(strict=args.strict) or (args.strict and bool(missing))
-    print(f"\nclaims gate {'FAILED' if failed else 'passed'}: {len(records)} record(s); {counts}")
+    print(f"\n{summary(evaluation)}")
+    print(f"vs our references: {refs or 'none'}.")
+    print(f"claims gate {'FAILED' if failed else 'passed'}: {len(records)} record(s), "
+          f"{len(failing)} failing judgment(s)")
     return 1 if failed else 0
 
 
 def _claims_list(args: argparse.Namespace) -> int:
-    from sdsie.claims import format_value
+    from sdsie.claims import evaluate, format_value, summary
 
-    inputs = _load_inputs(args, records=False)
+    inputs = _load_inputs(args)
     if inputs is None:
         return 1
-    for claim in inputs[0].claims.values():
-        print(f"{claim.id:<36} {claim.status:<10} {format_value(claim.published)} {claim.unit}")
+    registry, records = inputs
+    evaluation = evaluate(registry, records)
+    for res in evaluation.results:
+        c = res.claim
+        measured = "-" if res.measured is None else format_value(res.measured)
+        ref = "-" if res.reference is None else res.reference.verdict
+        print(f"{c.id:<36} seed {format_value(c.published)} {c.unit} | measured {measured} | "
+              f"vs seed: {res.seed.verdict} | vs reference: {ref}")
+        print(f"{'':<36} seed conditions: {c.seed.describe()}")
+        if res.conditions is not None and res.record is not None:
+            print(f"{'':<36} record conditions: {res.conditions.describe()}; record {res.record.record_id}")
+    print(f"\n{summary(evaluation)}")
     return 0
 
 
@@ -170,9 +182,8 @@ def _claims_pin(args: argparse.Namespace) -> int:
         _err(f"FAIL: {err}")
         return 1
     declared = registry.claim_ids_of(record)  # the record's own ids, corrected by any [[erratum]]
-    wanted = args.claim or declared
-    status = 0
-    for cid in wanted:
+    status, values = 0, {}
+    for cid in args.claim or declared:
         claim = registry.claims.get(cid)
         if claim is None or cid not in declared:
             _err(f"skip {cid}: {'not in the registry' if claim is None else 'not declared by this record'}")
@@ -181,25 +192,25 @@ def _claims_pin(args: argparse.Namespace) -> int:
         if claim.portable or not claim.measurable:
             _err(f"skip {cid}: {'portable (no per-conditions reference)' if claim.portable else 'not measurable'}")
             continue
-        res = judge_record(claim, record)
-        if res.verdict == "invalid":
-            _err(f"skip {cid}: {res.detail}")
+        res = judge_record(claim, record, registry)
+        if res.reference is not None and res.reference.verdict == "invalid":
+            _err(f"skip {cid}: {res.reference.detail}")
             status = 1
             continue
-        print(_reference_block(claim, record, res.measured))
+        values[cid] = res.measured
+    if values:
+        print(_reference_block(registry.conditions_of(record), record, values))
     return status
 
 
-def _reference_block(claim, record, measured) -> str:  # noqa: ANN001 - Claim, RunRecord, measured value
-    lines = ["[[reference]]", f"claim = {_toml_value(claim.id)}", f"model = {_toml_value(record.conditions['model'])}",
-             f"hardware = {_toml_value(record.conditions['hardware'])}", f"value = {_toml_value(measured)}"]
-    if claim.tolerance:
-        lines.append(f"tolerance = {_toml_value(claim.tolerance)}")
-    if claim.rel_tolerance:
-        lines.append(f"rel_tolerance = {_toml_value(claim.rel_tolerance)}")
-    if claim.kind == "timing":
-        lines.append(f"record = {_toml_value(record.record_id)}")
-    lines.append(f"note = {_toml_value(f'pinned from {record.source} ({record.created})')}")
+def _reference_block(cond, record, values: dict) -> str:  # noqa: ANN001 - Conditions, RunRecord
+    lines = ["[[reference]]", f"model = {_toml_value(cond.model)}", f"hardware = {_toml_value(cond.hardware)}"]
+    if cond.prompts is not None:
+        lines.append(f"prompts = {_toml_value(cond.prompts)}")
+    lines += [f"record = {_toml_value(record.record_id)}",
+              f"note = {_toml_value(f'Pinned from record {record.record_id} (say in one sentence why it holds).')}",
+              "[reference.values]"]
+    lines += [f"{cid} = {_toml_value(v)}" for cid, v in values.items()]
     return "\n".join(lines) + "\n"
 
 

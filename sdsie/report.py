@@ -1,7 +1,8 @@
 """Reproduction reports: Markdown + JSON + PNG figures, built only from run records.
 
-Per claim: published vs measured, verdict, the conditions that applied (published or a per-
-conditions reference), the environment of the record, and the path of every raw record used.
+Per claim and record: the seed's figure and conditions, the measurement and the record's conditions, the
+judgment against the seed's figure and the judgment against our own reference (two columns, never merged),
+the environment of the record, and the path of every raw record used.
 
 Figures read these record keys (a benchmark that wants a figure writes them); each figure is drawn
 from the newest record that holds its data, or skipped with the reason:
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sdsie.claims import ClaimResult, Evaluation, Registry, format_value
+from sdsie.claims import REFERENCE_VERDICTS, ClaimResult, Evaluation, Registry, format_value, summary
 from sdsie.telemetry.env import git_state, utc_now
 from sdsie.telemetry.records import RunRecord
 
@@ -274,16 +275,21 @@ def _expected_json(expected: Any) -> Any:
 
 
 def _result_json(res: ClaimResult, root: Path) -> dict[str, Any]:
-    c = res.claim
-    expected = res.expected
+    c, seed, ref = res.claim, res.seed, res.reference
     return {
-        "id": c.id, "statement": c.statement, "status": c.status, "kind": c.kind, "unit": c.unit,
-        "published": c.published, "original": c.original, "published_conditions": c.conditions,
-        "verdict": res.verdict, "failed": res.failed, "measured": res.measured,
-        "expected": _expected_json(expected),
-        "basis": res.basis, "conditions": res.conditions, "detail": res.detail, "test": c.test,
+        "id": c.id, "area": c.area, "statement": c.statement, "quote": c.quote, "status": c.status, "kind": c.kind,
+        "unit": c.unit, "published": c.published, "original": c.original, "portable": c.portable,
+        "depends": list(c.depends), "seed_conditions": c.seed.as_dict(),
+        "measured": res.measured, "record_conditions": None if res.conditions is None else res.conditions.as_dict(),
+        "vs_seed": {"verdict": seed.verdict, "detail": seed.detail, "judged": seed.judged,
+                    "expected": _expected_json(seed.expected), "direction": seed.direction,
+                    "differs": list(seed.differs)},
+        "vs_reference": None if ref is None else {
+            "verdict": ref.verdict, "detail": ref.detail, "expected": _expected_json(ref.expected),
+            "reference_record": None if ref.reference_record is None else _rel(ref.reference_record.source, root),
+            "pinned_from": None if ref.reference is None else ref.reference.record},
+        "failed": res.failed, "test": c.test,
         "record": None if res.record is None else _rel(res.record.source, root),
-        "reference_record": None if res.reference_record is None else _rel(res.reference_record.source, root),
         "environment": None if res.record is None else _env_summary(res.record),
     }
 
@@ -292,33 +298,41 @@ def _md_cell(x: Any) -> str:
     return str(x).replace("|", "\\|").replace("\n", " ")
 
 
-def _basis_text(res: ClaimResult) -> str:
-    if res.basis is None:
-        return "-"
-    cond = res.conditions or {}
-    return f"{res.basis}: {cond.get('model')} / {cond.get('hardware')} (N={cond.get('trials')})"
+def _seed_cell(res: ClaimResult) -> str:
+    seed = res.seed
+    word = seed.verdict + (f" ({seed.direction})" if seed.direction and seed.verdict == "contradicted" else "")
+    if seed.judged == "quality":
+        word += ", on its quality"
+    elif seed.verdict == "not comparable":
+        word += f": {', '.join(seed.differs)} {'differs' if len(seed.differs) == 1 else 'differ'}"
+    return word
 
 
 def _markdown(evaluation: Evaluation, records: Sequence[RunRecord], figures: list[FigureOutcome],
-              root: Path, out_dir: Path, registry: Registry, cite: str) -> str:
-    counts = {v: len(rs) for v, rs in evaluation.by_verdict().items() if rs}
+              root: Path, out_dir: Path, registry: Registry, cite: str, git: dict[str, Any]) -> str:
+    refs = {v: len(rs) for v, rs in evaluation.by_reference().items() if rs}
     gate = "FAIL" if evaluation.failed() else "PASS"
-    git = git_state(root)
     lines = [
-        "# SDSIE reproduction report", "",
+        "# SDSIE claims report", "",
         f"Generated {utc_now()} from {len(records)} record(s) at git {git.get('sha')}"
         f"{' (dirty)' if git.get('dirty') else ''}; registry `{_rel(registry.path, root)}`.", "",
-        f"**Claims gate: {gate}.** " + ", ".join(f"{v}: {n}" for v, n in counts.items()), "",
-        "Verdicts: *reproduced* (within the band of the conditions that applied), *improved* / *drifted* "
-        "(timing rank test vs a reference run), *invalid* (partial or malformed record), *no_reference* "
-        "(measured under conditions with no recorded reference: shown, not judged), *unmeasured* (no record "
-        "yet), *not_measurable* (the registry says why). Nothing is marked reproduced that was not measured.", "",
-        "## How to cite", "", cite, "",
+        f"**Against the seed's figures:** {summary(evaluation)}", "",
+        f"**Against our own references (claims gate: {gate}):** "
+        + ", ".join(f"{v} {refs[v]}" for v in REFERENCE_VERDICTS if v in refs) + ".", "",
+        "Two judgments per claim and record, kept apart. *vs seed*: *consistent* (within the seed's band), "
+        "*contradicted* (outside it) or *not comparable* (the record's conditions differ from the seed's in "
+        "something the figure depends on: model, GPU, prompts), judged only under comparable conditions; a "
+        "*portable* claim (arithmetic, losslessness) is comparable everywhere, and a qualitative claim may be "
+        "judged on its quality alone. *vs our reference*: *stable*, *improved* or *drifted* against the reference "
+        "pinned for exactly the record's conditions (band, or rank test and effect size for timings); *no "
+        "reference* is shown, not gated. The gate fails on *drifted*, *invalid* and a portable claim contradicted.",
+        "", "## How to cite", "", cite, "",
     ]
     if evaluation.errors:
         lines += ["## Record errors", ""] + [f"- {e}" for e in evaluation.errors] + [""]
-    lines += ["## Claims", "", "| claim | status | published | measured | verdict | conditions applied | record |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["## Claims", "",
+              "| claim | seed's figure | seed's conditions | measured | record's conditions | vs seed | "
+              "vs our reference | record |", "|---|---|---|---|---|---|---|---|"]
     for res in evaluation.results:
         c = res.claim
         published = f"{format_value(c.published)} {c.unit}".strip()
@@ -326,13 +340,17 @@ def _markdown(evaluation: Evaluation, records: Sequence[RunRecord], figures: lis
             published += f" (orig. {format_value(c.original)})"
         measured = "-" if res.measured is None else format_value(res.measured)
         record = "-" if res.record is None else f"`{_rel(res.record.source, root)}`"
+        cond = "-" if res.conditions is None else res.conditions.describe()
+        ref = "-" if res.reference is None else res.reference.verdict
+        ref = "- (portable)" if c.portable and res.record is not None else ref
         lines.append("| " + " | ".join(_md_cell(x) for x in (
-            f"**{c.id}**: {c.statement}", c.status, published, measured, res.verdict, _basis_text(res), record,
+            f"**{c.id}**: {c.statement}", published, "any (portable)" if c.portable else c.seed.describe(),
+            measured, cond, _seed_cell(res), ref, record,
         )) + " |")
     lines += ["", "### Details", ""]
     for res in evaluation.results:
-        if res.detail:
-            lines.append(f"- **{res.claim.id}** ({res.verdict}): {res.detail}")
+        ref = "" if res.reference is None else f" *vs our reference*: {res.reference.verdict}, {res.reference.detail}."
+        lines.append(f"- **{res.claim.id}** *vs seed*: {res.seed.verdict}, {res.seed.detail}.{ref}")
     lines += ["", "## Figures", ""]
     for fig in figures:
         if fig.path is None:
@@ -358,11 +376,13 @@ def build_report(registry: Registry, records: Sequence[RunRecord], evaluation: E
     """Write report.md, report.json and figures/*.png under `out_dir`; returns their paths."""
     out, root = Path(out_dir), Path(root)
     out.mkdir(parents=True, exist_ok=True)
+    git = git_state(root)  # before anything is written: the tree the report was built from
     figures = draw_figures(records, out / "figures")
     cite = citation_text(root / "CITATION.cff")
     payload = {
-        "generated": utc_now(), "git": git_state(root), "registry": _rel(registry.path, root),
+        "generated": utc_now(), "git": git, "registry": _rel(registry.path, root),
         "gate_failed": evaluation.failed(), "record_errors": evaluation.errors,
+        "seed_summary": summary(evaluation),
         "how_to_cite": cite,
         "claims": [_result_json(r, root) for r in evaluation.results],
         "records": [{"path": _rel(r.source, root), "record_id": r.record_id, "suite": r.suite,
@@ -374,5 +394,5 @@ def build_report(registry: Registry, records: Sequence[RunRecord], evaluation: E
     }
     json_path, md_path = out / "report.json", out / "report.md"
     json_path.write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
-    md_path.write_text(_markdown(evaluation, records, figures, root, out, registry, cite), encoding="utf-8")
+    md_path.write_text(_markdown(evaluation, records, figures, root, out, registry, cite, git), encoding="utf-8")
     return Report(md_path, json_path, figures)

@@ -73,3 +73,13 @@ def test_lossless_rows_say_when_a_run_diverged_in_length_or_not_at_all():
     gaps = [{"variant": "tree_graphs", "plain_gap": g} for g in (0.0, 0.125)]
     assert "gap at most 0.1250" in "\n".join(lossless_rows([], tree_rec(gaps), "tree_graphs"))
     assert lossless_rows([], tree_rec(gaps), "tree_graphs_wide") == []  # a variant the run did not decode
+
+
+def test_claims_rows_keep_the_two_judgments_apart():
+    from reproductions.readme_results import claims_gate_row
+    from sdsie.telemetry.records import load_records
+
+    gate, seed = claims_gate_row(load_records(TELEMETRY))
+    assert "stable" in gate and "against our pinned references" in gate
+    assert "Of " in seed and "seed claims" in seed and "not comparable" in seed
+    assert "reproduced" not in gate + seed  # a match with our own record is never called a reproduction

@@ -215,7 +215,7 @@ def k_sweep_section(rec: RunRecord) -> list[str]:
 def paired_cell(rec: RunRecord, variant: str, family: str, prompts: list[str]) -> tuple[float, float, float] | None:
     """`variant`'s tokens/s over graphed plain decoding paired by prompt and trial (median, 95% interval): the record's
     own metrics where it has them, else recomputed from its samples (records before the paired metrics)."""
-    from reproductions.decode_repro import paired_ratios, paired_speedup
+    from sdsie.stats import paired_ratios, paired_speedup
 
     key = f"{variant}.{family}.paired_speedup_vs_plain_graphs"
     if key in rec.metrics:
@@ -322,7 +322,7 @@ def _cell(got: tuple[float, float, float] | None) -> str:
 def adaptive_section(rec: RunRecord) -> list[str]:
     """The adaptive draft length against a constant K = 5, both under CUDA graphs: each over graphed plain decoding,
     and adaptive over constant directly, paired by prompt and trial; per prompt where the two differ most."""
-    from reproductions.decode_repro import paired_ratios, paired_speedup
+    from sdsie.stats import paired_ratios, paired_speedup
 
     mt = rec.metrics
     by_family = _prompts_by_family()
@@ -359,7 +359,7 @@ def long_adaptive_section(rec: RunRecord) -> list[str]:
     """Constant K = 5, adaptive with ceiling 5 and adaptive with ceiling 8 over graphed plain decoding, and each
     adaptive ceiling's ratio to the one before it (adaptive 5 / constant 5, adaptive 8 / adaptive 5), paired by
     prompt and trial."""
-    from reproductions.decode_repro import paired_ratios, paired_speedup
+    from sdsie.stats import paired_ratios, paired_speedup
 
     by_family = _prompts_by_family()
     fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in rec.metrics]
@@ -505,7 +505,8 @@ def graphed_identity_line(rec: RunRecord) -> str | None:
 def catch_up_lines(rec: RunRecord, fams: list[str], by_family: dict[str, list[str]]) -> list[str]:
     """The tuned clutch with the scout's catch-up padded and replayed (the default) against the same clutch with it
     eager, paired run by run, on each prompt where the clutch engaged (elsewhere the scout never catches up)."""
-    from reproductions.decode_repro import UNPADDED, paired_ratios, paired_speedup
+    from reproductions.decode_repro import UNPADDED
+    from sdsie.stats import paired_ratios, paired_speedup
 
     decisions = rec.config.get("decisions", {})
     cells = []

@@ -189,8 +189,8 @@ def test_readme_graphs_line_reads_the_graph_variants_or_is_absent():
 
 def test_acceptance_counts_every_run_that_drafted_not_only_the_first():
     """A gated variant may draft on one prompt of a family and never on another: its acceptance is over all the
-    family's drafts. Session 4's records left gated_tuned's code acceptance out because the family's first run
-    (code-instruction) drafted nothing while code-bst-module drafted."""
+    family's drafts. Counting the first run only would leave gated_tuned's code acceptance out where the family's
+    first run (code-instruction) drafted nothing while code-bst-module drafted."""
     from reproductions.decode_repro import decode_metrics
 
     runs = _eager_runs("p")

@@ -242,7 +242,7 @@ def test_git_state_reports_sha_and_dirty_flag(tmp_path: Path) -> None:
 
 
 def test_a_copied_tree_records_the_commit_it_was_declared_to_come_from(tmp_path: Path, monkeypatch) -> None:
-    """The GPU machine's copy of the tree carried a stale .git (records of sessions 6-8 name an old HEAD, dirty):
+    """The GPU machine's copy of the tree carried a stale .git (some committed records name an old HEAD, dirty):
     the commit named in SDSIE_SOURCE_COMMIT is kept beside what the copy's git says, also where git fails."""
     monkeypatch.setenv(env_mod.SOURCE_COMMIT_ENV, "9558dd2")
     failed = env_mod.git_state(tmp_path / "missing")

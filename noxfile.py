@@ -29,10 +29,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check over the package, tests, reproductions and this file."""
+    """ruff check over the package, tests, reproductions, research and this file."""
     if session.venv_backend != "none":
         session.install("ruff")
-    session.run("ruff", "check", "sdsie", "tests", "reproductions", "conftest.py", "noxfile.py", *session.posargs)
+    session.run("ruff", "check", "sdsie", "tests", "reproductions", "research", "conftest.py", "noxfile.py",
+                *session.posargs)
 
 
 @nox.session

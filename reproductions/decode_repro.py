@@ -38,14 +38,16 @@ import torch
 from sdsie.claims import load_registry, missing_inputs
 from sdsie.clutch import PRODUCTION, SEED_CLUTCHES, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
-from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache
+from sdsie.decoding.model_io import StaticKV, cache_length, crop_cache, forward, new_cache, sync_device
 from sdsie.decoding.near_tie import decode_logits
 from sdsie.decoding.tree import check_widths
 from sdsie.kernels.rmsnorm import fuse_rmsnorm
 from sdsie.models import compiled_copy
+from sdsie.stats import bootstrap_median_ci, paired_ratios, paired_speedup  # noqa: F401 (also exported here)
 from sdsie.telemetry.energy import EnergyMeter, EnergyMeterError, calls_to_fill
 from sdsie.telemetry.env import host_launch_us, per_op_us
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
+from sdsie.telemetry.timing import cuda_event_ms
 
 FAMILY_LABEL = {"verse": "poem", "prose": "physics", "code": "code"}  # seed README names
 K = 5
@@ -97,21 +99,17 @@ class Run:
     decisions: str = ""
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 Outcome = tuple[list[int], dict, str]  # tokens, stats, decisions
 
 
 def timed(fn: Callable[[], Outcome], meter: EnergyMeter | None) -> tuple[list[int], float, float | None, dict, str]:
     """Run once inside an energy window; wall time between synchronized edges."""
     win = meter.start() if meter else None
-    _sync()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync_device(device)
     t0 = time.perf_counter()
     tokens, stats, decisions = fn()
-    _sync()
+    sync_device(device)
     seconds = time.perf_counter() - t0
     energy = None
     if meter:
@@ -126,10 +124,9 @@ def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
              tree_widths: tuple[int, ...] = DEFAULT_TREE_WIDTHS,
              wide_tree_widths: tuple[int, ...] = DEFAULT_WIDE_TREE_WIDTHS,
              ) -> dict[str, Callable[[torch.Tensor], tuple[list[int], dict, str]]]:
-    """The decode suite's variants; graphs adds this engine's plain, fixed-K5 and gated loops on a static cache
-    with replayed CUDA graphs (GRAPHED). Eager host dispatch makes the eager loops' times noisy (the same
-    code path ran 5% apart between two variants of one record); graphed, a gated run that never engages is
-    timed closely enough to tell its cost against plain_graphs."""
+    """The decode suite's variants (VARIANTS) as functions of a prompt's ids; graphs adds the GRAPHED ones, this
+    engine's loops on a static cache with replayed CUDA graphs. Eager host dispatch makes the eager loops' times
+    noisy; graphed, a gated run that never engages is timed closely enough to tell its cost against plain_graphs."""
     def ours(config: DecodeConfig, scout_=None, clutch: ClutchConfig | None = None, keep_entropy: bool = False):
         """This engine's loop under `config` (a scout: speculation; a clutch: gated); keep_entropy records the
         entropy (bits) behind each token, what a clutch reads (the eager plain runs keep it)."""
@@ -146,54 +143,44 @@ def variants(target, scout, cfg: DecodeConfig, graphs: bool = False,
                               min_new_tokens=cfg.max_new_tokens, do_sample=False, num_assistant_tokens=K)
         return out[0, ids.numel():].tolist(), {}, ""
 
-    def hf_plain(ids):
+    def hf_generate(ids):
         out = target.generate(ids[None, :], max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens,
                               do_sample=False)
         return out[0, ids.numel():].tolist(), {}, ""
 
     @functools.cache
-    def fused_scout():  # TREE_FUSED's scout: a copy with one kernel a norm, made on first use
+    def fused_scout():  # a copy of the scout with one kernel a norm, made on first use
         fused = copy.deepcopy(scout)
         fuse_rmsnorm(fused)
         return fused
 
     @functools.cache
-    def compiled_scout():  # TREE_COMPILED's scout: a compiled copy, made on first use
+    def compiled_scout():  # a compiled copy of the scout, made on first use
         return compiled_copy(scout)
 
-    def graphed(k: int | None = None, pad: bool = True, schedule: str = "constant") -> DecodeConfig:  # static
-        # cache, replayed graphs; a clutch brings its own K
-        return DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=k, kv_cache="static", cuda_graphs=True,
-                            pad_scout_catchup=pad, k_schedule=schedule)
+    scouts = {None: lambda: None, "plain": lambda: scout, "fused": fused_scout, "compiled": compiled_scout}
+    widths = {"tree_widths": tree_widths, "wide_tree_widths": wide_tree_widths}
 
-    tree_cfg = dataclasses.replace(graphed(), tree_widths=tree_widths)
+    def config_of(v: Variant) -> DecodeConfig:
+        if not v.graphs:
+            return cfg if v.k is None else DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=v.k)
+        return DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=v.k, kv_cache="static", cuda_graphs=True,
+                            pad_scout_catchup=v.pad, k_schedule=v.schedule,
+                            tree_widths=widths[v.tree] if v.tree else None)
 
-    def gated_tree(clutch: ClutchConfig):  # GATED_TREES: the clutch's K is the tree's depth
-        return lambda ids: ours(tree_cfg, compiled_scout(), dataclasses.replace(clutch, k_draft=len(tree_widths)))(ids)
+    def clutch_of(v: Variant) -> ClutchConfig | None:
+        if v.clutch is None:
+            return None
+        clutch = SEED_CLUTCHES[v.clutch]
+        return dataclasses.replace(clutch, k_draft=len(widths[v.tree])) if v.tree else clutch  # a tree: its depth
 
-    fns = {
-        "plain": ours(cfg, keep_entropy=True),
-        "fixed_k5": ours(DecodeConfig(max_new_tokens=cfg.max_new_tokens, k_draft=K), scout),
-        "gated_production": ours(cfg, scout, PRODUCTION),
-        "gated_tuned": ours(cfg, scout, TUNED),
-        "hf_assisted": hf_assisted,
-        "hf_generate": hf_plain,
-    }
-    if graphs:
-        fns |= {"plain_graphs": ours(graphed()), "fixed_k5_graphs": ours(graphed(K), scout),
-                "gated_production_graphs": ours(graphed(), scout, PRODUCTION),
-                "gated_tuned_graphs": ours(graphed(), scout, TUNED),
-                **{f"fixed_k{k}_graphs": ours(graphed(k), scout) for k in SHORTER_K},
-                UNPADDED: ours(graphed(pad=False), scout, TUNED),
-                "fixed_k5_graphs_adaptive": ours(graphed(K, schedule="adaptive"), scout),
-                LONG_ADAPTIVE: ours(graphed(LONG_K, schedule="adaptive"), scout),
-                "gated_tuned_graphs_adaptive": ours(graphed(schedule="adaptive"), scout, TUNED),
-                TREE: ours(tree_cfg, scout),
-                TREE_WIDE: ours(dataclasses.replace(graphed(), tree_widths=wide_tree_widths), scout),
-                TREE_FUSED: lambda ids: ours(tree_cfg, fused_scout())(ids),
-                TREE_COMPILED: lambda ids: ours(tree_cfg, compiled_scout())(ids),
-                **{name: gated_tree(SEED_CLUTCHES[mode]) for mode, name in GATED_TREES.items()}}
-    return fns
+    def fn_of(v: Variant) -> Callable[[torch.Tensor], Outcome]:
+        if v.runner != "engine":
+            return {"hf_assisted": hf_assisted, "hf_generate": hf_generate}[v.runner]
+        config, clutch, scout_of = config_of(v), clutch_of(v), scouts[v.scout]
+        return lambda ids: ours(config, scout_of(), clutch, v.keep_entropy)(ids)
+
+    return {v.name: fn_of(v) for v in VARIANTS if graphs or not v.graphs}
 
 
 def warm_up(fns: Mapping[str, Callable[[torch.Tensor], Any]], prompts: Mapping[str, tuple[str, torch.Tensor]]) -> None:
@@ -269,83 +256,66 @@ def _jpt(rs: list[Run]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-# Variants whose greedy output must equal plain decoding's token for token: this package's engine.
-OUR_SPECULATIVE = ("fixed_k5", "gated_production", "gated_tuned")  # against plain: the lossless claim
-PEERS = ("hf_assisted", "hf_generate")  # HF transformers on the same pair: the peer baseline
-# This engine on a static cache with replayed CUDA graphs: plain, then the speculative loops timed against it.
-# Shorter fixed drafts, graphed only (a graphed run takes a tenth of an eager one): with per-token acceptance a
-# and a scout step costing c target steps, a K-draft cycle yields (1 - a^(K+1)) / (1 - a) tokens for 1 + K c
-# target steps, so at this pair's acceptance (record 8159141d: 14-25% of K = 5 drafts, a ~ 0.4-0.55; c ~ 0.16)
-# K = 2-3 should beat the seed's K = 5. A prediction until a GPU run measures it.
-SHORTER_K = (2, 3)
-# The tuned clutch with the scout's catch-up forwards eager (DecodeConfig.pad_scout_catchup=False), beside
-# gated_tuned_graphs (padded, the default) in the same run: what padding the catch-up saves where the clutch engages,
-# measured as an A/B of whole decodes rather than of one forward (reproductions/catchup_ab.py).
+# The decode suite's variants, one row each (rows built in a loop: one row per K or per clutch setting). `variants`
+# hands each row's DecodeConfig, scout and clutch to the engine; run_order shuffles them in this order per trial and
+# prompt. The eager rows always run, the graphed ones with --cuda-graphs. What each measured: docs/log.md.
+SHORTER_K = (2, 3)  # chains shorter than the seed's K = 5: cheaper cycles at this pair's acceptance
+LONG_K = 8  # the adaptive schedule's higher ceiling
 UNPADDED = "gated_tuned_graphs_unpadded"
-# The adaptive draft length (DecodeConfig.k_schedule="adaptive": K shrinks by 1 after a rejection, grows by 2 after a
-# fully kept draft, within 1..5), beside the constant K = 5 loops. Prediction before any GPU run (session 9, from the
-# forwards' GPU times of record d2f2400a): on code, where ~0.41 of drafts are kept, fixed-K5 from 0.81x to about 0.92x
-# of graphed plain decoding (K = 2 measured 0.94x); the tuned clutch on prose-instruction, whose 7 speculate cycles
-# kept nothing, from 0.946x to about 0.965x (the failed cycles' extra cost from ~9.4 to ~4.7 ms of a ~245 ms run).
-# Measured (session 10, record e1fb9861, 16 trials): fixed-K5 on code from 0.845x to 1.076x of graphed plain (paired
-# adaptive / constant 1.277x), beating the prediction; adaptive was faster on 6 of 7 prompts (slower only on
-# verse-chant-royal-form, 0.969x). The tuned clutch on prose-instruction: adaptive / constant 1.016x.
-ADAPTIVE = ("fixed_k5_graphs_adaptive", "gated_tuned_graphs_adaptive")
-# The adaptive schedule with a longer ceiling, K = 8 (session 10): the schedule already shrinks K where drafts fail, so
-# a higher ceiling costs only where a fully kept draft is followed by a rejection, and pays on runs of easy tokens
-# (code-instruction and verse-instruction, where adaptive K = 5 gained 1.26-1.29x over constant K = 5). Prediction
-# before a GPU run: code and poem gain 2-5% over adaptive K = 5, physics within 1% of it. Measured (record 424176b8,
-# 16 trials): the prediction failed; adaptive K = 8 over adaptive K = 5 ran 0.976x on code, 0.978x on physics and
-# 0.989x on poem (intervals 0.967-1.005). Adaptive K = 5 over constant K = 5 repeated in that record: 1.370x on code.
-LONG_K = 8
 LONG_ADAPTIVE = f"fixed_k{LONG_K}_graphs_adaptive"
-# Static-tree drafting (DecodeConfig.tree_widths, session 18), graphed: the scout's top w_d tokens per node at depth d,
-# all verified in one target forward. At batch 1 both models are launch-bound, so a wider level costs the scout and
-# the verify little while it keeps the target's token whenever that ranks among the scout's top w_d, not only first.
-# --tree-widths picks the tree; reproductions/standin/tree_probe.py prices every static tree on a pair beforehand.
-# Prediction (the probe, from graphed forward times alone): 4,3,3 at 2.03x graphed plain on code. Measured (session 18,
-# records 87b7dacb and 9d3c7d76, the tree cycle's bookkeeping still eager): 1.46x and 1.42x on code; session 19, the
-# cycle after the scout's catch-up one CUDA graph (record 4f850b1f, another machine): 1.64x. Then the catch-up was
-# folded into that graph (TreeStep.catch_up). Prediction before a GPU run, from the cycle profile of random weights
-# (telemetry/raw/tree_cycle_profile_s19_h200.json: the separate catch-up's events span 0.52 ms around 0.23 ms of
-# kernels, and the step's replay waits on its host call): about 0.3 ms less a cycle; and a static cache's layers were
-# put in one tensor, so the compaction is 2 kernels, not 64 (about 0.13 ms less, at the profile's 2.4 us each):
-# 3.73 to about 3.3 ms there, so code from 1.64x to about 1.85x graphed plain, if the decode's cycles gain as much.
-# reproductions/standin/tree_cycle_profile.py times the engine with and without each change.
-TREE = "tree_graphs"
-# A second, wider tree in the same run (--wide-tree-widths), so two trees are compared side by side. Prediction (the
-# probe with up to 127 nodes and a 0.6 ms overhead per cycle, telemetry/raw/tree_probe_s18_nodes127_h200.json): 6,4,4
-# at 2.38x graphed plain on code, the most a cycle keeps (top-6 coverage) outweighing a 127-token verify. Measured
-# (session 19, record 4f850b1f): 1.62x, against 1.64x for 4,3,3 in the same run; the prediction failed.
-TREE_WIDE = "tree_graphs_wide"
-# The tree_graphs tree with the scout's RMSNorms as one kernel each (sdsie.kernels.rmsnorm, on a copy of the scout):
-# the scout serves speculation alone, so kernels it saves shorten the tree cycle and not plain decoding's step.
-# Prediction before a GPU run (the H200 profile, telemetry/raw/tree_cycle_profile_s19_h200.json, ~2 us a kernel): five
-# norms a scout forward, three forwards a cycle, seven of each norm's eight kernels saved: ~0.2 ms less a cycle, ~5%.
-TREE_FUSED = "tree_graphs_fused_scout"
-# The tree_graphs tree with a copy of the scout compiled by torch.compile (sdsie.models.compiled_copy: inductor's fused
-# kernels, captured in the tree step's graph), for the same reason. Prediction before a decode: session 20's profile
-# on random weights (telemetry/raw/tree_cycle_profile_s20_compiled_h200.json) put a 4,3,3 cycle at 3.05 ms against
-# 3.51 ms with the fused scout norms in the same run (0.87x); record b635e59f's fused-scout cycle on code, about
-# 3.47 ms at 1.80x graphed plain, would then take about 3.0 ms: about 2.1x, if the decode's cycles gain as much.
-TREE_COMPILED = "tree_graphs_compiled_scout"
-TREES = (TREE, TREE_WIDE, TREE_FUSED, TREE_COMPILED)  # every speculate cycle drafts the tree
-# The clutch gating tree_graphs_compiled_scout's tree: an engaged cycle drafts and verifies the tree, a disengaged one
-# is a plain step (the clutch's K is the tree's depth; thresholds and alpha are the seed's). The chain-gated loops
-# (gated_*_graphs) lose where the clutch engages and drafts fail: the tuned one ran 0.975x graphed plain on physics
-# (record d30938f8, interval 0.948-0.994), so issue 8's 1% bound is not established there. Prediction before a GPU
-# run (session 22): an engaged cycle here costs a tree cycle, which on physics ran 1.69x graphed plain on average
-# (record 31c48162) and should do better on the low-entropy stretches the clutch picks, so both gated trees at or
-# above 1.0x graphed plain on every family, the 1% bound met on physics with the interval's low end above 0.99; on
-# code between 1.0x and the always-on tree's 2.0x, lower the more the clutch falls back.
+TREE, TREE_WIDE = "tree_graphs", "tree_graphs_wide"
+TREE_FUSED, TREE_COMPILED = "tree_graphs_fused_scout", "tree_graphs_compiled_scout"
 GATED_TREES = {mode: f"gated_{mode}_tree_graphs_compiled_scout" for mode in SEED_CLUTCHES}  # clutch setting -> variant
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One decode variant: what `variants` runs for it."""
+
+    name: str
+    runner: str = "engine"  # "engine" (sdsie.decoding.generate), or the HF peer: "hf_assisted", "hf_generate"
+    k: int | None = None  # a fixed draft length (None: plain decoding, a tree, or the clutch's own K)
+    scout: str | None = None  # None (no speculation), "plain", "fused" (its RMSNorms one kernel each), "compiled"
+    clutch: str | None = None  # a SEED_CLUTCHES setting gating speculation
+    graphs: bool = False  # a static cache with replayed CUDA graphs; greedy reference plain_graphs
+    schedule: str = "constant"  # DecodeConfig.k_schedule
+    pad: bool = True  # DecodeConfig.pad_scout_catchup
+    tree: str | None = None  # the record config key holding the widths of the static tree it drafts
+    keep_entropy: bool = False  # keep the entropy (bits) behind each token, what a clutch reads
+
+
+VARIANTS = (
+    Variant("plain", keep_entropy=True),  # the eager loops' greedy reference
+    Variant("fixed_k5", k=K, scout="plain"),  # the seed's fixed-K speculation
+    Variant("gated_production", scout="plain", clutch="production"),
+    Variant("gated_tuned", scout="plain", clutch="tuned"),
+    Variant("hf_assisted", runner="hf_assisted"),  # HF transformers on the same pair: the peer
+    Variant("hf_generate", runner="hf_generate"),
+    Variant("plain_graphs", graphs=True),  # the graphed loops' greedy reference
+    Variant("fixed_k5_graphs", k=K, scout="plain", graphs=True),
+    Variant("gated_production_graphs", scout="plain", clutch="production", graphs=True),
+    Variant("gated_tuned_graphs", scout="plain", clutch="tuned", graphs=True),
+    *(Variant(f"fixed_k{k}_graphs", k=k, scout="plain", graphs=True) for k in SHORTER_K),
+    Variant(UNPADDED, scout="plain", clutch="tuned", graphs=True, pad=False),  # the scout's catch-up eager
+    Variant("fixed_k5_graphs_adaptive", k=K, scout="plain", graphs=True, schedule="adaptive"),
+    Variant("gated_tuned_graphs_adaptive", scout="plain", clutch="tuned", graphs=True, schedule="adaptive"),
+    Variant(LONG_ADAPTIVE, k=LONG_K, scout="plain", graphs=True, schedule="adaptive"),
+    Variant(TREE, scout="plain", graphs=True, tree="tree_widths"),  # --tree-widths
+    Variant(TREE_WIDE, scout="plain", graphs=True, tree="wide_tree_widths"),  # --wide-tree-widths, beside TREE
+    Variant(TREE_FUSED, scout="fused", graphs=True, tree="tree_widths"),
+    Variant(TREE_COMPILED, scout="compiled", graphs=True, tree="tree_widths"),
+    *(Variant(name, scout="compiled", clutch=mode, graphs=True, tree="tree_widths")  # the clutch's K: the depth
+      for mode, name in GATED_TREES.items()),
+)
+# Variants whose greedy output must equal plain decoding's token for token: this package's engine.
+OUR_SPECULATIVE = tuple(v.name for v in VARIANTS if v.runner == "engine" and v.scout and not v.graphs)
+PEERS = tuple(v.name for v in VARIANTS if v.runner != "engine")
+ADAPTIVE = tuple(v.name for v in VARIANTS if v.schedule == "adaptive" and v.k != LONG_K)
+TREES = tuple(v.name for v in VARIANTS if v.tree and not v.clutch)  # every speculate cycle drafts the tree
 # Each variant that decodes tree_widths or wide_tree_widths and the record config key holding its widths (one place:
 # decode_record writes them, readme_results reads them back)
-TREE_WIDTHS_KEY = {TREE: "tree_widths", TREE_WIDE: "wide_tree_widths", TREE_FUSED: "tree_widths",
-                   TREE_COMPILED: "tree_widths", **dict.fromkeys(GATED_TREES.values(), "tree_widths")}
-GRAPHED = ("plain_graphs", "fixed_k5_graphs", "gated_production_graphs", "gated_tuned_graphs",
-           *(f"fixed_k{k}_graphs" for k in SHORTER_K), UNPADDED, *ADAPTIVE, LONG_ADAPTIVE, *TREES,
-           *GATED_TREES.values())
+TREE_WIDTHS_KEY = {v.name: v.tree for v in VARIANTS if v.tree}
+GRAPHED = tuple(v.name for v in VARIANTS if v.graphs)
 # Checked and reported apart: HF assisted (a peer), the graphed speculative loops (against plain_graphs, the same
 # static-cache kernels) and plain_graphs against plain (a static cache masks attention explicitly: other bf16 kernels).
 COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
@@ -355,11 +325,9 @@ COMPARED = (*OUR_SPECULATIVE, "hf_assisted", *GRAPHED)
 BASELINE = {v: "plain_graphs" for v in GRAPHED[1:]}
 
 
-# The graphed loops' energy over windows of back-to-back runs (session 10). A graphed run of 128 tokens takes about
-# 0.25 s, two or three updates of NVML's ~100 ms energy counter, so one run's J/token is quantized by tens of percent:
-# in records e1fb9861 and 424176b8 the same variant's per-run medians against graphed plain moved from 1.47x to 1.01x,
-# and 8 of 424176b8's 9 speculative cells came out at 0.66-0.68x whatever their speed (1.07-1.29x). A window
-# of ENERGY_WINDOW_S spans about twenty updates. Eager runs last 1-3 s and keep their per-run windows.
+# The graphed loops' energy over windows of back-to-back runs. A graphed run of 128 tokens takes about 0.25 s, two or
+# three updates of NVML's ~100 ms energy counter, so one run's J/token is quantized by tens of percent; a window of
+# ENERGY_WINDOW_S spans about twenty updates. Eager runs last 1-3 s and keep their per-run windows.
 ENERGY_WINDOW_S = 2.0
 
 
@@ -533,44 +501,6 @@ def gap_at(target, ids: torch.Tensor, plain: list[int], i: int, other: int | Non
         return {**out, "variant_token_deficit": None, "variant_token_rank": None}
     return {**out, "variant_token_deficit": float(row[plain[i]] - row[other]),
             "variant_token_rank": int((row > row[other]).sum())}
-
-
-def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,
-                        seed: int = 0) -> tuple[float, float]:
-    """Percentile-bootstrap interval of the median of values (seeded, so a record recomputes to the same; the values
-    are sorted first, so the interval does not depend on the order they were collected in)."""
-    if not values:
-        raise ValueError("bootstrap_median_ci needs at least one value")
-    rng = random.Random(seed)
-    values = sorted(values)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    tail = (1.0 - level) / 2.0
-    return meds[int(tail * (resamples - 1))], meds[int(round((1.0 - tail) * (resamples - 1)))]
-
-
-def paired_ratios(samples: Mapping[str, list[float]], variant: str, baseline: str,
-                  prompts: Iterable[str]) -> list[float]:
-    """tokens/s of each run of `variant` over its `baseline` run of the same prompt and trial.
-
-    samples: a record's `<variant>|<prompt>|tokens_per_s` lists, in trial order (the suite appends trial by trial).
-    A ratio against the run beside it in the same trial cancels what drifts between trials (the host's speed
-    moved plain decoding between 32 and 63 tok/s within one record), which a ratio of medians does not."""
-    out: list[float] = []
-    for pr in prompts:
-        a, b = samples.get(f"{variant}|{pr}|tokens_per_s"), samples.get(f"{baseline}|{pr}|tokens_per_s")
-        if a and b:
-            if len(a) != len(b):
-                raise ValueError(f"{variant} and {baseline} on {pr}: {len(a)} and {len(b)} runs, cannot pair by trial")
-            out += [x / y for x, y in zip(a, b, strict=True)]
-    return out
-
-
-def paired_speedup(ratios: list[float]) -> tuple[float, float, float] | None:
-    """(median, 95% bootstrap interval low, high) of paired tokens/s ratios; None without any."""
-    if not ratios:
-        return None
-    low, high = bootstrap_median_ci(ratios)
-    return statistics.median(ratios), low, high
 
 
 def run_ratios(runs: list[Run], variant: str, family: str) -> list[float]:
@@ -847,10 +777,10 @@ class Setup:
 def pair_build_id(models: list[dict]) -> str:
     """8 hex digits naming one build of the pair: a hash over both models' weight hashes.
 
-    Two builds of the non-deterministic recipe on two H200 leases gave different pairs; the gpu recipe now
-    trains with deterministic kernels, and its build repeated bit for bit on two H200 leases (37a43dbc, sessions 5
-    and 6). Another GPU, driver or library version may still train other weights, so a record's conditions name
-    the build, and the claims gate judges a record only against references pinned on the same weights.
+    The gpu recipe trains with deterministic kernels, and its build repeats bit for bit on one GPU model, driver and
+    library set (build 37a43dbc, twice on an H200). Another GPU, driver or library version may still train other
+    weights, so a record's conditions name the build, and the claims gate judges a record only against references
+    pinned on the same weights.
     """
     digests = sorted(f"{m['name']}:{m['checkpoint_sha256']}" for m in models)
     return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:8]
@@ -944,18 +874,14 @@ def forward_costs(target, scout, ids: torch.Tensor, k: int = K, reps: int = 30,
             feed = ids[-1:].repeat(n_tokens)
             times, gpu = [], []
             for _ in range(reps + 3):  # the first 3 are warm-up (and, with graphs, the capture)
-                _sync()
-                if events:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
+                sync_device(ids.device)
                 t0 = time.perf_counter()
-                forward(model, feed, cache, last_only=n_tokens == 1)
                 if events:
-                    end.record()
-                _sync()
+                    gpu.append(cuda_event_ms(lambda: forward(model, feed, cache, last_only=n_tokens == 1)))
+                else:
+                    forward(model, feed, cache, last_only=n_tokens == 1)
+                sync_device(ids.device)
                 times.append(1e3 * (time.perf_counter() - t0))
-                if events:
-                    gpu.append(start.elapsed_time(end))
                 crop_cache(cache, base)
         return statistics.median(times[3:]), statistics.median(gpu[3:]) if gpu else None
 
@@ -1053,7 +979,7 @@ def gear_record(s: Setup, trials: int = 5, max_new: int = 128, clutch: ClutchCon
                      conditions={**s.conditions, "trials": trials})
 
 
-# One GPU process runs the decode suite once for the four test nodes it serves (tests/test_*_gpu.py).
+# One GPU process runs the decode suite once for the four test nodes it serves (reproductions/test_*_gpu.py).
 
 
 @functools.cache

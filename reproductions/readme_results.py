@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sdsie.clutch import SEED_CLUTCHES
-from sdsie.telemetry.records import RunRecord, load_records
+from sdsie.telemetry.records import RunRecord, load_records, newest_record
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEAD_BEGIN, HEAD_END = "<!-- headline:begin -->", "<!-- headline:end -->"
@@ -40,13 +40,9 @@ def newest(records: list[RunRecord], suite: str,
            variants: tuple[str, ...] | Callable[[RunRecord], bool] = ()) -> RunRecord | None:
     """The newest record of a suite; with `variants`, the newest whose run decoded all of them (a `--variants`
     subset run does not replace the full table, it adds its own), or, given a predicate, the newest it accepts."""
-    def fits(r: RunRecord) -> bool:
-        if callable(variants):
-            return variants(r)
-        return set(variants) <= set(r.config.get("variants", variants))
-
-    rs = [r for r in records if r.suite == suite and fits(r)]
-    return max(rs, key=lambda r: r.created) if rs else None
+    if callable(variants):
+        return newest_record(records, suite, variants)
+    return newest_record(records, suite, lambda r: set(variants) <= set(r.config.get("variants", variants)))
 
 
 MAIN_DECODE = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
@@ -220,7 +216,7 @@ def k_sweep_section(rec: RunRecord) -> list[str]:
 def paired_cell(rec: RunRecord, variant: str, family: str, prompts: list[str]) -> tuple[float, float, float] | None:
     """`variant`'s tokens/s over graphed plain decoding paired by prompt and trial (median, 95% interval): the record's
     own metrics where it has them, else recomputed from its samples (records without the paired metrics)."""
-    from reproductions.decode_repro import paired_ratios, paired_speedup
+    from sdsie.stats import paired_ratios, paired_speedup
 
     key = f"{variant}.{family}.paired_speedup_vs_plain_graphs"
     if key in rec.metrics:
@@ -327,7 +323,7 @@ def _cell(got: tuple[float, float, float] | None) -> str:
 def adaptive_section(rec: RunRecord) -> list[str]:
     """The adaptive draft length against a constant K = 5, both under CUDA graphs: each over graphed plain decoding,
     and adaptive over constant directly, paired by prompt and trial; per prompt where the two differ most."""
-    from reproductions.decode_repro import paired_ratios, paired_speedup
+    from sdsie.stats import paired_ratios, paired_speedup
 
     mt = rec.metrics
     by_family = _prompts_by_family()
@@ -364,7 +360,7 @@ def long_adaptive_section(rec: RunRecord) -> list[str]:
     """Constant K = 5, adaptive with ceiling 5 and adaptive with ceiling 8 over graphed plain decoding, and each
     adaptive ceiling's ratio to the one before it (adaptive 5 / constant 5, adaptive 8 / adaptive 5), paired by
     prompt and trial."""
-    from reproductions.decode_repro import paired_ratios, paired_speedup
+    from sdsie.stats import paired_ratios, paired_speedup
 
     by_family = _prompts_by_family()
     fams = [f for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in rec.metrics]
@@ -519,7 +515,8 @@ def graphed_identity_line(rec: RunRecord) -> str | None:
 def catch_up_lines(rec: RunRecord, fams: list[str], by_family: dict[str, list[str]]) -> list[str]:
     """The tuned clutch with the scout's catch-up padded and replayed (the default) against the same clutch with it
     eager, paired run by run, on each prompt where the clutch engaged (elsewhere the scout never catches up)."""
-    from reproductions.decode_repro import UNPADDED, paired_ratios, paired_speedup
+    from reproductions.decode_repro import UNPADDED
+    from sdsie.stats import paired_ratios, paired_speedup
 
     decisions = rec.config.get("decisions", {})
     cells = []

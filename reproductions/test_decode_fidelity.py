@@ -140,9 +140,9 @@ def test_assert_serves_accepts_a_record_that_holds_the_claims_and_names_what_is_
     from pathlib import Path
 
     from reproductions.decode_repro import DECODE_TESTS, assert_serves
-    from sdsie.telemetry.records import load_records
+    from sdsie.telemetry.records import load_records, newest_record
 
-    rec = max((r for r in load_records(Path("telemetry")) if r.suite == "decode_standin"), key=lambda r: r.created)
+    rec = newest_record(load_records(Path("telemetry")), "decode_standin")
     node = "reproductions/test_speculative_gpu.py::test_plain_decode_throughput"
     assert_serves(rec, DECODE_TESTS, node, ["e2e-throughput"])
     with pytest.raises(AssertionError, match="does not serve"):
@@ -189,8 +189,8 @@ def test_readme_graphs_line_reads_the_graph_variants_or_is_absent():
 
 def test_acceptance_counts_every_run_that_drafted_not_only_the_first():
     """A gated variant may draft on one prompt of a family and never on another: its acceptance is over all the
-    family's drafts. Session 4's records left gated_tuned's code acceptance out because the family's first run
-    (code-instruction) drafted nothing while code-bst-module drafted."""
+    family's drafts. Counting the first run only would leave gated_tuned's code acceptance out where the family's
+    first run (code-instruction) drafted nothing while code-bst-module drafted."""
     from reproductions.decode_repro import decode_metrics
 
     runs = _eager_runs("p")
@@ -209,7 +209,8 @@ def test_acceptance_counts_every_run_that_drafted_not_only_the_first():
 def test_paired_speedups_cancel_drift_between_trials_and_carry_an_interval():
     """A variant 2% slower than plain in every trial while the host's speed doubles between trials: the paired
     median says 0.98 exactly, where a ratio of medians would follow the drift."""
-    from reproductions.decode_repro import bootstrap_median_ci, decode_metrics, paired_ratios, run_ratios
+    from reproductions.decode_repro import decode_metrics, run_ratios
+    from sdsie.stats import bootstrap_median_ci, paired_ratios
 
     host = [40.0, 80.0, 45.0, 60.0, 75.0]  # plain tok/s per trial
     runs = []
@@ -316,7 +317,7 @@ def test_readme_leaves_out_the_k_sweep_table_until_a_record_has_one(tmp_path):
 
 def test_the_bootstrap_interval_does_not_depend_on_the_order_of_its_values():
     """The record pairs runs in run order and the README in prompt order: the same ratios must give one interval."""
-    from reproductions.decode_repro import bootstrap_median_ci
+    from sdsie.stats import bootstrap_median_ci
 
     values = [1.073, 1.071, 1.056, 0.99, 1.071, 0.938, 1.061, 0.995, 1.023, 0.937]  # unsorted, the low end moves
     assert bootstrap_median_ci(values) == bootstrap_median_ci(values[::-1]) == bootstrap_median_ci(sorted(values))

@@ -219,7 +219,7 @@ PRESETS: dict[str, StandinConfig] = {
     # early exit: the target's embeddings, first 2 layers and final norm, distilled (pure KL)
     # against the frozen, finished target. Its width costs almost nothing at batch 1, where a
     # decode step is launch-bound and its cost follows the layer count (2 of 16).
-    # Steps: 800 + 400 built in 153 s on the H200 (session 3: target 79 s, scout 22 s), leaving
+    # Steps: 800 + 400 built in 153 s on the H200 (target 79 s, scout 22 s), leaving
     # validation loss still falling (2.83 nats target, 3.39 scout) and greedy agreement 34-98% by prompt;
     # 1600 + 800 spends about 250 s of the 5-minute budget on the same pair shape.
     "gpu": StandinConfig(
@@ -995,12 +995,12 @@ def _deterministic(enabled: bool) -> Iterator[None]:
     """Deterministic CUDA kernels for the duration of a build, the caller's settings restored after.
 
     Without it two H200 builds of one recipe on one corpus gave two different pairs (attention backward
-    accumulates with atomics), so every lease needed references pinned for its own build. Strict mode, not
+    accumulates with atomics), so every build needed references pinned for its own weights. Strict mode, not
     warn_only: with warn_only, flash attention's backward keeps its atomic (non-deterministic) algorithm and
     only warns. An op with no deterministic CUDA kernel then raises, naming itself; NLLLoss is one, so the
     cross-entropy is a gather under this mode (`_nll`). cuBLAS needs a fixed workspace (CUBLAS_WORKSPACE_CONFIG)
     before its first handle: it is set here when the caller has not, which works when no cuBLAS call ran
-    earlier in the process. `reproductions/standin/determinism_check.py` measures whether builds repeat.
+    earlier in the process. `research/standin/determinism_check.py` measures whether builds repeat.
     """
     if not enabled:
         yield
@@ -1098,7 +1098,7 @@ def ensure_standin(config: StandinConfig, device: torch.device | None = None) ->
     return pair_dir
 
 
-def load_pair(pair_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def load_standin_pair(pair_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """(target, scout, tokenizer) from a built pair's directory, models in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -1119,8 +1119,8 @@ def load_standin(preset: str = "cpu", device: torch.device | str = "cpu", dtype:
     """(target, scout, tokenizer): `cpu` from the committed pair, other presets from the cache (built on a miss)."""
     config = get_preset(preset)
     if preset == "cpu":
-        return load_pair(COMMITTED_CPU_DIR, device, dtype)
-    return load_pair(ensure_standin(config, torch.device(device)), device, dtype)
+        return load_standin_pair(COMMITTED_CPU_DIR, device, dtype)
+    return load_standin_pair(ensure_standin(config, torch.device(device)), device, dtype)
 
 
 # --------------------------------------------------------------------------------------------------

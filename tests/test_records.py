@@ -18,6 +18,7 @@ from sdsie.telemetry.records import (
     capture_environment,
     load_record,
     load_records,
+    newest_record,
     records_for_claim,
     write_record,
 )
@@ -70,6 +71,18 @@ def test_write_creates_directory_and_load_orders_by_creation(tmp_path: Path) -> 
     assert [r.created for r in loaded] == [older.created, newer.created]
     assert records_for_claim(loaded, "kernel.bandwidth_reduction") == loaded
     assert records_for_claim(loaded, "other") == []
+
+
+def test_the_newest_record_of_a_suite_is_the_latest_created_that_the_filter_accepts() -> None:
+    old = make_record(created="2026-01-01T00:00:00+00:00", config={"variants": ["plain", "tree"]})
+    new = make_record(created="2026-02-01T00:00:00+00:00", config={"variants": ["plain"]})
+    other = make_record(created="2026-03-01T00:00:00+00:00", suite="decode_standin")
+    records = [new, other, old]
+    assert newest_record(records, "kernel_bandwidth") is new
+    assert newest_record(records) is other
+    assert newest_record(records, "kernel_bandwidth", lambda r: "tree" in r.config["variants"]) is old
+    assert newest_record(records, "kernel_bandwidth", lambda r: False) is None
+    assert newest_record([], "kernel_bandwidth") is None
 
 
 def test_missing_directory_means_no_records(tmp_path: Path) -> None:
@@ -229,7 +242,7 @@ def test_git_state_reports_sha_and_dirty_flag(tmp_path: Path) -> None:
 
 
 def test_a_copied_tree_records_the_commit_it_was_declared_to_come_from(tmp_path: Path, monkeypatch) -> None:
-    """The GPU machine's copy of the tree carried a stale .git (records of sessions 6-8 name an old HEAD, dirty):
+    """The GPU machine's copy of the tree carried a stale .git (some committed records name an old HEAD, dirty):
     the commit named in SDSIE_SOURCE_COMMIT is kept beside what the copy's git says, also where git fails."""
     monkeypatch.setenv(env_mod.SOURCE_COMMIT_ENV, "9558dd2")
     failed = env_mod.git_state(tmp_path / "missing")

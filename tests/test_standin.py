@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -337,7 +339,7 @@ def test_cache_builds_once_then_hits(tmp_path, monkeypatch) -> None:
     assert built.parent == tmp_path / "standin" and built.name.startswith("tiny-")
     manifest = S.read_manifest(built)
     assert manifest["key"] == built.name and manifest["train"]["phases"]["joint"]["steps_completed"] == 3
-    target, scout, tok = S.load_pair(built)
+    target, scout, tok = S.load_standin_pair(built)
     assert target.config.num_hidden_layers == 2 and len(tok) == 300
 
     def no_training(*args, **kwargs):
@@ -403,7 +405,7 @@ def test_two_phase_recipe_trains_target_then_distills_an_early_exit_scout(tmp_pa
     assert list(phases) == ["target", "scout"]
     assert phases["target"]["steps_completed"] == TINY.train.steps and phases["scout"]["steps_completed"] == 2
     assert "scout_ce" not in phases["target"]["loss_history"][0]  # the target phase trains the target alone
-    target, scout, _ = S.load_pair(tmp_path / "pair")
+    target, scout, _ = S.load_standin_pair(tmp_path / "pair")
     assert scout.config.num_hidden_layers == 1 and target.config.num_hidden_layers == 2
 
 
@@ -434,3 +436,44 @@ def test_distill_scout_trains_on_the_windows_it_is_given_and_names_a_shortfall(p
     with pytest.raises(ValueError, match="got 2 batches for 3 steps"):
         S.distill_scout(target, S.scout_from_target(target, cfg, tok), stream, cfg, torch.device("cpu"),
                         windows=mine[:2])
+
+
+# Deterministic training: the switch the gpu recipe trains under (research/standin/determinism_check.py measures
+# whether builds repeat with it).
+
+
+def test_deterministic_mode_is_strict_inside_and_restored_after(monkeypatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    with S._deterministic(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # warn_only keeps atomic attention
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.are_deterministic_algorithms_enabled() == before
+    with S._deterministic(False):
+        assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_the_recipe_setting_decides_the_mode_training_runs_in(monkeypatch) -> None:
+    """train_reproducibly (what builds call) trains under deterministic kernels exactly when the recipe says so."""
+    seen = []
+    monkeypatch.setattr(S, "train_models", lambda *a: seen.append(torch.are_deterministic_algorithms_enabled()))
+    before = torch.are_deterministic_algorithms_enabled()
+    for det in (True, False):
+        cpu = S.PRESETS["cpu"]
+        cfg = dataclasses.replace(cpu, train=dataclasses.replace(cpu.train, deterministic=det))
+        S.train_reproducibly(cfg, None, torch.device("cpu"))
+    assert seen == [True, before] and torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_gather_nll_equals_nll_loss_with_its_gradient() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 7, generator=gen, requires_grad=True)
+    y = torch.randint(0, 7, (12,), generator=gen)
+    ref = F.nll_loss(F.log_softmax(logits, -1), y)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    with S._deterministic(True):
+        got = S._nll(F.log_softmax(logits, -1), y)
+        (g_got,) = torch.autograd.grad(got, logits)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(g_got, g_ref)

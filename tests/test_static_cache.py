@@ -297,8 +297,8 @@ def test_padded_scout_catch_up_decodes_as_the_dynamic_cache(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stale_positions_leave_later_logits_bit_identical(dtype):
     """Positions past the counter (rejected drafts, another run's leftovers) must not reach a later forward at all:
-    its logits equal a fresh cache's bit for bit, even when the stale keys and values are huge. (Session 8 saw a
-    near-tie flip between two graphed loops that share a target cache in 3 of 10 trials; on the CPU this holds.)"""
+    its logits equal a fresh cache's bit for bit, even when the stale keys and values are huge. (Graphed loops that
+    share a target cache have flipped a near-tie in 3 of 10 trials on the H200, docs/log.md; on the CPU this holds.)"""
     model = copy.deepcopy(TARGET).to(dtype)
     ids = torch.tensor([1, 5, 9, 4, 7])
     with torch.inference_mode():

@@ -280,7 +280,7 @@ def test_a_tree_cycle_without_room_in_a_static_cache_is_refused_before_it_runs()
 def test_a_tree_cycles_device_work_makes_no_tensor_from_a_host_value():
     """TreeStep.body is captured as one CUDA graph, and a capture refuses any host-to-device copy: a tensor made from a
     host value (a Python scalar written into a tensor, torch.tensor(...)) is one. On a CPU such an op shows as
-    aten.lift_fresh; there must be none (the H200 refused session 18's `ok[0] = True` in the verify this way)."""
+    aten.lift_fresh; there must be none (the H200 refuses an `ok[0] = True` in the verify this way)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from sdsie.decoding.tree import TreeStep

@@ -54,8 +54,8 @@ def load_baseline(path: Path) -> ModuleType:
 
 
 def ab_case(case: Case, base: ModuleType, gen: torch.Generator, device: str) -> dict:
-    # the suite's rotation (int4_bench.weight_rotation): in session 6's run, 4 bf16 copies of the small shapes
-    # fitted in L2 and made bf16 look fast there (kv_1024x4096: 5.9 against the suite's 7.0 us)
+    # the suite's rotation (int4_bench.weight_rotation): with fewer copies, 4 bf16 copies of the small
+    # shapes fit in L2 and make bf16 look fast there (kv_1024x4096: 5.9 against the suite's 7.0 us)
     ws, wb = weight_rotation(case, gen, device)
     w = ws[0]
     x = torch.randn(case.m, case.k, generator=gen).to(torch.bfloat16).to(device)

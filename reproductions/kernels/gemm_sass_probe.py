@@ -4,19 +4,19 @@
 
 * package bytes: `_int4_gemm_kernel` unpacks bytes to bf16 one code at a time before its two `tl.dot`s, x the left
   operand.
-* words variant (not in the package; NOTES.md, session 6): int32 words, two bf16 codes per LOP3 (nibbles i and
+* words variant (not in the package; docs/kernel-log.md): int32 words, two bf16 codes per LOP3 (nibbles i and
   i + 4, `_code_pairs_16` below), eight K = BK/8 dots against x gathered at k = 8c + i, x still the left operand.
-  It exists to count instructions and has never run on a GPU. (Session 7's swap_ab words kernel put the same words
-  and dots on a wgmma's left side, and its one_dot form joined them into one dot; both paid a round trip of the
-  codes through shared memory, which the hoist check below shows, and the planes kernel replaced both in session
-  12. Their counts are in NOTES.md.)
-* package planes: `_int4_gemm_planes_kernel` (`Int4KernelConfig.swap_ab`, session 12), weights on the wgmma's left
+  It exists to count instructions and has never run on a GPU. (A swap_ab words kernel that put the same words and
+  dots on a wgmma's left side, and its one_dot form that joined them into one dot, both paid a round trip of the
+  codes through shared memory, which the hoist check below shows; the planes kernel replaced both. Their counts are
+  in docs/kernel-log.md.)
+* package planes: `_int4_gemm_planes_kernel` (`Int4KernelConfig.swap_ab`), weights on the wgmma's left
   as bytes: the low and high nibbles of one loaded byte tile are two dots against x's even and odd columns, each an
   elementwise function of the tile, dequantized in inline PTX (two bytes per call) in the wgmma's register layout.
   "package planes, Triton ops" compiles the same kernel with the interpreter's dequantization (Triton ops, ASM off),
-  "package planes, x gathers" with x's two strided gathers instead of its words (X_WORDS off, session 13), and
+  "package planes, x gathers" with x's two strided gathers instead of its words (X_WORDS off), and
   "package planes, 2-byte scales" with the scales and zero-points loaded as 2-byte values instead of int32 words
-  (SZ_WORDS off, sessions 14 and 15). "package planes" sets every flag as the host does for 16-bit, aligned tensors; the
+  (SZ_WORDS off). "package planes" sets every flag as the host does for 16-bit, aligned tensors; the
   host leaves SZ_WORDS off at BN 256 with 4 warps and at BN 32, which the probe does not.
 
 All compute the same group-wise dequantized product (the +16 folded out with the sum of x). The probe prints first
@@ -52,8 +52,8 @@ def _code_pairs_16(w, i: tl.constexpr, magic, CODE_DTYPE: tl.constexpr):
 
     The shift drops nibble i into the mantissa of 16.0 in the low 16-bit half and nibble i + 4 into the high half
     (bf16: bits 3..6 of 0x4180, fp16: bits 6..9 of 0x4C00); the halves are then split off (PRMT in SASS). The
-    caller folds the +16 out with the sum of x. (Session 7's words swap kernel's extraction, kept here for the
-    probes after that kernel left the package.)"""
+    caller folds the +16 out with the sum of x. (The extraction of a words swap kernel that is no longer in the
+    package, kept here for the probes.)"""
     BASE: tl.constexpr = 6 if CODE_DTYPE == tl.float16 else 3  # mantissa bit where a code starts
     MASK: tl.constexpr = 0x03C003C0 if CODE_DTYPE == tl.float16 else 0x00780078
     if 4 * i <= BASE:

@@ -4,7 +4,7 @@ timed is the Python in front of Triton's launcher (checks, launch-plan lookup, a
     python -m reproductions.kernels.host_overhead [--baseline OTHER_int4_gemm.py] [--out OUT.json]
 
 At batch 1 this time is latency whenever the host, not the GPU, is the slower side (do_bench counts it when it
-exceeds the cache flush in front of each call: reproductions/kernels/NOTES.md). With --baseline, another version
+exceeds the cache flush in front of each call: docs/kernel-log.md). With --baseline, another version
 of sdsie/kernels/int4_gemm.py (`git show REV:sdsie/kernels/int4_gemm.py`) is timed beside this tree's, alternating.
 The launcher's own C code and the driver call are not included; on the GPU the kernel suite's `host_us` holds the
 whole enqueue time.

@@ -3,10 +3,10 @@ offline and count their SASS per code.
 
     python -m reproductions.kernels.packed_sass_probe
 
-Session 10's third prediction (reproductions/kernels/NOTES.md): FFMA and LOP3 are 62% of what the tuned GEMV
+A prediction in docs/kernel-log.md: FFMA and LOP3 are 62% of what the tuned GEMV
 executes, and only packed arithmetic halves them. The toy loops below do the GEMV's inner product on [BN, BC] int32
 word tiles (8 codes per word) the packed way: one and-or per two codes puts 16 + q of codes i and i + 4 into the
-two bf16 halves of a register (`_code_pairs_16`, session 7's words swap kernel's extraction), one bf16x2
+two bf16 halves of a register (`_code_pairs_16`, gemm_sass_probe's words extraction), one bf16x2
 subtraction of 16 + z leaves q - z exactly, and bf16x2 multiply-adds sum a word's eight products in four packed
 steps before one conversion to fp32 per pair. Two forms:
 

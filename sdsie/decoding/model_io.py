@@ -9,7 +9,7 @@ never lets a later query see, and the next forward overwrites them. A static cac
 with `cuda_graphs`, the forward of each token count the engine repeats (1 and K + 1) is captured once and
 replayed, so a decode step costs one graph launch instead of one host dispatch per kernel (gpt-fast's
 approach); other counts (a scout's catch-up) can be padded to a few captured sizes (`pad_sizes`). On the
-H200 the stand-in's plain decoding ran at 99.9 and 64.2 tok/s (median) on two leases of the same GPU
+H200 the stand-in's plain decoding ran at 99.9 and 64.2 tok/s (median) on two machines of the same GPU
 (records 81adafc6, af6c76f9), which points at the host's dispatch; the records now measure it.
 """
 

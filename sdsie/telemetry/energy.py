@@ -1,4 +1,4 @@
-"""GPU energy over a window of work, the Zeus way (ANCHORS.md sec. 3).
+"""GPU energy over a window of work, the Zeus way (its measurement windows and idle baseline).
 
 Backends, chosen once when the meter is built and recorded in every result:
 

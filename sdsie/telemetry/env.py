@@ -2,7 +2,7 @@
 
 Everything a reader needs to cite or re-run a measurement: git sha + dirty flag, date, python and
 library versions, CUDA runtime, GPU name / driver / clocks / power limit / temperature (NVML),
-seeds, model checkpoint hashes, prompt hashes (lm-evaluation-harness practice; ANCHORS.md sec. 4).
+seeds, model checkpoint hashes, prompt hashes (lm-evaluation-harness practice).
 
 NVML is reached through a backend object with pynvml's names (`nvmlInit`,
 `nvmlDeviceGetHandleByIndex`, ...): the `pynvml` module itself (package nvidia-ml-py) in
@@ -236,8 +236,8 @@ def host_launch_us(device: Any = "cuda", launches: int = 2000, trials: int = 5) 
 
     Each loop launches `launches` one-element in-place adds back to back and synchronizes once, so the
     time is mostly the host's submission cost (a one-element add is far shorter on the GPU than a launch).
-    It says how fast the lease's host is: plain decoding of the stand-in pair, a small model, ran at 99.9
-    and 64.2 tok/s (medians, records 81adafc6 and af6c76f9) on two leases of one GPU kind.
+    It says how fast the machine's host is: plain decoding of the stand-in pair, a small model, ran at 99.9
+    and 64.2 tok/s (medians, records 81adafc6 and af6c76f9) on two machines of one GPU kind.
     """
     import torch
 

@@ -29,7 +29,7 @@ import math
 import os
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -330,3 +330,11 @@ def _is_record_file(path: Path) -> bool:
 def records_for_claim(records: Iterable[RunRecord], claim_id: str) -> list[RunRecord]:
     """Records that declare `claim_id`, oldest first."""
     return sorted((r for r in records if claim_id in r.claim_ids), key=lambda r: (r.created, r.record_id))
+
+
+def newest_record(records: Iterable[RunRecord], suite: str | None = None,
+                  accept: Callable[[RunRecord], bool] | None = None) -> RunRecord | None:
+    """The newest of `records` (by creation time, then record id) of `suite` (any suite when None) that `accept`
+    accepts (every one when None); None when there is none."""
+    chosen = [r for r in records if (suite is None or r.suite == suite) and (accept is None or accept(r))]
+    return max(chosen, key=lambda r: (r.created, r.record_id)) if chosen else None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sdsie.decoding.engine as engine
-from reproductions.standin.tree_cycle_profile import PARTS, engine_as, fixed_ms, split
+from research.standin.tree_cycle_profile import PARTS, engine_as, fixed_ms, split
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import StaticKV
 from sdsie.decoding.tree import TreeStep
@@ -54,7 +54,7 @@ def test_the_script_runs_end_to_end_as_a_cpu_dry_run(tmp_path):
     """Every loop of a GPU call (plain, and each tree three ways) runs and lands in the JSON, fixed cost included."""
     import json
 
-    from reproductions.standin.tree_cycle_profile import main
+    from research.standin.tree_cycle_profile import main
 
     out = tmp_path / "p.json"
     assert main(["--device", "cpu", "--tokens", "8", "--runs", "1", "--widths", "2,2", "--out", str(out)]) == 0
@@ -72,7 +72,7 @@ def test_compiled_scout_adds_a_loop_with_a_compiled_copy_and_only_selects_loops(
     instead of compiling: inductor on two CPU cores takes a minute), and --only keeps the loops it names."""
     import json
 
-    import reproductions.standin.tree_cycle_profile as profile
+    import research.standin.tree_cycle_profile as profile
 
     compiled: list[torch.nn.Module] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
@@ -86,7 +86,7 @@ def test_compiled_scout_adds_a_loop_with_a_compiled_copy_and_only_selects_loops(
 
 
 def test_only_names_a_loop_that_does_not_exist_and_is_refused(tmp_path):
-    from reproductions.standin.tree_cycle_profile import main
+    from research.standin.tree_cycle_profile import main
 
     with pytest.raises(SystemExit, match="no loop named tree_graphs_2x2_compiled_scout"):
         main(["--device", "cpu", "--widths", "2,2", "--only", "tree_graphs_2x2_compiled_scout",

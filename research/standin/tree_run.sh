@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One GPU call for static-tree speculation on the gpu stand-in pair (the build takes 280-330 s of it; session 18's
-# second call, with the probe, ran past the 10-minute limit before its decode: set TREE_WIDTHS to fit one call):
+# A driver for one GPU call of at most 10 minutes: which static tree to decode on the gpu stand-in pair, and how it
+# decodes beside plain and the adaptive chain (its records: decode_standin records with tree variants; findings in
+# docs/log.md). The build takes 280-330 s of the call; with the probe too a call can run past the limit before its
+# decode: set TREE_WIDTHS to fit one call. Steps:
 #   1. the gpu pair, built into the cache or loaded from it, and its manifest;
 #   2. tree_probe (unless TREE_WIDTHS is set): every static tree's kept tokens (exact under greedy verification),
 #      priced at graphed forward times;
@@ -11,7 +13,7 @@
 #      (tiny models).
 # Every step runs whatever the others returned; each step's exit code is in $OUT/steps.txt.
 #
-#   OUT=/path/to/out bash reproductions/standin/tree_run.sh [extra decode_repro flags...]
+#   OUT=/path/to/out bash research/standin/tree_run.sh [extra decode_repro flags...]
 #   TREE_WIDTHS=4,3,3 ...   skip the probe and decode this tree (build + tests + decode: about 9 minutes)
 #   WIDE_TREE_WIDTHS=6,4,4 ...   and decode this tree beside it
 #   FUSED_SCOUT=1 ...   add the tree_graphs tree with the scout's RMSNorms fused (tree_graphs_fused_scout)
@@ -52,7 +54,7 @@ manifest=$(tail -n 1 "$OUT/build.log")
 [[ -f $manifest/manifest.json ]] && cp "$manifest/manifest.json" "$OUT/standin_gpu_manifest.json"
 widths=${TREE_WIDTHS:-}
 if [[ -z $widths ]]; then  # the probe picks the tree; with TREE_WIDTHS it is skipped (about a minute saved)
-    step tree_probe "$PYTHON" -m reproductions.standin.tree_probe --pair gpu --device cuda --max-nodes 127 \
+    step tree_probe "$PYTHON" -m research.standin.tree_probe --pair gpu --device cuda --max-nodes 127 \
         --overhead-ms "${TREE_OVERHEAD_MS:-0.6}" --out "$OUT/tree_probe_gpu.json"
 fi
 if [[ -z $widths && -f $OUT/tree_probe_gpu.json ]]; then

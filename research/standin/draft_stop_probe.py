@@ -2,7 +2,11 @@
 run: fixed-K speculation on a stand-in pair with and without the stop, counted (drafts, kept drafts, scout and
 target forwards, tokens), and priced with a decode record's graphed forward times.
 
-    python -m reproductions.standin.draft_stop_probe --out telemetry/raw/draft_stop_probe.json
+Answered on the committed CPU pair: no threshold from 0.01 to 0.6 beat the adaptive schedule without the stop on any
+family (telemetry/raw/draft_stop_probe_s15_cpu.json; docs/log.md). The gpu pair's count (`--pair gpu --device cuda`)
+has not been run.
+
+    python -m research.standin.draft_stop_probe --out telemetry/raw/draft_stop_probe.json
 
 Counts come from real decodes. The engine is lossless up to floating-point near-ties: in bf16 the (K+1)-token verify
 and the 1-token plain step run other kernels, so where the target's top two logits (nearly) tie the argmax can flip

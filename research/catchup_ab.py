@@ -1,6 +1,10 @@
 """Graphed gated decoding with the scout's catch-up padded and replayed, against the same loop with it eager.
 
-    python -m reproductions.catchup_ab [--preset cpu] [--trials 5] [--max-new-tokens 128] [--out FILE.json]
+Answered: padded and replayed, a catch-up of 2-120 tokens took 0.19-0.22 ms against 1.44-1.49 ms eager
+(telemetry/raw/catchup_ab_s8_h200.json; docs/log.md). decode_repro's gated_tuned_graphs_unpadded variant measures the
+same A/B in whole decodes.
+
+    python -m research.catchup_ab [--preset cpu] [--trials 5] [--max-new-tokens 128] [--out FILE.json]
 
 An A/B of one engine change (commit 4209cfb): under CUDA graphs the scout's catch-up forwards (the tokens it
 skipped while the clutch was out, or 2 after a fully accepted draft) were eager forwards; now they are padded to
@@ -21,9 +25,11 @@ from pathlib import Path
 
 import torch
 
-from reproductions.decode_repro import bootstrap_median_ci, load_setup
+from reproductions.decode_repro import load_setup
 from sdsie.clutch import SEED_CLUTCHES, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.model_io import sync_device
+from sdsie.stats import bootstrap_median_ci
 
 
 def run_arm(s, ids: torch.Tensor, clutch, max_new: int, padded: bool) -> tuple[list[int], str, float, int]:
@@ -56,10 +62,10 @@ def catchup_forward_ms(model, sizes: tuple[int, ...] = (2, 5, 17, 60, 120), pref
             last = {}
             for rep in range(reps + 2):  # 2 warm-up reps: the padded arm captures its graph there
                 for name, kv in kvs.items():
-                    torch.cuda.synchronize()
+                    sync_device(device)
                     t0 = time.perf_counter()
                     logits = forward(model, ids[prefix : prefix + f], kv, last_only=True)
-                    torch.cuda.synchronize()
+                    sync_device(device)
                     if rep >= 2:
                         times[name].append((time.perf_counter() - t0) * 1e3)
                     last[name] = int(logits[-1].argmax())

@@ -1,9 +1,12 @@
 """Hardware counters of one matmul launch (M = 1 unless the target names M) under Nsight Compute: why the INT4 GEMV
-overlaps so little, and (session 12) what holds the small-M planes kernel.
+overlaps so little, and what holds the small-M planes kernel.
 
-Session 9's two-ceiling model (NOTES.md) found the mid shapes' graphed M = 1 times at or above the sum of their SASS
-issue time and their bytes' copy time. This probe reads what the counters say about one launch: the warp stall
-reasons (WarpStateStats), issue activity (SchedulerStats), DRAM throughput (MemoryWorkloadAnalysis, SpeedOfLight),
+Answered: the stall reasons, issue activity and occupancy it read are in docs/kernel-log.md
+(telemetry/raw/ncu_s10_h200.json, ncu_s10b_h200.json).
+
+The kernel log's two-ceiling model (docs/kernel-log.md) found the mid shapes' graphed M = 1 times at or above the sum of
+their SASS issue time and their bytes' copy time. This probe reads what the counters say about one launch: the warp
+stall reasons (WarpStateStats), issue activity (SchedulerStats), DRAM throughput (MemoryWorkloadAnalysis, SpeedOfLight),
 achieved occupancy, and how evenly the SMs were kept busy (sm__cycles_active min / avg / max).
 
     run      one process per target, under ncu: builds the weights, warms the call up (compilation, workspaces),
@@ -14,9 +17,9 @@ achieved occupancy, and how evenly the SMs were kept busy (sm__cycles_active min
     summarize  ncu's raw CSV pages (--csv --page raw), one per target, into one JSON of the metrics read here.
 
     ncu --clock-control none --profile-from-start off --csv --page raw --section ... \
-        python3 -m reproductions.kernels.ncu_probe run int4:gate_up_14336x4096:128 > gate_up.csv
-    python3 -m reproductions.kernels.ncu_probe summarize --out telemetry/raw/ncu_s10_h200.json *.csv
-reproductions/kernels/ncu_run.sh runs the set of targets this session profiled.
+        python3 -m research.kernels.ncu_probe run int4:gate_up_14336x4096:128 > gate_up.csv
+    python3 -m research.kernels.ncu_probe summarize --out telemetry/raw/ncu_s10_h200.json *.csv
+research/kernels/ncu_run.sh runs the set of targets profiled there.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Device-side driver for the GPU reproductions, for a machine lent in calls of at most 10 minutes:
+# Device-side driver for the GPU reproductions, for a machine reached in calls of at most 10 minutes (how to run a
+# suite longer than one call; its records land in telemetry/ like any other):
 # a `start` launches a job detached (it outlives the call) and returns; `wait` waits for it up to a
 # time limit and copies what it has produced so far. Calls chained while the machine stays warm
 # follow one job to its end.
 #
-#   bash reproductions/gpu_session.sh start [decode_repro flags...]   the decoding suites only
-#   bash reproductions/gpu_session.sh start-nox [pytest args...]      `nox -s gpu_repro --no-venv -- ARGS`
-#   bash reproductions/gpu_session.sh wait SECONDS OUTDIR
+#   bash research/gpu_session.sh start [decode_repro flags...]   the decoding suites only
+#   bash research/gpu_session.sh start-nox [pytest args...]      `nox -s gpu_repro --no-venv -- ARGS`
+#   bash research/gpu_session.sh wait SECONDS OUTDIR
 #
 # start: snapshots sdsie/ and reproductions/ into .gpu_session/src (the running process then never
 #   reads a source file that a later call's copy of the working tree rewrites) and runs

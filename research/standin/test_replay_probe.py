@@ -1,4 +1,4 @@
-"""The replay probe (reproductions/standin/replay_probe.py) finds a step that does not repeat, and names where."""
+"""The replay probe (research/standin/replay_probe.py) finds a step that does not repeat, and names where."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from reproductions.standin.replay_probe import (
+from research.standin.replay_probe import (
     OutputTrace,
     engine_arm,
     main,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from reproductions.standin.tree_probe import (
+from research.standin.tree_probe import (
     Times,
     cycle_ms,
     kept_run,

@@ -1,5 +1,8 @@
 """Probe for choosing the `gpu` stand-in preset: which corpus and scout make speculation pay on one GPU.
 
+Answered: its comparison chose the gpu preset's scout, an early exit of the target distilled against it
+(sdsie.standin.PRESETS['gpu'] and the reasons beside it; docs/log.md).
+
 Trains one target on a candidate corpus (with the joint scout), then several scouts against that
 target, and for each scout measures what the preset is chosen by: validation loss, teacher-forced
 argmax agreement on held-out files, greedy agreement on the prompts, the batch-1 step-cost ratio
@@ -7,7 +10,7 @@ scout/target, and fixed-K5 speculative decoding speed against plain decoding wit
 engine (`sdsie.decoding.generate`, 128 new tokens per prompt, greedy, outputs checked identical).
 One trial, no energy: a selection probe, not a reproduction record.
 
-    python -m reproductions.standin.gpu_probe [--out DIR]
+    python -m research.standin.gpu_probe [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,14 +26,10 @@ import torch
 
 from sdsie import standin as S
 from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.model_io import sync_device
 
 K = 5
 NEW_TOKENS = 128
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def step_seconds(model, n: int = 64) -> float:
@@ -42,10 +41,10 @@ def step_seconds(model, n: int = 64) -> float:
         nxt = ids[:, -1:]
         for i in range(n + 8):
             if i == 8:
-                _sync(device)
+                sync_device(device)
                 t0 = time.perf_counter()
             out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-        _sync(device)
+        sync_device(device)
     return (time.perf_counter() - t0) / n
 
 

@@ -1,6 +1,9 @@
 """How far could drafting a tree instead of a chain take speculation on a stand-in pair? A probe, before building it.
 
-    python -m reproductions.standin.tree_probe --pair gpu --device cuda --out telemetry/raw/tree_probe.json
+Answered on the gpu pair: the best tree of at most 63 nodes on code is 4,3,3, modelled at 2.03x graphed plain
+(telemetry/raw/tree_probe_s18_h200.json); the decodes that measured it are in docs/log.md.
+
+    python -m research.standin.tree_probe --pair gpu --device cuda --out telemetry/raw/tree_probe.json
 
 Under greedy verification a drafted node can only be kept if every node above it is the target's own greedy token.
 So for a static tree (every node at depth d expands the scout's top w_d tokens), the tokens a cycle keeps follow from
@@ -31,6 +34,7 @@ import torch
 
 from sdsie.decoding.tree import level_sizes
 from sdsie.standin import FAMILIES, greedy_continuation, load_prompts, load_standin
+from sdsie.telemetry.timing import cuda_event_ms
 
 Widths = tuple[int, ...]  # top-w per depth, depth 1 first
 
@@ -138,12 +142,7 @@ def forward_times(model, sizes: list[int], reps: int, prefix: int = 64) -> dict[
             samples = []
             for r in range(reps + 3):  # the first forward of a size captures it
                 if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    kv.forward(model, ids[prefix : prefix + n], last_only=False)
-                    end.record()
-                    end.synchronize()
-                    ms = start.elapsed_time(end)
+                    ms = cuda_event_ms(lambda n=n: kv.forward(model, ids[prefix : prefix + n], last_only=False))
                 else:
                     import time
 

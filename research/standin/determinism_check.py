@@ -1,6 +1,9 @@
 """Does the stand-in recipe repeat bit for bit on this machine? Train a shortened recipe twice, compare weights.
 
-    python -m reproductions.standin.determinism_check --preset gpu --out determinism.json
+Answered: on the H200 the deterministic runs repeated bit for bit and the default ones did not
+(telemetry/raw/standin_determinism_s5_h200.json; docs/log.md). The gpu recipe trains deterministically since.
+
+    python -m research.standin.determinism_check --preset gpu --out determinism.json
 
 The tokenizer and token streams are prepared twice and compared (hash of the tokenizer's JSON and of both
 streams). Then the recipe's training (target phase, then scout phase), cut to --target-steps and --scout-steps,
@@ -90,7 +93,7 @@ def check(preset: str, target_steps: int, scout_steps: int, both_modes: bool, de
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m reproductions.standin.determinism_check",
+    p = argparse.ArgumentParser(prog="python -m research.standin.determinism_check",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
     p.add_argument("--target-steps", type=int, default=40)

@@ -1,4 +1,4 @@
-"""The Nsight Compute probe's parsing (reproductions/kernels/ncu_probe.py), on small CSVs shaped like ncu's pages:
+"""The Nsight Compute probe's parsing (research/kernels/ncu_probe.py), on small CSVs shaped like ncu's pages:
 targets and configurations are checked, and the summaries keep what the counters said."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reproductions.kernels.ncu_probe import (
+from research.kernels.ncu_probe import (
     make_call,
     parse_config,
     parse_target,

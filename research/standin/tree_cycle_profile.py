@@ -1,6 +1,9 @@
 """Where a graphed tree cycle's time goes, on models of the gpu stand-in's shapes (random weights: no build needed).
 
-    python -m reproductions.standin.tree_cycle_profile --widths 4,3,3 --out $OUT/tree_cycle_profile.json
+Answered: telemetry/raw/tree_cycle_profile_s19_h200.json and tree_cycle_profile_s20_h200.json hold the split (792
+kernels a graphed plain token, about 2 us each); the findings are in docs/log.md.
+
+    python -m research.standin.tree_cycle_profile --widths 4,3,3 --out $OUT/tree_cycle_profile.json
 
 Record 4f850b1f measured a tree cycle (4,3,3, one CUDA graph per cycle) at 4.15 ms on code, against about 2.7 ms
 for its forwards; this splits a cycle into its parts. The engine's own calls are wrapped, unchanged, with CUDA
@@ -96,7 +99,7 @@ def models(device: str, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def engine_as(separate: bool = False, per_layer: bool = False) -> Iterator[None]:
-    """The engine as it ran before session 19's last two changes, for an A/B in one process: separate, the scout's
+    """The engine as it ran before its last two tree-cycle changes, for an A/B in one process: separate, the scout's
     catch-up as its own (graphed) forward instead of folded into the tree step (TreeStep.can_catch_up); per_layer, the
     static caches' layers in tensors of their own, so a compaction is two kernels a layer (StaticKV._consolidate).
     Static caches are kept across runs, so they are dropped on the way in and out (the next run makes its own)."""

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The kernel and entropy reproductions on a GPU machine, in the order a tuning session needs them:
+# A driver for a GPU machine reached in calls of at most 10 minutes: how to tune the kernel and record its suite when
+# the whole run is longer than one call. Its records are the kernel_int4 and entropy_overhead records in telemetry/;
+# what each run found is in docs/kernel-log.md. The kernel and entropy reproductions, in the order tuning needs them:
 # [A/B against a baseline kernel] -> sweep -> use the swept table -> kernel tests over every candidate (tuned
 # ones included) -> suite record (kernel_int4) and entropy record -> thorough property tests while time remains.
 # Progress goes to stdout; `.run/done` holds the exit status when everything has finished. Start it detached and
 # poll for `.run/done` in later calls (one call is at most 10 minutes; the tests alone take about 8):
-#   setsid nohup bash reproductions/kernels/gpu_run.sh > .run/log 2>&1 &
-# To validate a kernel change without re-tuning (session 15's sequence, about 12 minutes):
+#   setsid nohup bash research/kernels/gpu_run.sh > .run/log 2>&1 &
+# To validate a kernel change without re-tuning (about 12 minutes):
 #   AB_BASELINE=.ab/base_int4_gemm.py AB_ARGS="--m 4 16" SWEEP=0 SDSIE_SOURCE_COMMIT=<sha> setsid nohup ...
 # Outputs (the A/B, the sweep's raw file and table) go to .run/out, which git ignores: the device tool copies the
-# working tree again at every call, which removed untracked outputs and put tracked files back (session 16 lost
-# its A/B and sweep files that way, and its suite ran on the committed table instead of the swept one). So the
+# working tree again at every call, which removes untracked outputs and puts tracked files back (an A/B and sweep
+# were lost that way, and a suite ran on the committed table instead of the swept one). So the
 # swept table is not copied into sdsie/kernels: the later steps read it through SDSIE_TUNED_CONFIGS, and the records
 # name it; commit it from .run/out. Records themselves land in telemetry/ and must be fetched in the same call.
 set -uo pipefail

@@ -1,11 +1,14 @@
 """Does distilling the scout on the target's own continuations raise agreement over distilling on the corpus?
 
-    python -m reproductions.standin.onpolicy_probe [--steps 200] [--out telemetry/raw/onpolicy_probe_cpu.json]
+Answered: at this scale, no clear gain: greedy agreement 0.896 on corpus windows, 0.908 on the target's greedy
+continuations, 0.881 on its samples (telemetry/raw/onpolicy_probe_s6_cpu.json; docs/log.md).
 
-A CPU probe at the committed CPU pair's scale, for the lever issue 8 is short of (draft acceptance). The GPU
-recipe's scout is an early exit of the target (its embeddings, first layers and final norm) distilled with
-KL(target || scout) on corpus windows: off-policy, on text the target did not write. Greedy speculative decoding
-only ever asks the scout to predict the target's own greedy continuation. So this trains the same early exit of
+    python -m research.standin.onpolicy_probe [--steps 200] [--out telemetry/raw/onpolicy_probe_cpu.json]
+
+A CPU probe at the committed CPU pair's scale, for the lever speculation on the stand-in pair is short of (draft
+acceptance). The GPU recipe's scout is an early exit of the target (its embeddings, first layers and final norm)
+distilled with KL(target || scout) on corpus windows: off-policy, on text the target did not write. Greedy speculative
+decoding only ever asks the scout to predict the target's own greedy continuation. So this trains the same early exit of
 the committed CPU target (1 of its 4 layers) for the same steps, learning rate and batch, in three ways:
 
 * corpus: windows of the training corpus (the GPU recipe's way);

@@ -1,7 +1,10 @@
 """How much of a stand-in forward is kernel count? The gpu target's 1-token decode step, graphed as the engine runs
 it, beside the same step compiled by torch.compile (inductor fuses the norms, RoPE and SiLU into few kernels).
 
-    python -m reproductions.standin.fusion_probe --out $OUT/fusion_probe.json
+Answered in part: the compiled step launches 310 kernels against the graphed step's 782; its step time is no valid
+measurement of a fused step (telemetry/raw/fusion_probe_s19_h200.json; docs/log.md).
+
+    python -m research.standin.fusion_probe --out $OUT/fusion_probe.json
 
 tree_cycle_profile (telemetry/raw/tree_cycle_profile_s19_h200.json) counted 792 kernels per graphed plain token,
 1.47 ms of kernel time in a 2.06 ms step: every forward of this 91M-parameter pair is launch-bound. Random weights
@@ -19,20 +22,16 @@ from pathlib import Path
 
 import torch
 
-from reproductions.standin.tree_cycle_profile import models
+from research.standin.tree_cycle_profile import models
 from sdsie.decoding.model_io import StaticKV, forward
+from sdsie.telemetry.timing import cuda_event_ms
 
 
 def step_ms(fn, steps: int, start: int) -> float:
     """CUDA-event time of `steps` consecutive calls fn(position), divided by steps (host launch included)."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    positions = iter(range(start, start + steps))
     torch.cuda.synchronize()
-    begin.record()
-    for i in range(steps):
-        fn(start + i)
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / steps
+    return cuda_event_ms(lambda: fn(next(positions)), calls=steps)
 
 
 def kernel_count(fn, position: int) -> int:

@@ -1,4 +1,4 @@
-"""reproductions/kernels/gpu_run.sh's switches act: run with stub python3 and nvidia-smi that log their arguments."""
+"""research/kernels/gpu_run.sh's switches act: run with stub python3 and nvidia-smi that log their arguments."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).parent / "kernels" / "gpu_run.sh"
+SCRIPT = Path(__file__).parent / "gpu_run.sh"
 STUB = """#!/bin/sh
 echo "$*" >> "$STUB_LOG"
 echo "table=${SDSIE_TUNED_CONFIGS:-shipped}" >> "$STUB_LOG"

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from reproductions.standin import draft_stop_probe as probe
-from reproductions.standin.draft_stop_probe import (
+from research.standin import draft_stop_probe as probe
+from research.standin.draft_stop_probe import (
     DEFAULT_RECORD,
     NEAR_TIE_GAP,
     ForwardMs,

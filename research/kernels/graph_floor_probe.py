@@ -1,6 +1,6 @@
 """Does a graphed call's time depend on how its memory was allocated? A probe of the suite's graphed timer.
 
-Session 9's kernel suites timed a graphed device copy of each case's bytes (`int4_bench.copy_graph_us`) beside the
+The kernel suites timed a graphed device copy of each case's bytes (`int4_bench.copy_graph_us`) beside the
 M = 1 and M = 16 cases. In both records the same bytes took 104-106 us beside the M = 1 LM head and 70 us beside
 M = 16 (gate_up and down_proj: 11.2-11.4 us against 8.5-8.6). The M = 1 case is the first of its shape in the
 suite's graphed pass: its weights and the copies' buffers come from new cudaMalloc segments, while the M = 16
@@ -22,9 +22,10 @@ gate_up's 11.3-11.4, kv's 2.3; INT4 and bf16 gave the same times fresh and again
 M = 1 and M = 16 copies is the size: every M = 1 size that was not a multiple of 4 KiB (LM head, gate_up, down_proj,
 kv: 256-2048-byte multiples) copied slowly, every 4 KiB multiple (all M = 16 sizes, and 4096x4096 at M = 1: 8 KiB)
 fast. The `aligned` arm, added after that run, confirmed it in a second one (graph_floor_probe_aligned_s9_h200.json:
-70.3 us against 105-110 for the LM head's bytes); int4_bench now sizes its floor copies in 4 KiB blocks.
+70.3 us against 105-110 for the LM head's bytes); int4_bench now sizes its floor copies in 4 KiB blocks
+(docs/kernel-log.md).
 
-    python -m reproductions.kernels.graph_floor_probe --out telemetry/raw/graph_floor_probe_s9_h200.json
+    python -m research.kernels.graph_floor_probe --out telemetry/raw/graph_floor_probe_s9_h200.json
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(shape, " ".join(f"{name}={us:.1f}" for name, us in results[shape].items() if name != "bytes_int4"),
               flush=True)
     write_raw(a.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "command": "python -m reproductions.kernels.graph_floor_probe " + " ".join(argv or sys.argv[1:]),
+                      "command": "python -m research.kernels.graph_floor_probe " + " ".join(argv or sys.argv[1:]),
                       "unit": "us per call, graphed (int4_bench.graph_us)", "results": results})
     print("wrote", a.out)
     return 0

@@ -1,8 +1,12 @@
 """Does one decode step of the stand-in target repeat bit for bit? Eager forwards and CUDA-graph replays, compared.
 
-    python -m reproductions.standin.replay_probe --preset gpu --replays 200 --out replay_probe.json
+Answered: yes. On the H200 every arm repeated bit for bit: one step's eager forwards, graph replays and prefills, and
+whole graphed runs' tokens and caches (telemetry/raw/replay_probe_s11_h200.json, replay_probe_s12_h200.json;
+docs/log.md).
 
-Records of sessions 8-11 saw graphed plain decoding pick a different token at one bf16 near-tie
+    python -m research.standin.replay_probe --preset gpu --replays 200 --out replay_probe.json
+
+Some decode records saw graphed plain decoding pick a different token at one bf16 near-tie
 (`code-bst-module`, position 46, gap 0.0625) in some trials and not others, while eager plain decoding repeated in
 every trial. This probe looks for the step that does not repeat, without the trained weights (none travel to the
 GPU machine; a rebuild costs about five minutes): a bit-level difference shows on any weights of the same shapes,
@@ -23,9 +27,8 @@ tokens, then repeats one 1-token forward from the same cache state:
   their tokens and bit for bit by every key and value the run left in the cache: with random weights the top
   logits are rarely close enough for a token to flip, the cache shows any difference in any step.
 
-Session 11's run on the H200 (`telemetry/raw/replay_probe_s11_h200.json`) predates the prefill arm and the engine
-arms' cache comparison: it compared whole runs by their tokens only. Session 12's (`replay_probe_s12_h200.json`) ran
-every arm: all repeated bit for bit.
+The first H200 run (`telemetry/raw/replay_probe_s11_h200.json`) predates the prefill arm and the engine arms' cache
+comparison: it compared whole runs by their tokens only. The second (`replay_probe_s12_h200.json`) ran every arm.
 
 Each arm reports how many of its repeats differ from its first (0 everywhere: the step repeats). Eager arms also run
 without CUDA (the graph arms are then reported as not run, with the reason).

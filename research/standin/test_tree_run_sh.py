@@ -1,4 +1,4 @@
-"""reproductions/standin/tree_run.sh's steps and switches act: run with a stub python3 that logs its arguments."""
+"""research/standin/tree_run.sh's steps and switches act: run with a stub python3 that logs its arguments."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).parent / "standin" / "tree_run.sh"
+SCRIPT = Path(__file__).parent / "tree_run.sh"
 # The stub plays each step: the build prints the pair's folder last, the probe writes its best trees, the one-liner
 # that reads the probe prints the code family's tree; STUB_RC fails the GPU tests alone.
 STUB = """#!/bin/sh

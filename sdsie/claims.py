@@ -702,12 +702,12 @@ def _test_functions(path: Path) -> set[str]:
 
 def drift_test(reference: Sequence[float], measured: Sequence[float], better: str, policy: DriftPolicy) -> DriftTest:
     """Rank test + minimum effect size (asv). Raises ValueError with too few samples."""
-    from scipy.stats import mannwhitneyu
+    from sdsie.stats import rank_test_p
 
     if min(len(reference), len(measured)) < policy.min_samples:
         raise ValueError(f"a rank test needs >= {policy.min_samples} samples per side, "
                          f"got {len(reference)} reference and {len(measured)} new")
-    p_value = float(mannwhitneyu(reference, measured, alternative="two-sided").pvalue)
+    p_value = rank_test_p(reference, measured)
     ref_median = statistics.median(reference)
     if ref_median == 0:
         raise ValueError("reference median is 0: a ratio effect size is undefined")

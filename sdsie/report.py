@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from sdsie.claims import REFERENCE_VERDICTS, ClaimResult, Evaluation, Registry, format_value, summary
 from sdsie.telemetry.env import git_state, utc_now
-from sdsie.telemetry.records import RunRecord
+from sdsie.telemetry.records import RunRecord, newest_record
 
 __all__ = ["FIGURES", "FigureOutcome", "Report", "build_report", "citation_text", "progress"]
 
@@ -53,8 +53,7 @@ class FigureOutcome:
 
 
 def _newest(records: Sequence[RunRecord], has: Callable[[RunRecord], bool]) -> RunRecord | None:
-    chosen = [r for r in records if r.complete and has(r)]
-    return max(chosen, key=lambda r: (r.created, r.record_id)) if chosen else None
+    return newest_record(records, accept=lambda r: r.complete and has(r))
 
 
 def _prefixed(keys: Iterable[str], prefix: str) -> list[str]:

@@ -25,7 +25,7 @@ from sdsie.claims import (
     summary,
     tally,
 )
-from sdsie.telemetry.records import RunRecord, load_records, write_record
+from sdsie.telemetry.records import RunRecord, load_records, newest_record, write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 REGISTRY = ROOT / "reproductions" / "claims.toml"
@@ -653,8 +653,9 @@ def test_errata_and_references_name_committed_records(registry: Registry, commit
 def _newest(records: list[RunRecord], suite: str, claim: str | None = None) -> RunRecord:
     """The record the gate judges for a suite (references are pinned from the newest); with `claim`, the newest
     that declares it (a `--variants` decode run declares only what its variants measure)."""
-    return max((r for r in records if r.suite == suite and (claim is None or claim in r.claim_ids)),
-               key=lambda r: r.created)
+    found = newest_record(records, suite, lambda r: claim is None or claim in r.claim_ids)
+    assert found is not None, f"no {suite} record declares {claim}"
+    return found
 
 
 def _planted(original: RunRecord, **changes) -> RunRecord:

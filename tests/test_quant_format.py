@@ -1,4 +1,4 @@
-"""Properties of the packed INT4 format (sdsie.quant.format): packing, validation, dequantization."""
+"""Properties of the packed INT4 format (sdsie.int4_format): packing, validation, dequantization."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdsie.quant.format import SYMMETRIC_ZERO, Int4Weight, pack_int4, unpack_int4
+from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, pack_int4, unpack_int4
 from sdsie.quant.io import load_int4_weight, load_int4_weights, save_int4_weight, save_int4_weights
 
 dims = st.integers(min_value=1, max_value=67)  # includes 1, odd values and primes

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from sdsie import kernels
+from sdsie.int4_format import Int4Weight
 from sdsie.quant.calibrate import CalibratedWeight, LayerReport, QuantConfig, calibrate, layer_report
-from sdsie.quant.format import Int4Weight
 
 __all__ = [
     "Int4Linear",

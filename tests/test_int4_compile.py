@@ -15,7 +15,7 @@ import torch
 from sdsie.kernels import int4_matmul, kernel_calls
 from sdsie.kernels.ops import register_weight, weight_for
 from sdsie.models import tiny_llama
-from sdsie.quant import Int4Linear, QuantConfig, gate_model, quantize_model
+from sdsie.quant import Int4Linear, QuantConfig, fuse_projections, gate_model, quantize_model
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 N_LINEARS = 7 + 1  # one decoder layer of seven, and the head
@@ -60,15 +60,19 @@ def test_the_op_finds_the_layers_weight_object_and_wraps_unknown_tensors_anew():
     assert weight_for(q.qweight, q.scales, q.zeros, 64, 32) is q.int4_weight is not w
 
 
-@pytest.mark.parametrize("backend", ["aot_eager"])  # AOT traces the op through its fake implementation
-def test_a_compiled_int4_llama_gives_eager_logits_in_one_graph(backend: str):
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_compiled_int4_llama_gives_eager_logits_in_one_graph(fused: bool):
+    """aot_eager: AOT traces the op through its fake implementation; fused: q/k/v and gate/up as one INT4 layer each
+    (their slices' shared state traced by dynamo too)."""
     model = copy.deepcopy(INT4)
+    if fused:
+        fuse_projections(model)
     eager = _logits(model)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)  # fullgraph: a graph break is an error
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break is an error
     _logits(compiled)
     before = kernel_calls()
     out = _logits(compiled)
-    assert kernel_calls() - before == N_LINEARS  # every INT4 layer launched the kernel, through the op
+    assert kernel_calls() - before == (4 + 1 if fused else N_LINEARS)  # every INT4 layer launched, through the op
     assert torch.equal(out, eager)
     torch._dynamo.reset()
 

@@ -1,4 +1,4 @@
-"""INT4 weights: calibration, safetensors I/O, the INT4 / gated layers and projection fusion.
+"""INT4 weights: calibration, safetensors I/O, the INT4 / gated layers, and q/k/v and gate/up fusion.
 
 The packed format itself (`Int4Weight`) lives in `sdsie.int4_format`, below both this package and the kernels,
 and is re-exported here.
@@ -6,12 +6,14 @@ and is re-exported here.
 
 from sdsie.int4_format import Int4Weight, pack_int4, unpack_int4
 from sdsie.quant.calibrate import CalibratedWeight, LayerReport, QuantConfig, calibrate, layer_report, preset, sqnr_db
+from sdsie.quant.fuse import FusionReport, fuse_projections
 from sdsie.quant.gated import GatedLinear, GearState, gate_model
 from sdsie.quant.io import load_int4_weight, load_int4_weights, save_int4_weight, save_int4_weights
 from sdsie.quant.linear import Int4Linear, QuantReport, quantize_model, select_linears
 
 __all__ = [
     "CalibratedWeight",
+    "FusionReport",
     "GatedLinear",
     "GearState",
     "Int4Linear",
@@ -20,6 +22,7 @@ __all__ = [
     "QuantConfig",
     "QuantReport",
     "calibrate",
+    "fuse_projections",
     "gate_model",
     "layer_report",
     "load_int4_weight",

@@ -105,3 +105,22 @@ def test_inductor_compiles_an_int4_llama_on_the_gpu():
         out = compiled(ids, use_cache=False).logits.float()
     torch.testing.assert_close(out, eager, atol=0.05, rtol=0.05)  # inductor's fused norms round differently in bf16
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_compiled_fused_int4_model_replays_under_the_engines_graphs():
+    """On a GPU: inductor's decode step (the op, the slices of the fused projections) captured in the engine's graphs
+    gives the eager engine's tokens (fp32: inductor's fused norms round within float noise of eager's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sdsie.decoding import DecodeConfig, generate
+    from sdsie.models import compiled_copy
+
+    model = copy.deepcopy(INT4).to("cuda")
+    fuse_projections(model)
+    prompt = IDS[0].cuda()
+    eager = generate(model, prompt, DecodeConfig(max_new_tokens=24, kv_cache="static")).tokens
+    compiled = compiled_copy(model)
+    graphed = generate(compiled, prompt, DecodeConfig(max_new_tokens=24, kv_cache="static", cuda_graphs=True)).tokens
+    assert graphed == eager
+    torch._dynamo.reset()

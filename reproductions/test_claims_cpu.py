@@ -19,7 +19,7 @@ import torch
 from sdsie.claims import ClaimResult, Registry, judge_record, load_registry
 from sdsie.clutch import TUNED, ClutchConfig, EntropyClutch
 from sdsie.entropy import entropy
-from sdsie.quant.format import Int4Weight
+from sdsie.int4_format import Int4Weight
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
 REGISTRY = Path(__file__).resolve().parent / "claims.toml"

@@ -90,11 +90,16 @@ def _looks_like_path(name: str) -> bool:
 
 
 def vocab_size(model: nn.Module) -> int:
-    """Width of the model's logits (rows of the output embedding)."""
+    """Width of the model's logits: the output embedding's rows, or its `out_features` where it keeps no float
+    weight (an `Int4Linear` or `GatedLinear` head)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or not hasattr(head, "weight"):
-        raise ValueError(f"{type(model).__name__} has no output embedding; is it a causal LM?")
-    return int(head.weight.shape[0])
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    width = getattr(head, "out_features", None)
+    if isinstance(width, int):
+        return width
+    raise ValueError(f"{type(model).__name__} has no output embedding; is it a causal LM?")
 
 
 def check_vocab(target: nn.Module, scout: nn.Module, names: tuple[str, str] = ("target", "scout")) -> None:

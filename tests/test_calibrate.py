@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.quant.calibrate import CalibratedWeight, QuantConfig, calibrate, layer_report, preset, sqnr_db
-from sdsie.quant.format import Int4Weight, pack_int4
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

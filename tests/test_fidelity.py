@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from sdsie.fidelity import ALL, FidelityConfig, compare_tokens, fidelity_main, fidelity_sweep
+from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.models import tiny_llama
-from sdsie.quant.format import Int4Weight, pack_int4
 from sdsie.quant.gated import GatedLinear, gate_model
 
 pytestmark = pytest.mark.fidelity

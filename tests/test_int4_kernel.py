@@ -28,9 +28,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from reproductions.kernels.int4_bench import WIDE_PROGRAMS
+from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
 from sdsie.kernels.int4_gemm import CODE_HI, CODE_LO, CODE_MAGIC, _code_pair_f32, _plans_of, tuned_key, tuned_lookup
-from sdsie.quant.format import Int4Weight, pack_int4
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}

@@ -14,9 +14,9 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import sdsie.kernels
+from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import int4_matmul_reference, kernel_calls
 from sdsie.quant.calibrate import QuantConfig, calibrate
-from sdsie.quant.format import Int4Weight, pack_int4
 from sdsie.quant.gated import GatedLinear, GearState, gate_model
 from sdsie.quant.linear import Int4Linear, quantize_model, select_linears
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
-from sdsie.quant.format import Int4Weight, pack_int4
 from sdsie.telemetry.energy import calls_to_fill
 
 # Llama-3.1-8B linear shapes, N x K (out x in)

@@ -48,6 +48,7 @@ from sdsie.decoding.model_io import (
     crop_cache,
     forward,
     model_device,
+    module_fingerprint,
     new_cache,
     sync_device,
     to_host,
@@ -599,8 +600,10 @@ def _start(
 
 
 # Static caches outlive a call, as gpt-fast sets its caches up once: a model's StaticKV (and the graphs
-# captured on it) is reused by later runs of the same role, length bucket and graph sizes, emptied first.
+# captured on it) is reused by later runs of the same role, length bucket and graph sizes, emptied first,
+# as long as the model's module tree and tensor storages are those the graphs were captured on (_FINGERPRINTS).
 _STATIC: weakref.WeakKeyDictionary[nn.Module, dict[tuple, StaticKV]] = weakref.WeakKeyDictionary()
+_FINGERPRINTS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 # Tree cycles of a target cache, by scout cache, then by tree widths (their graphs live and die with the caches).
 # Keyed by the scout's cache too: two scouts of one tree taking turns on a target cache (decode_repro's interleaved
 # tree_graphs and tree_graphs_fused_scout) each keep their step, instead of replacing the other's and capturing its
@@ -637,6 +640,12 @@ def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_s
     max_len = -(-max_len // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET
     key = (role, max_len, config.cuda_graphs, graph_sizes, pad_sizes, model_device(model),
            next(model.parameters()).dtype)
+    fingerprint = module_fingerprint(model)
+    if _FINGERPRINTS.get(model) != fingerprint:
+        # modules or storages were swapped since the caches' graphs were captured (e.g. quantize_model in place):
+        # replaying them would read freed weights, so every cache of the model, its graphs and tree steps, goes
+        _STATIC.pop(model, None)
+        _FINGERPRINTS[model] = fingerprint
     caches = _STATIC.setdefault(model, {})
     kv = caches.get(key)
     if kv is None:

@@ -32,6 +32,7 @@ __all__ = [
     "crop_cache",
     "forward",
     "model_device",
+    "module_fingerprint",
     "new_cache",
     "sync_device",
     "to_host",
@@ -331,6 +332,17 @@ def to_host(ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[int], list[f
     """A cycle's one device->host read: ints [A] and floats [B] in a single transfer (float64 holds both)."""
     both = torch.cat([ints.double(), floats.double()]).tolist()
     return [int(x) for x in both[: ints.numel()]], both[ints.numel() :]
+
+
+def module_fingerprint(model: nn.Module) -> tuple:
+    """What a CUDA graph captured on `model` depends on: each submodule's name and class, and each parameter's and
+    buffer's name, address, shape and dtype. Swapping a module (quantize_model, gate_model, fuse_rmsnorm) or a
+    tensor's storage changes it; writing new values into the same storage does not (a replay reads them). Cheap
+    enough for once per run: one walk of the module tree, no device work."""
+    modules = tuple((name, type(module)) for name, module in model.named_modules())
+    tensors = tuple((name, t.data_ptr(), tuple(t.shape), t.dtype, t.device)
+                    for named in (model.named_parameters(), model.named_buffers()) for name, t in named)
+    return modules, tensors
 
 
 def model_device(model: nn.Module) -> torch.device:

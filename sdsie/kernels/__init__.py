@@ -1,7 +1,8 @@
-"""Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls; `fuse_rmsnorm` swaps a model's RMSNorms
-for one kernel each (`rms_norm`)."""
+"""Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls (`int4_mm`: the same as a torch.library
+op, which torch.compile traces); `fuse_rmsnorm` swaps a model's RMSNorms for one kernel each (`rms_norm`)."""
 
 from sdsie.kernels.int4_gemm import Int4KernelConfig, candidate_configs, int4_matmul, kernel_calls, select_config
+from sdsie.kernels.ops import int4_mm, register_weight
 from sdsie.kernels.reference import int4_matmul_reference
 from sdsie.kernels.rmsnorm import FusedRMSNorm, fuse_rmsnorm, rms_norm
 
@@ -11,8 +12,10 @@ __all__ = [
     "candidate_configs",
     "fuse_rmsnorm",
     "int4_matmul",
+    "int4_mm",
     "int4_matmul_reference",
     "kernel_calls",
+    "register_weight",
     "rms_norm",
     "select_config",
 ]

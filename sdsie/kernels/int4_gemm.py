@@ -1,7 +1,7 @@
 """Triton INT4 weight-only GEMV/GEMM: y = x @ dequant(W).T with weights packed 4-bit in memory.
 
 Weights stay packed (uint8, two codes per byte along K) in global memory and are dequantized
-on chip; see `sdsie.quant.format` for the layout. Accumulation is fp32; the output dtype
+on chip; see `sdsie.int4_format` for the layout. Accumulation is fp32; the output dtype
 equals the activation dtype (fp16, bf16 or fp32).
 
 Three kernels, one launcher (`int4_matmul`):
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sdsie.quant.format import SYMMETRIC_ZERO, Int4Weight
+from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
 
 __all__ = ["Int4KernelConfig", "int4_matmul", "select_config", "candidate_configs", "kernel_calls"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sdsie.quant.format import Int4Weight
+from sdsie.int4_format import Int4Weight
 
 
 def int4_matmul_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:

@@ -1,48 +1,38 @@
-"""INT4 weights: the packed format, calibration, safetensors I/O, and the INT4 / gated layers.
+"""INT4 weights: calibration, safetensors I/O, the INT4 / gated layers, and q/k/v and gate/up fusion.
 
-`Int4Linear`, `quantize_model`, `GatedLinear`, `GearState` and `gate_model` are imported lazily:
-they need the Triton kernel package, which itself imports `sdsie.quant.format`.
+The packed format itself (`Int4Weight`) lives in `sdsie.int4_format`, below both this package and the kernels,
+and is re-exported here.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
+from sdsie.int4_format import Int4Weight, pack_int4, unpack_int4
 from sdsie.quant.calibrate import CalibratedWeight, LayerReport, QuantConfig, calibrate, layer_report, preset, sqnr_db
-from sdsie.quant.format import Int4Weight, pack_int4, unpack_int4
+from sdsie.quant.fuse import FusionReport, fuse_projections
+from sdsie.quant.gated import GatedLinear, GearState, gate_model
 from sdsie.quant.io import load_int4_weight, load_int4_weights, save_int4_weight, save_int4_weights
-
-_LAZY = {
-    "Int4Linear": "sdsie.quant.linear",
-    "QuantReport": "sdsie.quant.linear",
-    "quantize_model": "sdsie.quant.linear",
-    "select_linears": "sdsie.quant.linear",
-    "GatedLinear": "sdsie.quant.gated",
-    "GearState": "sdsie.quant.gated",
-    "gate_model": "sdsie.quant.gated",
-}
+from sdsie.quant.linear import Int4Linear, QuantReport, quantize_model, select_linears
 
 __all__ = [
     "CalibratedWeight",
+    "FusionReport",
+    "GatedLinear",
+    "GearState",
+    "Int4Linear",
     "Int4Weight",
     "LayerReport",
     "QuantConfig",
+    "QuantReport",
     "calibrate",
+    "fuse_projections",
+    "gate_model",
     "layer_report",
     "load_int4_weight",
     "load_int4_weights",
     "pack_int4",
     "preset",
+    "quantize_model",
     "save_int4_weight",
     "save_int4_weights",
+    "select_linears",
     "sqnr_db",
     "unpack_int4",
-    *_LAZY,
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'sdsie.quant' has no attribute {name!r}")

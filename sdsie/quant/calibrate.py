@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdsie.quant.format import SYMMETRIC_ZERO, Int4Weight, pack_int4
+from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, pack_int4
 
 __all__ = [
     "QuantConfig",

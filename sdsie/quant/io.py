@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sdsie.quant.format import Int4Weight
+from sdsie.int4_format import Int4Weight
 
 __all__ = ["save_int4_weights", "load_int4_weights", "save_int4_weight", "load_int4_weight"]
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from sdsie import kernels
+from sdsie.int4_format import Int4Weight
 from sdsie.quant.calibrate import CalibratedWeight, LayerReport, QuantConfig, calibrate, layer_report
-from sdsie.quant.format import Int4Weight
 
 __all__ = [
     "Int4Linear",
@@ -56,6 +56,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().clone())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._packed = weight
+        kernels.register_weight(weight)
 
     @classmethod
     def from_calibrated(cls, calibrated: CalibratedWeight, bias: torch.Tensor | None = None) -> Int4Linear:
@@ -78,6 +79,7 @@ class Int4Linear(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # keep the packed view in step with .to()/.cuda()
         super()._apply(fn, recurse)
         self._packed = Int4Weight(self.qweight, self.scales, self.zeros, self.in_features, self.group_size)
+        kernels.register_weight(self._packed)
         return self
 
     def effective_weight(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -88,7 +90,10 @@ class Int4Linear(nn.Module):
         # x: [..., K] -> y: [..., N], in x's dtype
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
-        y = kernels.int4_matmul(x, self._packed)
+        if torch.compiler.is_compiling():  # one opaque node for dynamo; eager calls skip the dispatcher
+            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
+        else:
+            y = kernels.int4_matmul(x, self._packed)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,543 @@
+"""End-to-end batch-1 decode of 7-8B model shapes: bf16 against INT4 (sdsie's kernel and torch's tinygemm), eager
+and compiled, under the engine's static cache and CUDA graphs, with tok/s, J/token, kernels and GPU time per token
+by category, and the share of the bytes-per-token bound.
+
+Models are built from the published Llama-3.1-8B and Qwen2.5-7B configurations with random weights (speed does not
+depend on their values; rotary settings stay at the library's default), in bf16, on the GPU. Each model is built
+once and taken through its variants in this order, each variant reusing the previous one's modules:
+
+    bf16                 nn.Linear layers, the engine's static cache and graphs
+    bf16_compiled        the same, the decode step compiled by torch.compile (inductor) and captured in the graphs
+    gated_full           every decoder linear and the LM head as GatedLinear, the gear pinned to bf16 by the clutch
+    gated_int4           ... pinned to INT4 (one graph per precision, as in gated decoding)
+    gated_*_compiled     the two gears with the compiled decode step
+    int4_unfused         the gated layers' INT4 halves alone (sdsie kernel), q/k/v and gate/up separate
+    int4                 ... q/k/v and gate/up fused (fuse_projections)
+    int4_compiled        ... with the compiled decode step
+    tinygemm             the same INT4 weights through torch.ops.aten._weight_int4pack_mm, fused likewise
+    tinygemm_compiled    ... with the compiled decode step
+    hf_tinygemm_compiled HF generate() with a static cache and its own torch.compile, over the tinygemm model
+
+Timing: the engine's prefill and decode seconds (device synchronized at both ends); tok/s is decode tokens over
+decode time (medians over trials), end-to-end tok/s beside it. Energy: one NVML window per variant of back-to-back
+runs filling --energy-window-s, J per generated token (prefill included). Kernels: torch.profiler over a full run
+minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention, other). Bound: the bytes a decode
+token reads (every weight but the input embedding, plus the KV cache at the run's mean position) at the measured
+copy rate.
+
+Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--variants ...] [--max-seconds S]
+Dry run (CPU, tiny configuration): python -m reproductions.decode_e2e --device cpu --tiny --out DIR
+Writes DIR/decode_e2e.json after every variant (a cut run still returns data) and a run record at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdsie.clutch import ClutchConfig, EntropyClutch
+from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding.model_io import sync_device
+from sdsie.quant import GatedLinear, Int4Linear, QuantConfig, fuse_projections, gate_model
+from sdsie.quant.linear import replace_module
+from sdsie.telemetry.energy import EnergyMeter, EnergyUnavailable, calls_to_fill
+from sdsie.telemetry.records import RunRecord, capture_environment, write_record
+
+SUITE = "decode_e2e"
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+GROUP_SIZE = 128
+
+# The published configurations' sizes (Hugging Face config.json of meta-llama/Llama-3.1-8B and Qwen/Qwen2.5-7B).
+MODELS: dict[str, dict[str, Any]] = {
+    "llama3.1-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5),
+    "qwen2.5-7b": dict(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6),
+}
+TINY: dict[str, dict[str, Any]] = {
+    "llama3.1-8b": dict(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5),
+    "qwen2.5-7b": dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6),
+}
+VARIANTS = ("bf16", "bf16_compiled", "gated_full", "gated_int4", "gated_full_compiled", "gated_int4_compiled",
+            "int4_unfused", "int4", "int4_compiled", "tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled")
+BASELINE = {"bf16": "bf16", "int4": "bf16", "tinygemm": "bf16", "int4_unfused": "bf16", "gated_full": "bf16",
+            "gated_int4": "bf16", "bf16_compiled": "bf16_compiled", "int4_compiled": "bf16_compiled",
+            "tinygemm_compiled": "bf16_compiled", "gated_full_compiled": "bf16_compiled",
+            "gated_int4_compiled": "bf16_compiled", "hf_tinygemm_compiled": "bf16_compiled"}
+# Gears pinned by the clutch: an entropy EMA never below 0 keeps it out (bf16), never above 1e9 bits keeps it in
+PIN_FULL = ClutchConfig(theta_low=0.0, theta_high=0.0, alpha=1.0, initial_engaged=False)
+PIN_INT4 = ClutchConfig(theta_low=1e9, theta_high=1e9, alpha=1.0, initial_engaged=True)
+
+
+# --- models ---------------------------------------------------------------------------------------------------------
+
+
+def build_model(name: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A random-weight causal LM of the named configuration, built on `device` in `dtype` directly."""
+    spec = dict((TINY if tiny else MODELS)[name])
+    family = spec.pop("family")
+    if family == "llama":
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
+    else:
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
+    config = Config(**spec, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=0, attention_bias=family == "qwen2")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Model(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype).eval()
+
+
+class TinygemmLinear(nn.Module):
+    """A linear through torch's tinygemm INT4 kernel (`aten._weight_int4pack_mm`), from an Int4Linear's weights."""
+
+    def __init__(self, layer: Int4Linear) -> None:
+        super().__init__()
+        from reproductions.kernels.int4_bench import tinygemm_pack
+
+        if layer.input_scale is not None:
+            raise ValueError("tinygemm takes no AWQ input scale")
+        packed = tinygemm_pack(layer.int4_weight)
+        if packed is None:
+            raise ValueError(f"tinygemm cannot take group size {layer.group_size} or symmetric weights")
+        self.register_buffer("packed", packed[0])
+        self.register_buffer("scales_and_zeros", packed[1])
+        self.register_buffer("bias", layer.bias)
+        self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, layer.group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, self.in_features), self.packed, self.group_size,
+                                               self.scales_and_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class DecodeCompiled(nn.Module):
+    """`model` whose one-token forwards (the decode step) run through torch.compile; other forwards (the prefill)
+    run eagerly, as gpt-fast compiles its decode step. The engine captures the compiled step in its graphs."""
+
+    def __init__(self, model: nn.Module, **compile_kwargs: Any) -> None:
+        super().__init__()
+        self.model = model
+        self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        run = self._step[0] if input_ids.shape[-1] == 1 else self.model
+        return run(input_ids=input_ids, **kwargs)
+
+
+def ungate(model: nn.Module) -> None:
+    """Each GatedLinear becomes its INT4 layer alone (the bf16 weights are freed)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GatedLinear):
+            replace_module(model, name, module.quantized)
+
+
+def to_tinygemm(model: nn.Module) -> None:
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Int4Linear):
+            replace_module(model, name, TinygemmLinear(module))
+
+
+# --- measurements ---------------------------------------------------------------------------------------------------
+
+
+def weight_bytes(model: nn.Module, skip: Callable[[str], bool] = lambda name: False) -> int:
+    """Bytes of every parameter and buffer a decode token reads: all but the input embedding (one row of it is read)
+    and those under modules `skip` names."""
+    embed = model.get_input_embeddings().weight
+    total = 0
+    for named in (model.named_parameters(), model.named_buffers()):
+        for name, t in named:
+            if t is not embed and not skip(name):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_token(config: Any, position: float, dtype_bytes: int = 2) -> float:
+    """KV cache bytes one decode token reads at `position`: keys and values of every layer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * position * dtype_bytes
+
+
+def copy_rate_gbs(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from reproductions.kernels.int4_bench import copy_bandwidth_gbs
+
+    return copy_bandwidth_gbs(str(device))
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    if any(s in low for s in ("flash", "fmha", "attention", "attn", "sdpa")):
+        return "attention"
+    if any(s in low for s in ("int4", "gemv", "gemm", "xmma", "cutlass", "nvjet", "tinygemm", "matmul", "splitk",
+                              "cublas", "sm90_", "sm80_")):
+        return "gemv_gemm"
+    return "other"
+
+
+def profile_kernels(run: Callable[[], Any], device: torch.device) -> dict[str, float] | None:
+    """Kernel launches and summed GPU microseconds of one call of `run`, by category (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        sync_device(device)
+    out = {f"{cat}.{what}": 0.0 for cat in ("gemv_gemm", "attention", "other") for what in ("kernels", "us")}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        cat = kernel_category(e.name)
+        out[f"{cat}.kernels"] += 1
+        out[f"{cat}.us"] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return out
+
+
+@dataclass
+class Variant:
+    name: str
+    model: nn.Module
+    gear: Any = None  # GearState for the gated variants
+    clutch: ClutchConfig | None = None
+    hf: bool = False  # HF generate() instead of the engine
+    read_skip: Callable[[str], bool] = field(default=lambda name: False)
+
+
+def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -> tuple[int, float, float]:
+    """One decode -> (new tokens, prefill seconds, decode seconds)."""
+    if v.hf:
+        return _hf_run(v.model, prompt, new_tokens)
+    cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs)
+    clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
+    r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
+    return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds
+
+
+def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[int, float, float]:
+    """HF generate with a static cache (HF compiles its forward for it); the prefill is not separated: 0 s."""
+    ids = prompt[None]
+    sync_device(prompt.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                             eos_token_id=None, pad_token_id=0)
+    sync_device(prompt.device)
+    return out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0
+
+
+def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, graphs: bool, meter: EnergyMeter | None,
+            energy_window_s: float, copy_gbs: float | None, profile: bool) -> dict[str, Any]:
+    device = prompt.device
+    for _ in range(2 if graphs else 1):  # warm-up: compiles, captures the graphs (then replays them once)
+        _run_once(v, prompt, new_tokens, graphs)
+    runs = [_run_once(v, prompt, new_tokens, graphs) for _ in range(trials)]
+    decode_tps = [(n - 1) / d for n, _, d in runs if d > 0]
+    e2e_tps = [n / (p + d) for n, p, d in runs]
+    result: dict[str, Any] = {
+        "new_tokens": runs[0][0],
+        "decode_tok_s": decode_tps,
+        "e2e_tok_s": e2e_tps,
+        "decode_tok_s_median": statistics.median(decode_tps) if decode_tps else None,
+        "e2e_tok_s_median": statistics.median(e2e_tps),
+        "prefill_s_median": statistics.median(p for _, p, _ in runs),
+    }
+    if meter is not None:
+        per_run = statistics.median(p + d for _, p, d in runs)
+        n_runs = calls_to_fill(per_run, energy_window_s)
+        window = meter.start()
+        tokens = sum(_run_once(v, prompt, new_tokens, graphs)[0] for _ in range(n_runs))
+        w = meter.stop(window, tokens=tokens)
+        result.update(j_per_token=w.j_per_token, energy_window_s=w.duration_s, energy_runs=n_runs,
+                      mean_power_w=w.mean_power_w)
+    if profile and not v.hf:
+        full = profile_kernels(lambda: _run_once(v, prompt, new_tokens, graphs), device)
+        prefill = profile_kernels(lambda: _run_once(v, prompt, 1, graphs), device)
+        if full is not None and prefill is not None:
+            steps = max(result["new_tokens"] - 1, 1)
+            per_token = {k: (full[k] - prefill[k]) / steps for k in full}
+            per_token["kernels"] = sum(per_token[f"{c}.kernels"] for c in ("gemv_gemm", "attention", "other"))
+            per_token["gpu_us"] = sum(per_token[f"{c}.us"] for c in ("gemv_gemm", "attention", "other"))
+            result["per_token"] = per_token
+    if not v.hf:
+        target = v.model.model if isinstance(v.model, DecodeCompiled) else v.model
+        read = weight_bytes(target, v.read_skip) + kv_bytes_per_token(target.config,
+                                                                      prompt.numel() + new_tokens / 2)
+        result["bytes_per_token"] = read
+        if copy_gbs is not None and result["decode_tok_s_median"]:
+            bound = copy_gbs * 1e9 / read
+            result.update(bound_tok_s=bound, share_of_bound=result["decode_tok_s_median"] / bound)
+    return result
+
+
+# --- the suite ------------------------------------------------------------------------------------------------------
+
+
+class Budget:
+    def __init__(self, max_seconds: float | None) -> None:
+        self.t0, self.max_seconds = time.monotonic(), max_seconds
+
+    def left(self) -> bool:
+        return self.max_seconds is None or time.monotonic() - self.t0 < self.max_seconds
+
+
+def model_variants(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """Yield (variant name, Variant factory) in order, transforming one model between them; a stage no requested
+    variant needs is skipped."""
+    wanted = set(args.variants)
+    compile_kwargs = {"backend": args.compile_backend} if args.compile_backend else {}
+    model = build_model(name, args.tiny, device, dtype)
+    yield "bf16", lambda: Variant("bf16", model)
+    yield "bf16_compiled", lambda: Variant("bf16_compiled", DecodeCompiled(model, **compile_kwargs))
+    later = wanted - {"bf16", "bf16_compiled"}
+    if not later:
+        return
+    torch._dynamo.reset()
+    state = gate_model(model, LINEARS, QuantConfig(group_size=GROUP_SIZE))
+
+    def not_int4(n: str) -> bool:
+        return ".quantized." in n
+
+    def not_full(n: str) -> bool:
+        return ".full." in n
+
+    yield "gated_full", lambda: Variant("gated_full", model, state, PIN_FULL, read_skip=not_int4)
+    yield "gated_int4", lambda: Variant("gated_int4", model, state, PIN_INT4, read_skip=not_full)
+    gated_compiled = DecodeCompiled(model, **compile_kwargs) if wanted & {"gated_full_compiled",
+                                                                             "gated_int4_compiled"} else None
+    yield "gated_full_compiled", lambda: Variant("gated_full_compiled", gated_compiled, state, PIN_FULL,
+                                                 read_skip=not_int4)
+    yield "gated_int4_compiled", lambda: Variant("gated_int4_compiled", gated_compiled, state, PIN_INT4,
+                                                 read_skip=not_full)
+    gated_compiled = None
+    torch._dynamo.reset()
+    ungate(model)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    yield "int4_unfused", lambda: Variant("int4_unfused", model)
+    fuse_projections(model)
+    yield "int4", lambda: Variant("int4", model)
+    yield "int4_compiled", lambda: Variant("int4_compiled", DecodeCompiled(model, **compile_kwargs))
+    if not wanted & {"tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled"}:
+        return
+    torch._dynamo.reset()
+    if device.type != "cuda":
+        yield "tinygemm", None  # tinygemm's packing and kernel are CUDA's
+        return
+    to_tinygemm(model)
+    yield "tinygemm", lambda: Variant("tinygemm", model)
+    yield "tinygemm_compiled", lambda: Variant("tinygemm_compiled", DecodeCompiled(model, **compile_kwargs))
+    torch._dynamo.reset()
+    yield "hf_tinygemm_compiled", lambda: Variant("hf_tinygemm_compiled", model, hf=True)
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, prompt, variant), with speedups over its baseline (bf16 with the same compilation)."""
+    rows = []
+    by_key = {(r["model"], r["prompt_len"], r["variant"]): r for r in results if "error" not in r}
+    for r in results:
+        row = {k: r.get(k) for k in ("model", "prompt_len", "variant", "decode_tok_s_median", "e2e_tok_s_median",
+                                     "j_per_token", "share_of_bound", "error")}
+        row["kernels_per_token"] = (r.get("per_token") or {}).get("kernels")
+        row["gpu_us_per_token"] = (r.get("per_token") or {}).get("gpu_us")
+        base = by_key.get((r["model"], r["prompt_len"], BASELINE.get(r["variant"], "bf16")))
+        for key, out in (("decode_tok_s_median", "speedup_vs_baseline"), ("j_per_token", "energy_vs_baseline")):
+            if base and r.get(key) and base.get(key):
+                row[out] = r[key] / base[key]
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | prompt | variant | tok/s | x baseline | J/token | kernels/token | GPU us/token | share of "
+             "bound |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {r['error']} |||||")
+            continue
+        lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {f(r['decode_tok_s_median'], '.1f')} | "
+                     f"{f(r.get('speedup_vs_baseline'), '.2f')} | {f(r['j_per_token'], '.3f')} | "
+                     f"{f(r['kernels_per_token'], '.0f')} | {f(r['gpu_us_per_token'], '.0f')} | "
+                     f"{f(r['share_of_bound'], '.0%')} |")
+    return "\n".join(lines)
+
+
+def run_suite(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    # every compiled variant of a model recompiles the same HF forward (new modules, gears, cache sizes): past
+    # dynamo's default limit of 8 it would fall back to eager silently
+    for limit in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    budget = Budget(args.max_seconds)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meter, energy_reason = None, None
+    if args.energy and device.type == "cuda":
+        try:
+            meter = EnergyMeter(device.index or 0)
+            meter.measure_idle(min(5.0, args.energy_window_s))
+        except EnergyUnavailable as err:
+            energy_reason = str(err)
+    else:
+        energy_reason = "no energy on CPU" if device.type != "cuda" else "--no-energy"
+    copy_gbs = copy_rate_gbs(device)
+    new_tokens = args.new_tokens if args.new_tokens else (4 if args.tiny else 128)
+    doc: dict[str, Any] = {
+        "suite": SUITE,
+        "config": {"models": args.models, "prompt_lens": args.prompt_lens, "variants": args.variants,
+                   "new_tokens": new_tokens, "trials": args.trials, "tiny": args.tiny, "device": str(device),
+                   "dtype": str(dtype), "group_size": GROUP_SIZE, "linears": LINEARS, "cuda_graphs": args.graphs,
+                   "compile_backend": args.compile_backend or "inductor", "energy_window_s": args.energy_window_s,
+                   "copy_rate_gbs": copy_gbs, "energy": energy_reason or "nvml"},
+        "results": [],
+        "complete": False,
+    }
+    progress = out_dir / f"{SUITE}.json"
+
+    def save() -> None:
+        doc["summary"] = summarize(doc["results"])
+        progress.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+    cut = False
+    for name in args.models:
+        if not budget.left():
+            cut = True
+            break
+        gen = torch.Generator().manual_seed(0)
+        vocab = (TINY if args.tiny else MODELS)[name]["vocab_size"]
+        prompts = {p: torch.randint(3, vocab, (p,), generator=gen).to(device) for p in args.prompt_lens}
+        t_build = time.monotonic()
+        for variant, make in model_variants(name, args, device, dtype):
+            if variant not in args.variants:
+                continue
+            if not budget.left():
+                cut = True
+                break
+            for p, prompt in prompts.items():
+                row: dict[str, Any] = {"model": name, "prompt_len": p, "variant": variant}
+                t0 = time.monotonic()
+                if make is None:
+                    row["error"] = "skipped: needs CUDA"
+                else:
+                    try:
+                        row.update(measure(make(), prompt, new_tokens, args.trials, args.graphs, meter,
+                                           args.energy_window_s, copy_gbs, args.profile))
+                    except Exception as err:  # a variant that cannot run is reported, the others still run
+                        row["error"] = f"{type(err).__name__}: {err}"[:500]
+                row["seconds"] = time.monotonic() - t0
+                doc["results"].append(row)
+                save()
+                print(f"{name} P={p} {variant}: {row.get('decode_tok_s_median') or row.get('error')}", flush=True)
+        doc.setdefault("model_seconds", {})[name] = time.monotonic() - t_build
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if cut:
+            break
+    doc["complete"] = not cut
+    save()
+    return doc
+
+
+def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
+    samples: dict[str, list[float]] = {}
+    metrics: dict[str, float | bool] = {}
+    for r in doc["results"]:
+        key = f"{r['model']}.p{r['prompt_len']}.{r['variant']}"
+        if "error" in r:
+            continue
+        samples[f"{key}.decode_tok_s"] = [float(x) for x in r["decode_tok_s"]]
+        samples[f"{key}.e2e_tok_s"] = [float(x) for x in r["e2e_tok_s"]]
+        for k in ("decode_tok_s_median", "e2e_tok_s_median", "j_per_token", "share_of_bound", "bound_tok_s"):
+            if r.get(k) is not None:
+                metrics[f"{key}.{k}"] = float(r[k])
+        for k, v in (r.get("per_token") or {}).items():
+            metrics[f"{key}.per_token.{k}"] = float(v)
+    for row in doc["summary"]:
+        key = f"{row['model']}.p{row['prompt_len']}.{row['variant']}"
+        for k in ("speedup_vs_baseline", "energy_vs_baseline"):
+            if row.get(k) is not None:
+                metrics[f"{key}.{k}"] = float(row[k])
+    model = ",".join(f"{m}-config-random-weights" for m in doc["config"]["models"])
+    return RunRecord(claim_ids=[], suite=SUITE, config=doc["config"], samples=samples, metrics=metrics,
+                     environment=capture_environment(), complete=doc["complete"],
+                     conditions={"model": model, "hardware": hardware, "trials": doc["config"]["trials"]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for decode_e2e.json and the run record")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--prompt-lens", nargs="+", type=int, default=[32, 2048])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=None, help="default 128 (4 with --tiny)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="start no new variant after this many seconds (the JSON so far is kept)")
+    p.add_argument("--energy-window-s", type=float, default=5.0)
+    p.add_argument("--no-energy", dest="energy", action="store_false")
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")
+    p.add_argument("--no-record", dest="record", action="store_false")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("decode_e2e needs a CUDA GPU (or --device cpu --tiny for a dry run)")
+    if device.type != "cuda":
+        args.graphs = False  # CUDA graphs are CUDA's
+        args.compile_backend = args.compile_backend or "eager"
+    if args.trials < 1 or any(n < 2 for n in args.prompt_lens):
+        raise SystemExit("--trials must be >= 1 and every --prompt-lens >= 2")
+    doc = run_suite(args)
+    print(table(doc["summary"]))
+    if args.record:
+        hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        path = write_record(record_of(doc, hardware), args.out)
+        print(f"record: {path}")
+    return 0 if doc["complete"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

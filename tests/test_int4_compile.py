@@ -1,0 +1,126 @@
+"""INT4 layers under torch.compile: `sdsie::int4_mm` (the launcher as a torch.library op) passes opcheck, finds
+the layer's own weight object (and its launch plans), and a compiled tiny Llama with every decoder linear and the
+LM head in INT4 (or gated) gives eager's logits with the kernel launched once per layer.
+
+On CPU the kernel runs under TRITON_INTERPRET=1; inductor (a C++ build per graph, about a minute on CPU) is left to
+the GPU test."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sdsie.kernels import int4_matmul, kernel_calls
+from sdsie.kernels.ops import register_weight, weight_for
+from sdsie.models import tiny_llama
+from sdsie.quant import Int4Linear, QuantConfig, fuse_projections, gate_model, quantize_model
+
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+N_LINEARS = 7 + 1  # one decoder layer of seven, and the head
+IDS = torch.tensor([[1, 5, 9, 4, 7]])
+
+
+def _int4_model() -> torch.nn.Module:
+    model = tiny_llama(vocab_size=64, num_layers=1, seed=0)
+    quantize_model(model, ALL_LINEARS, QuantConfig("minmax", 32))
+    return model
+
+
+INT4 = _int4_model()
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    return model(IDS, use_cache=False).logits
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("shape", [(3, 64), (2, 1, 64)])
+def test_the_op_passes_opcheck_and_is_the_launcher(symmetric: bool, shape: tuple[int, ...]):
+    lin = torch.nn.Linear(64, 24, bias=False)
+    q = Int4Linear.from_linear(lin, QuantConfig("minmax", 32, symmetric=symmetric))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    args = (x, q.qweight, q.scales, q.zeros, q.group_size)
+    torch.library.opcheck(torch.ops.sdsie.int4_mm.default, args)
+    assert torch.equal(torch.ops.sdsie.int4_mm(*args), int4_matmul(x, q.int4_weight))
+
+
+def test_the_op_finds_the_layers_weight_object_and_wraps_unknown_tensors_anew():
+    q = Int4Linear.from_linear(torch.nn.Linear(64, 16), QuantConfig("minmax", 32))
+    w = q.int4_weight
+    assert weight_for(q.qweight, q.scales, q.zeros, 64, 32) is w  # its launch plans are the eager calls'
+    copies = (q.qweight.clone(), q.scales.clone(), q.zeros.clone())
+    other = weight_for(*copies, 64, 32)
+    assert other is not w and other.qweight is copies[0]
+    register_weight(other)
+    assert weight_for(*copies, 64, 32) is other
+    q.to(torch.bfloat16)  # new scale tensors: the layer's new weight object is the one found
+    assert weight_for(q.qweight, q.scales, q.zeros, 64, 32) is q.int4_weight is not w
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_compiled_int4_llama_gives_eager_logits_in_one_graph(fused: bool):
+    """aot_eager: AOT traces the op through its fake implementation; fused: q/k/v and gate/up as one INT4 layer each
+    (their slices' shared state traced by dynamo too)."""
+    model = copy.deepcopy(INT4)
+    if fused:
+        fuse_projections(model)
+    eager = _logits(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break is an error
+    _logits(compiled)
+    before = kernel_calls()
+    out = _logits(compiled)
+    assert kernel_calls() - before == (4 + 1 if fused else N_LINEARS)  # every INT4 layer launched, through the op
+    assert torch.equal(out, eager)
+    torch._dynamo.reset()
+
+
+def test_a_compiled_gated_llama_follows_the_gear():
+    model = tiny_llama(vocab_size=64, num_layers=1, seed=0)
+    state = gate_model(model, ALL_LINEARS, QuantConfig("minmax", 32))
+    full = _logits(model)
+    state.int4 = True
+    int4 = _logits(model)
+    assert not torch.equal(full, int4)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for gear, expected in ((True, int4), (False, full), (True, int4)):
+        state.int4 = gear
+        before = kernel_calls()
+        assert torch.equal(_logits(compiled), expected), gear
+        assert kernel_calls() - before == (N_LINEARS if gear else 0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_inductor_compiles_an_int4_llama_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = copy.deepcopy(INT4).to("cuda", torch.bfloat16)
+    ids = IDS.cuda()
+    with torch.no_grad():
+        eager = model(ids, use_cache=False).logits.float()
+        compiled = torch.compile(model, fullgraph=True)
+        out = compiled(ids, use_cache=False).logits.float()
+    torch.testing.assert_close(out, eager, atol=0.05, rtol=0.05)  # inductor's fused norms round differently in bf16
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_compiled_fused_int4_model_replays_under_the_engines_graphs():
+    """On a GPU: inductor's decode step (the op, the slices of the fused projections) captured in the engine's graphs
+    gives the eager engine's tokens (fp32: inductor's fused norms round within float noise of eager's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sdsie.decoding import DecodeConfig, generate
+    from sdsie.models import compiled_copy
+
+    model = copy.deepcopy(INT4).to("cuda")
+    fuse_projections(model)
+    prompt = IDS[0].cuda()
+    eager = generate(model, prompt, DecodeConfig(max_new_tokens=24, kv_cache="static")).tokens
+    compiled = compiled_copy(model)
+    graphed = generate(compiled, prompt, DecodeConfig(max_new_tokens=24, kv_cache="static", cuda_graphs=True)).tokens
+    assert graphed == eager
+    torch._dynamo.reset()

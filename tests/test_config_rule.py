@@ -75,7 +75,7 @@ def test_rule_features_count_the_busiest_sm_and_partial_tiles():
 def test_the_shipped_rule_is_what_the_fit_gives_on_the_committed_sweep(sweep):
     cases, configs, meta = sweep
     fitted = fit_rule(cases, configs, meta["sms"])
-    assert len(fitted) == len(RULE_FAMILIES)
+    assert len(fitted) == len(RULE_FAMILIES) and RULE_FAMILIES[0].max_m == GEMV_MAX_M
     for got, shipped in zip(fitted, RULE_FAMILIES, strict=True):
         assert (got.max_m, got.spread, got.programs_per_sm) == (shipped.max_m, shipped.spread, shipped.programs_per_sm)
         assert [t.config for t in got.terms] == [t.config for t in shipped.terms]

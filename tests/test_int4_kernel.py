@@ -102,10 +102,24 @@ GATHER = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2, x_tile=False)  # t
 PIPELINED = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=4, num_stages=3)  # word tiles through cp.async
 
 
-@pytest.mark.parametrize("config", candidate_configs() + (GATHER, PIPELINED), ids=str)
+def _interpreter_distinct(configs: tuple[Int4KernelConfig, ...]) -> tuple[Int4KernelConfig, ...]:
+    """On a GPU every configuration; under the interpreter, which runs no warps and no software pipeline, one per
+    code path: warps and pipeline depth drop out, except the GEMV's register prefetch (stages <= 2) against its
+    pipelined loop (>= 3), and the planes kernel's warps, which decide whether it reads the scales as words."""
+    if torch.cuda.is_available():
+        return configs
+    seen: dict[tuple, Int4KernelConfig] = {}
+    for c in configs:
+        seen.setdefault((c.block_m, c.block_n, c.block_k, c.split_k, c.x_tile, c.swap_ab,
+                         c.gemv and c.num_stages <= 2, c.swap_ab and c.num_warps), c)
+    return tuple(seen.values())
+
+
+@pytest.mark.parametrize("config", _interpreter_distinct(candidate_configs() + (GATHER, PIPELINED)), ids=str)
 @pytest.mark.parametrize("group", [32, 128, None])
 def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
-    """Every configuration the selector can pick (split-K paths included) is correct."""
+    """Every configuration the selector can pick (split-K paths included) is correct (under the interpreter, every
+    distinct code path among them)."""
     gen = torch.Generator().manual_seed(hash((config, group)) % 2**31)
     m = 1 if config.block_m == 1 else 5  # GEMV configs also serve small M: see test_gemv_rows
     # bytes path (K % 8 != 0), masked words path, and the unmasked (EVEN) words path: N a multiple of

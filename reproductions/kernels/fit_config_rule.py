@@ -32,7 +32,7 @@ import numpy as np
 
 from reproductions.kernels.int4_bench import config_name, geomean
 from sdsie.kernels import Int4KernelConfig
-from sdsie.kernels.int4_gemm import RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
+from sdsie.kernels.int4_gemm import GEMV_MAX_M, RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "telemetry/raw/shape_sweep_m1_m16_h200.json"
 CORRECT = 2e-2  # a configuration's result counts when its relative error is under this (shape_bench's bound)
@@ -52,7 +52,7 @@ class FamilySpec:
     programs_per_sm: int
 
 
-SPECS = (FamilySpec(fit_m=1, max_m=2, size=6, spread=1.0, programs_per_sm=2),
+SPECS = (FamilySpec(fit_m=1, max_m=GEMV_MAX_M, size=6, spread=1.0, programs_per_sm=2),
          FamilySpec(fit_m=16, max_m=16, size=6, spread=1.5, programs_per_sm=2))
 
 

@@ -154,3 +154,35 @@ def test_shape_bench_dry_run_times_every_arm_and_both_sweep_configurations_and_c
     assert sweep["best_us"] == min(sweep["graph_us"].values())
     assert sweep["sdsie_over_best"] == case["graph_us"]["sdsie"] / sweep["best_us"]
     assert case["errors"]["sdsie"] < 2e-2 and data["summary"]["m1.g128"]["shapes"] == 1
+
+
+def test_shape_bench_summary_per_m_pools_both_groups_and_counts_where_each_choice_came_from():
+    import math
+
+    from reproductions.kernels.shape_bench import summarize
+
+    def rec(group: str, sdsie: float, source: str, tinygemm: float | None = None) -> dict:
+        g = {"bf16": 40.0, "sdsie": sdsie, "copy": 10.0}
+        if tinygemm is not None:
+            g["tinygemm"] = tinygemm
+        return {"shape": "a", "m": 4, "group": group, "sdsie_config_source": source, "graph_us": g}
+
+    s = summarize([rec("128", 10.0, "table", 20.0), rec("128", 40.0, "rule", 20.0), rec("pc", 20.0, "rule")])
+    assert s["m4.g128"]["sources"] == {"rule": 1, "table": 1} and s["m4.gpc"]["sources"] == {"rule": 1}
+    pooled = s["m4"]
+    assert pooled["shapes"] == 3 and pooled["sources"] == {"rule": 2, "table": 1}
+    assert math.isclose(pooled["sdsie_geomean_speedup"], (4.0 * 1.0 * 2.0) ** (1 / 3))
+    assert pooled["sdsie_beats_tinygemm"] == "1/2" and math.isclose(pooled["sdsie_geomean_over_tinygemm"], 1.0)
+    assert list(s) == ["m4", "m4.g128", "m4.gpc"]
+
+
+def test_shape_bench_can_time_the_rule_alone_and_names_its_output_apart():
+    from reproductions.kernels.shape_bench import Case, Shape, auto_config, output_name
+    from sdsie.kernels.int4_gemm import rule_config
+
+    shape = Shape("Qwen2.5-7B.down", 3584, 18944, ("Qwen2.5-7B.down",))
+    cfg, source = auto_config(Case(shape, 1, "pc", "rule"), "cpu")
+    assert source == "rule" and cfg == rule_config(1, 3584, 18944, 18944, 132)
+    assert auto_config(Case(shape, 16, "128"), "cpu")[1] == "rule"  # no table off a GPU
+    assert output_name(False, [1, 16], (1, 1), "rule") == "shape_bench.rule.m1-16.json"
+    assert output_name(False, [1, 16], (1, 1)) == "shape_bench.m1-16.json"

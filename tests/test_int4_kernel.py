@@ -102,10 +102,24 @@ GATHER = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2, x_tile=False)  # t
 PIPELINED = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=4, num_stages=3)  # word tiles through cp.async
 
 
-@pytest.mark.parametrize("config", candidate_configs() + (GATHER, PIPELINED), ids=str)
+def _interpreter_distinct(configs: tuple[Int4KernelConfig, ...]) -> tuple[Int4KernelConfig, ...]:
+    """On a GPU every configuration; under the interpreter, which runs no warps and no software pipeline, one per
+    code path: warps and pipeline depth drop out, except the GEMV's register prefetch (stages <= 2) against its
+    pipelined loop (>= 3), and the planes kernel's warps, which decide whether it reads the scales as words."""
+    if torch.cuda.is_available():
+        return configs
+    seen: dict[tuple, Int4KernelConfig] = {}
+    for c in configs:
+        seen.setdefault((c.block_m, c.block_n, c.block_k, c.split_k, c.x_tile, c.swap_ab,
+                         c.gemv and c.num_stages <= 2, c.swap_ab and c.num_warps), c)
+    return tuple(seen.values())
+
+
+@pytest.mark.parametrize("config", _interpreter_distinct(candidate_configs() + (GATHER, PIPELINED)), ids=str)
 @pytest.mark.parametrize("group", [32, 128, None])
 def test_every_candidate_config(kernel_device, config: Int4KernelConfig, group):
-    """Every configuration the selector can pick (split-K paths included) is correct."""
+    """Every configuration the selector can pick (split-K paths included) is correct (under the interpreter, every
+    distinct code path among them)."""
     gen = torch.Generator().manual_seed(hash((config, group)) % 2**31)
     m = 1 if config.block_m == 1 else 5  # GEMV configs also serve small M: see test_gemv_rows
     # bytes path (K % 8 != 0), masked words path, and the unmasked (EVEN) words path: N a multiple of
@@ -360,13 +374,14 @@ def test_swap_ab_config_validation():
         Int4KernelConfig(4, 64, 128, swap_ab=True)
 
 
-def test_the_heuristic_takes_planes_up_to_m16_and_the_launch_runs_it(kernel_device):
-    """Without a tuned entry, M in 3..16 gets a planes configuration, M = 17 the bytes tl.dot kernel; an automatic
-    call at M = 5 launches the planes kernel and is correct."""
+def test_the_rule_takes_planes_up_to_m16_and_the_launch_runs_it(kernel_device):
+    """Without a tuned entry, M <= 2 gets a GEMV configuration, M in 3..16 a planes configuration, M = 17 the bytes
+    tl.dot kernel; an automatic call at M = 5 launches the planes kernel and is correct."""
     from sdsie.kernels import select_config
 
     cpu = torch.device("cpu")
     assert [select_config(m, 4096, 4096, cpu, 128).swap_ab for m in (3, 16, 17)] == [True, True, False]
+    assert all(select_config(m, 4096, 4096, cpu, 128).gemv for m in (1, 2))
     gen = torch.Generator().manual_seed(29)
     w = make_weight(64, 256, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16).to(kernel_device)
@@ -521,13 +536,16 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
     assert [tuned_key(m, 8, 64, 32).split("|")[0] for m in (1, 2, 3, 5, 16)] == ["m1", "m2", "m4", "m8", "m16"]
 
 
-def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_shape():
+def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_shape_and_kernel_family():
     """An M bucket the sweep did not tune uses the configuration tuned for more rows on that shape (correct
-    for fewer rows), never one tuned for fewer rows or for another shape or group; none left: None."""
-    m1, m4, m16, other = (Int4KernelConfig(1, 64, 256, split_k=s) for s in (1, 2, 4, 8))
+    for fewer rows), never one tuned for fewer rows or for another shape or group, and never across the GEMV (M <= 2)
+    and planes (M in 3..16) families; none left: None."""
+    m1, m2, m4, m16, other = (Int4KernelConfig(1, 64, 256, split_k=s) for s in (1, 2, 4, 8, 16))
     table = {"m1|8|64|32": m1, "m4|8|64|32": m4, "m16|8|64|32": m16, "m16|16|64|32": other, "m16|8|64|pc": other}
     assert tuned_lookup(table, 1, 8, 64, 32) is m1
-    assert tuned_lookup(table, 2, 8, 64, 32) is m4  # m2 missing -> m4, not m1
+    assert tuned_lookup(table, 2, 8, 64, 32) is None  # m2 missing: the rule's GEMV, not the m4 planes entry
+    assert tuned_lookup({**table, "m2|8|64|32": m2}, 1, 8, 64, 32) is m1
+    assert tuned_lookup({"m2|8|64|32": m2}, 1, 8, 64, 32) is m2  # m1 missing -> m2, the same family
     assert tuned_lookup(table, 3, 8, 64, 32) is m4
     assert tuned_lookup(table, 8, 8, 64, 32) is m16  # m8 missing -> m16
     assert tuned_lookup(table, 16, 8, 64, 32) is m16
@@ -538,7 +556,8 @@ def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_
 
 def test_dispatch_on_a_gpu_takes_the_fallback_bucket(monkeypatch):
     """select_config's CUDA branch uses tuned_lookup: M = 8 with only an M = 16 entry runs that entry, and a
-    shape with no entry falls to the heuristic. (The table and device name are stand-ins; no GPU needed.)"""
+    shape with no entry falls to the rule; the source says which. (The table and device name are stand-ins; no GPU
+    needed.)"""
     import sdsie.kernels.int4_gemm as ig
 
     m16 = Int4KernelConfig(16, 128, 64, split_k=2, num_warps=8)  # in no heuristic list
@@ -548,12 +567,13 @@ def test_dispatch_on_a_gpu_takes_the_fallback_bucket(monkeypatch):
     monkeypatch.setattr(ig, "_num_sms", lambda device: 132)
     ig._select_config.cache_clear()
     try:
-        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128) is m16
+        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128) == (m16, "table")
         chosen = ig._select_config(8, 1024, 4096, "cuda", 0, 128)  # no entry for this shape
         table.clear()
         ig._select_config.cache_clear()
-        assert chosen == ig._select_config(8, 1024, 4096, "cuda", 0, 128) != m16  # the heuristic's choice
-        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128) != m16  # and without the m16 entry, too
+        assert chosen == ig._select_config(8, 1024, 4096, "cuda", 0, 128) == (ig.rule_config(8, 1024, 4096, 128, 132),
+                                                                            "rule")
+        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128)[0] != m16  # and without the m16 entry, too
     finally:
         ig._select_config.cache_clear()
 

@@ -7,8 +7,12 @@ side by side in one process, each timed under CUDA graphs over enough weight cop
 
   bf16      cuBLAS, F.linear on bf16 weights
   tinygemm  torch's _weight_int4pack_mm on the same INT4 weights (group sizes 32-256 only: not per channel)
-  sdsie     int4_matmul with the configuration select_config picks (tuned entry or heuristic)
+  sdsie     int4_matmul with the configuration select_config picks (a tuned table entry, else the rule; with
+            --choice rule always the rule, as on a shape no table has seen), its source recorded
   copy      a device-to-device copy moving the sdsie call's bytes (the ceiling a memory-bound kernel can reach)
+
+The summary gives per M and group, and per M over both groups, sdsie's and tinygemm's geometric-mean speedups over
+bf16, how many shapes sdsie beats tinygemm on, and how many choices came from the table and the rule.
 
 At M = 1 the eager do_bench medians (L2 flushed before each call) are kept beside. Every INT4 result is checked once
 per case against the float64 reference. With --sweep each case also times every configuration of
@@ -58,8 +62,8 @@ from reproductions.kernels.int4_bench import (
     tinygemm_pack,
     tuned_table_provenance,
 )
-from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference, select_config
-from sdsie.kernels.int4_gemm import _plan, _plans_of, _tuned_table, tuned_lookup
+from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
+from sdsie.kernels.int4_gemm import _num_sms, _plan, _plans_of, rule_config, select_config_with_source
 from sdsie.quant.format import Int4Weight, pack_int4
 
 # (model, layer, N, K) of decoder linears, N x K = out x in. Fused rows are q/k/v or gate/up stacked along N.
@@ -104,6 +108,7 @@ DECODER_LINEARS: tuple[tuple[str, str, int, int], ...] = (
 TINY_SHAPES = {"tiny.64x256": (64, 256)}  # the CPU dry run's one shape
 SWEEP_DEFAULT_M = (1, 16)
 GROUP_NAMES = ("128", "pc")  # group 128, per output channel
+CHOICES = ("auto", "rule")  # select_config (table, else rule), or the rule alone
 TINYGEMM_PC_NOTE = "_weight_int4pack_mm takes group sizes 32-256 only: per channel is not timed"
 CORRECT = 2e-2  # relative error under which a bf16 result counts as correct (int4_bench.best_configs' bound)
 # Rough costs behind the printed estimate (host work per timing grows with the copies a graph cycles over); the
@@ -123,7 +128,7 @@ class Shape:
 
     @property
     def tuned(self) -> bool:
-        """Whether the shipped table was swept on this shape (the Llama-3.1-8B five)."""
+        """Whether this is one of the Llama-3.1-8B five the first tuned table was swept on (run last)."""
         return (self.n, self.k) in LLAMA_SHAPES.values()
 
 
@@ -132,6 +137,7 @@ class Case:
     shape: Shape
     m: int
     group: str  # "128" or "pc"
+    choice: str = "auto"  # CHOICES: how sdsie's configuration is chosen
 
     @property
     def group_size(self) -> int:
@@ -174,19 +180,20 @@ def parse_part(text: str) -> tuple[int, int]:
 
 
 def plan_cases(shapes: list[Shape], m_values: list[int], groups: list[str],
-               part: tuple[int, int] = (1, 1)) -> list[Case]:
+               part: tuple[int, int] = (1, 1), choice: str = "auto") -> list[Case]:
     """Cases in the order they run: M = 1 first, then 16, then the rest ascending; within an M every shape of this
     part (every n-th, round robin, so each part holds both tuned and untuned shapes), group 128 before per channel."""
     i, n = part
     mine = shapes[i - 1::n]
     order = sorted(set(m_values), key=lambda m: (m != 1, m != 16, m))
-    return [Case(s, m, g) for m in order for s in mine for g in groups]
+    return [Case(s, m, g, choice) for m in order for s in mine for g in groups]
 
 
-def output_name(sweep: bool, m_values: list[int], part: tuple[int, int]) -> str:
-    """shape_bench[.sweep].m1-16[.part1of2].json: calls with other M or parts never overwrite each other."""
+def output_name(sweep: bool, m_values: list[int], part: tuple[int, int], choice: str = "auto") -> str:
+    """shape_bench[.sweep][.rule].m1-16[.part1of2].json: calls with other M, parts or choices never overwrite each
+    other."""
     ms = "-".join(str(m) for m in sorted(set(m_values)))
-    return (f"shape_bench{'.sweep' if sweep else ''}.m{ms}"
+    return (f"shape_bench{'.sweep' if sweep else ''}{'' if choice == 'auto' else f'.{choice}'}.m{ms}"
             f"{'' if part == (1, 1) else f'.part{part[0]}of{part[1]}'}.json")
 
 
@@ -213,14 +220,11 @@ def case_configs(case: Case, configs: list[Int4KernelConfig]) -> list[Int4Kernel
 
 
 def auto_config(case: Case, device: str) -> tuple[Int4KernelConfig, str]:
-    """select_config's choice for the case and where it came from: "tuned" (a table entry) or "heuristic"."""
+    """sdsie's configuration for the case and where it came from: "table" (a tuned entry for this GPU) or "rule"."""
     s = case.shape
-    cfg = select_config(case.m, s.n, s.k, torch.device(device), case.group_size)
-    if device == "cuda":
-        table = _tuned_table().get(torch.cuda.get_device_name(), {})
-        if tuned_lookup(table, case.m, s.n, s.k, case.group_size) is not None:
-            return cfg, "tuned"
-    return cfg, "heuristic"
+    if case.choice == "rule":
+        return rule_config(case.m, s.n, s.k, min(case.group_size, s.k), _num_sms(torch.device(device))), "rule"
+    return select_config_with_source(case.m, s.n, s.k, torch.device(device), case.group_size)
 
 
 def estimate(cases: list[Case], configs: list[Int4KernelConfig], device: str, jobs: int, l2_bytes: int,
@@ -430,23 +434,30 @@ def run_case(case: Case, timer: Timer, configs: list[Int4KernelConfig], sweep: b
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per M and group: geometric-mean speedups over bf16 (sdsie, tinygemm, copy ceiling), how many shapes sdsie beats
-    tinygemm on, the worst sdsie speedup, and with a sweep the geometric mean and worst of sdsie's time over the
+    """Per M and group ("m1.g128"), and per M over both groups ("m1"): geometric-mean speedups over bf16 (sdsie,
+    tinygemm, copy ceiling), how many shapes sdsie beats tinygemm on, the worst sdsie speedup, where sdsie's
+    configurations came from (table, rule), and with a sweep the geometric mean and worst of sdsie's time over the
     sweep's best. Only complete arms count; a group's figures cover the shapes timed so far (`shapes`)."""
     out: dict = {}
     buckets: dict[str, list[dict]] = {}
     for r in records:
         buckets.setdefault(f"m{r['m']}.g{r['group']}", []).append(r)
-    for key, rs in buckets.items():
+    for r in records:
+        buckets.setdefault(f"m{r['m']}", []).append(r)
+    for key, rs in sorted(buckets.items(), key=lambda kv: (int(kv[0][1:].split(".")[0]), kv[0])):
         t = [r["graph_us"] for r in rs]
         s: dict = {"shapes": len(rs),
                    "sdsie_geomean_speedup": geomean([g["bf16"] / g["sdsie"] for g in t]),
                    "sdsie_min_speedup": min(g["bf16"] / g["sdsie"] for g in t),
                    "ceiling_geomean_speedup": geomean([g["bf16"] / g["copy"] for g in t])}
+        sources = [r["sdsie_config_source"] for r in rs if "sdsie_config_source" in r]
+        if sources:
+            s["sources"] = {src: sources.count(src) for src in sorted(set(sources))}
         tg = [g for g in t if "tinygemm" in g]
         if tg:
             s["tinygemm_geomean_speedup"] = geomean([g["bf16"] / g["tinygemm"] for g in tg])
             s["sdsie_beats_tinygemm"] = f"{sum(g['sdsie'] < g['tinygemm'] for g in tg)}/{len(tg)}"
+            s["sdsie_geomean_over_tinygemm"] = geomean([g["tinygemm"] / g["sdsie"] for g in tg])
         swept = [r["sweep"]["sdsie_over_best"] for r in rs if "sdsie_over_best" in r.get("sweep", {})]
         if swept:
             s["sdsie_over_best_geomean"] = geomean(swept)
@@ -488,6 +499,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
                    help="model.layer, a model (Qwen2.5-7B) or NxK; default every shape")
     p.add_argument("--groups", nargs="+", choices=GROUP_NAMES, default=list(GROUP_NAMES))
+    p.add_argument("--choice", choices=CHOICES, default="auto",
+                   help="sdsie's configuration: select_config's (tuned table, else rule; default) or the rule's alone")
     p.add_argument("--part", type=parse_part, default=(1, 1), metavar="I/N", help="every N-th shape from the I-th")
     p.add_argument("--max-seconds", type=float, default=540.0, help="stop cleanly after this long (default 540)")
     p.add_argument("--jobs", type=int, default=max(0, min(14, (os.cpu_count() or 2) - 2)),
@@ -519,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = pick_shapes(shape_table(), a.shapes)
         configs = sweep_configs()
     m_values = a.m or list(SWEEP_DEFAULT_M if a.sweep else M_VALUES)
-    cases = plan_cases(shapes, m_values, a.groups, a.part)
+    cases = plan_cases(shapes, m_values, a.groups, a.part, a.choice)
     if a.device == "cuda" and not a.estimate_only and not torch.cuda.is_available():
         print("shape_bench needs a CUDA GPU (or --device cpu --tiny); torch.cuda.is_available() is False",
               file=sys.stderr)
@@ -534,14 +547,14 @@ def main(argv: list[str] | None = None) -> int:
           f"(limit {a.max_seconds:.0f} s)", flush=True)
     if a.estimate_only:
         return 0
-    path = a.out / output_name(a.sweep, m_values, a.part)
+    path = a.out / output_name(a.sweep, m_values, a.part, a.choice)
     meta = {"tool": "reproductions.kernels.shape_bench", "argv": sys.argv[1:] if argv is None else argv,
             "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter dry run)",
             "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None, "l2_bytes": l2,
             "torch": torch.__version__, "triton": __import__("triton").__version__, "python": platform.python_version(),
             "commit": _commit(), "tuned_table": tuned_table_provenance(), "m_values": sorted(set(m_values)),
-            "groups": a.groups, "part": list(a.part), "sweep": a.sweep, "reps": a.reps, "eager_ms": a.eager_ms,
-            "max_copies": a.max_copies, "correct_below": CORRECT,
+            "groups": a.groups, "part": list(a.part), "choice": a.choice, "sweep": a.sweep, "reps": a.reps,
+            "eager_ms": a.eager_ms, "max_copies": a.max_copies, "correct_below": CORRECT,
             "timer": "graph_us: one CUDA graph cycles over weight copies covering > 4x L2 (at most max_copies), "
                      "median of reps replays / calls; eager_us: do_bench median, L2 flushed",
             "shapes": {s.name: {"n": s.n, "k": s.k, "aliases": list(s.aliases), "tuned": s.tuned} for s in shapes},
@@ -579,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{case.shape.name:26s} {case.shape.n}x{case.shape.k} m={m:2d} g={case.group:3s} "
                         f"bf16 {g['bf16']:7.1f} sdsie {g['sdsie']:7.1f} (x{g['bf16'] / g['sdsie']:.2f}) "
                         f"tinygemm {g.get('tinygemm', math.nan):7.1f} copy {g['copy']:7.1f} us, "
-                        f"err {rec['errors']['sdsie']:.1e}")
+                        f"err {rec['errors']['sdsie']:.1e}, {rec['sdsie_config_source']} {rec['sdsie_config']}")
                 if "best" in rec.get("sweep", {}):
                     line += f"; best {rec['sweep']['best']} {rec['sweep']['best_us']:.1f} us"
                 print(line, flush=True)

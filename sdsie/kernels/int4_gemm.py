@@ -46,7 +46,8 @@ import triton.language as tl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
 
-__all__ = ["Int4KernelConfig", "int4_matmul", "select_config", "candidate_configs", "kernel_calls"]
+__all__ = ["Int4KernelConfig", "int4_matmul", "select_config", "select_config_with_source", "rule_config",
+           "candidate_configs", "kernel_calls"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -756,20 +757,99 @@ class Int4KernelConfig:
         return self.block_m in GEMV_ROWS
 
 
-# Configurations the selector can return (tests run every one of them). Tuned on an H200;
-# docs/kernel-log.md says how each was chosen.
-_GEMV_CONFIGS = (  # v3: many rows per program so each x value serves several weight words
-    Int4KernelConfig(1, 256, 128, split_k=1, num_warps=4),
-    Int4KernelConfig(1, 128, 256, split_k=2, num_warps=4),
-    Int4KernelConfig(1, 64, 256, split_k=4, num_warps=2),
-    Int4KernelConfig(1, 64, 256, split_k=8, num_warps=2),
-    Int4KernelConfig(1, 32, 256, split_k=8, num_warps=2),
+# M > 16 runs the bytes tl.dot kernel with this tile; M <= 16 a configuration the rule (`rule_config`) or the tuned
+# table picks.
+_LARGE_M_CONFIG = Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4)
+
+
+def _k_tiling(cfg: Int4KernelConfig, k: int, group_size: int) -> tuple[int, int, int]:
+    """(block_k, split_k, k_per_split) of a launch of `cfg` over K codes: a tl.dot tile never straddles two groups,
+    and K splits stop at the power of two that leaves each split one tile."""
+    block_k = cfg.block_k
+    if not cfg.gemv and group_size < k:
+        block_k = min(block_k, group_size)
+    split_k = min(cfg.split_k, triton.next_power_of_2(triton.cdiv(k, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return block_k, split_k, k_per_split
+
+
+@dataclass(frozen=True)
+class RuleTerm:
+    """One candidate of the configuration rule with its fitted cost: per_kb microseconds per kilobyte the busiest SM
+    reads, plus fixed_us (launch, K-split reduction, the pipeline's fill)."""
+
+    config: Int4KernelConfig
+    per_kb: float
+    fixed_us: float
+
+
+@dataclass(frozen=True)
+class RuleFamily:
+    """The rule's candidates for M up to max_m, and the constants their costs share (`rule_features`):
+    spread, how many times its fair share of the bandwidth one SM can draw; programs_per_sm, how many programs an SM
+    runs at once; per_tile_us, the time a program's chain of K tiles costs per tile."""
+
+    max_m: int
+    spread: float
+    programs_per_sm: int
+    per_tile_us: float
+    terms: tuple[RuleTerm, ...]
+
+
+def rule_features(cfg: Int4KernelConfig, m: int, n: int, k: int, group_size: int, sms: int, spread: float,
+                  programs_per_sm: int) -> tuple[float, float]:
+    """(kilobytes the busiest SM reads, K tiles in the longest chain) for `cfg` on this shape: the shape's arithmetic
+    the rule's costs are linear in. Programs = N tiles x K splits x M tiles, dealt round robin over the SMs; a program
+    reads whole tiles (a partial last tile costs a whole one); an SM draws at most `spread` times its fair share."""
+    block_k, split_k, k_per_split = _k_tiling(cfg, k, group_size)
+    programs = triton.cdiv(n, cfg.block_n) * split_k * triton.cdiv(m, cfg.block_m)
+    per_program = cfg.block_n * k_per_split / 2
+    busiest = max(n * k / 2 / sms, -(-programs // sms) * per_program / spread)
+    chain = k_per_split // block_k * -(-programs // (sms * programs_per_sm))
+    return busiest / 1024, float(chain)
+
+
+def rule_cost(family: RuleFamily, term: RuleTerm, m: int, n: int, k: int, group_size: int, sms: int) -> float:
+    """The fitted time in microseconds of `term`'s configuration on this shape."""
+    kb, chain = rule_features(term.config, m, n, k, group_size, sms, family.spread, family.programs_per_sm)
+    return term.per_kb * kb + family.per_tile_us * chain + term.fixed_us
+
+
+def rule_choice(family: RuleFamily, m: int, n: int, k: int, group_size: int, sms: int) -> Int4KernelConfig:
+    """The family's candidate of least fitted cost (the first listed on a tie)."""
+    return min(family.terms, key=lambda t: rule_cost(family, t, m, n, k, group_size, sms)).config
+
+
+# The rule: per kernel family, the H200 sweep's winners and their costs, fitted by
+# reproductions/kernels/fit_config_rule.py on telemetry/raw/shape_sweep_m1_m16_h200.json (leave-one-model-family-out
+# scores: docs/kernel-log.md, 2026-12-03). M <= 2: one-row GEMV programs (fitted at M = 1; a second row doubles the
+# programs); M in 3..16: planes (fitted at M = 16; rows past M are masked).
+RULE_FAMILIES: tuple[RuleFamily, ...] = (
+    RuleFamily(2, 1.0, 2, 0.18959, (
+        RuleTerm(Int4KernelConfig(1, 32, 1024, num_stages=3), 0.0404095, 2.67241),
+        RuleTerm(Int4KernelConfig(1, 8, 2048, num_warps=8, num_stages=1), 0.0586749, 1.95658),
+        RuleTerm(Int4KernelConfig(1, 64, 512, num_stages=3), 0.0381503, 2.62633),
+        RuleTerm(Int4KernelConfig(1, 4, 4096, num_warps=8, num_stages=1), 0.0701188, 1.81633),
+        RuleTerm(Int4KernelConfig(1, 128, 256, split_k=8), 0.0573233, 3.10384),
+        RuleTerm(Int4KernelConfig(1, 128, 256, num_stages=3), 0.0363105, 2.6564),
+    )),
+    RuleFamily(16, 1.5, 2, 0.374556, (
+        RuleTerm(Int4KernelConfig(16, 128, 128, split_k=4, num_stages=4, swap_ab=True), 0.0460965, 4.35678),
+        RuleTerm(Int4KernelConfig(16, 64, 128, split_k=8, num_stages=3, swap_ab=True), 0.0373138, 4.23478),
+        RuleTerm(Int4KernelConfig(16, 128, 128, num_stages=3, swap_ab=True), 0.0361715, 3.00689),
+        RuleTerm(Int4KernelConfig(16, 128, 128, split_k=8, num_stages=4, swap_ab=True), 0.0612892, 4.7506),
+        RuleTerm(Int4KernelConfig(16, 256, 128, split_k=4, num_stages=3, swap_ab=True), 0.061076, 5.00026),
+        RuleTerm(Int4KernelConfig(16, 64, 128, split_k=8, num_stages=4, swap_ab=True), 0.0408614, 4.18003),
+    )),
 )
-_GEMM_CONFIGS = (  # M <= 16: planes, the H200 sweep's winners at M = 4-16; larger M: the bytes tl.dot
-    Int4KernelConfig(16, 256, 128, split_k=4, num_warps=4, num_stages=3, swap_ab=True),
-    Int4KernelConfig(16, 64, 128, split_k=8, num_warps=4, num_stages=3, swap_ab=True),
-    Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4),
-)
+
+
+def rule_config(m: int, n: int, k: int, group_size: int, sms: int) -> Int4KernelConfig:
+    """The configuration the rule picks for this shape on a GPU of `sms` SMs (any shape: no table needed)."""
+    if m < 1 or n < 1 or k < 1 or group_size < 1 or sms < 1:
+        raise ValueError(f"rule_config: M, N, K, group_size and sms must be >= 1, got {(m, n, k, group_size, sms)}")
+    family = next((f for f in RULE_FAMILIES if m <= f.max_m), None)
+    return _LARGE_M_CONFIG if family is None else rule_choice(family, m, n, k, group_size, sms)
 
 
 SHIPPED_TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
@@ -801,6 +881,7 @@ def _tuned_table() -> dict[str, dict[str, Int4KernelConfig]]:
 
 
 TUNED_M = (1, 2, 4, 8, 16)  # M buckets the sweep tunes; M in (2, 4] uses the m4 entry, and so on
+GEMV_MAX_M = 2  # M up to this runs GEMV programs (tables and rule), M in 3..16 the planes kernel
 
 
 def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
@@ -813,15 +894,18 @@ def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
 def tuned_lookup(
     table: dict[str, Int4KernelConfig], m: int, n: int, k: int, group_size: int
 ) -> Int4KernelConfig | None:
-    """M's own bucket for this shape, else the nearest larger bucket the sweep tuned for it, else None.
+    """M's own bucket for this shape, else the nearest larger bucket of the same kernel family (GEMV rows: M <= 2;
+    planes: M in 3..16) the sweep tuned for it, else None.
 
     A configuration tuned for more rows is correct for fewer. On the H200, M = 8, which no sweep had tuned,
     ran the heuristic GEMM at 0.43-0.83x of bf16; on 14336x4096 it took 74.4 us where the tuned M = 16
-    configuration took 48.4 us with twice the rows (records ca1fd3d4 and 22f3a099 agree within 1%).
+    configuration took 48.4 us with twice the rows (records ca1fd3d4 and 22f3a099 agree within 1%). An M = 2 call
+    does not borrow an M = 4-16 planes entry: the rule's GEMV serves it (docs/kernel-log.md, 2026-12-03).
     """
     key = tuned_key(m, n, k, group_size)
     bucket = int(key.split("|", 1)[0][1:])
-    for b in (b for b in TUNED_M if b >= bucket):
+    limit = GEMV_MAX_M if bucket <= GEMV_MAX_M else TUNED_M[-1]
+    for b in (b for b in TUNED_M if bucket <= b <= limit):
         cfg = table.get(f"m{b}|{key.split('|', 1)[1]}")
         if cfg is not None:
             return cfg
@@ -829,9 +913,10 @@ def tuned_lookup(
 
 
 def candidate_configs() -> tuple[Int4KernelConfig, ...]:
-    """Every configuration `select_config` can pick (heuristic candidates and tuned entries)."""
+    """Every configuration `select_config` can pick (the rule's candidates and tuned entries), each once."""
+    base = tuple(t.config for f in RULE_FAMILIES for t in f.terms) + (_LARGE_M_CONFIG,)
     tuned = {cfg for table in _tuned_table().values() for cfg in table.values()}
-    base = _GEMV_CONFIGS + _GEMM_CONFIGS
+    base = tuple(dict.fromkeys(base))
     return base + tuple(sorted(tuned - set(base), key=lambda c: dataclasses.astuple(c)))
 
 
@@ -842,31 +927,27 @@ def _num_sms(device: torch.device) -> int:
 
 
 def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None) -> Int4KernelConfig:
-    """The tuned configuration for this GPU and shape if one was measured (M <= 16), else the
-    heuristic: enough programs to fill the GPU, the fewest splits that do. Memoized: it runs on
+    """The tuned configuration for this GPU and shape if one was measured (M <= 16), else the rule's
+    (`rule_config`: the candidate of least fitted cost from the shape's arithmetic). Memoized: it runs on
     every call, and host time before the launch is latency at batch 1."""
+    return select_config_with_source(m, n, k, device, group_size)[0]
+
+
+def select_config_with_source(m: int, n: int, k: int, device: torch.device,
+                              group_size: int | None = None) -> tuple[Int4KernelConfig, str]:
+    """`select_config`'s choice and where it came from: "table" (a tuned entry for this GPU) or "rule"."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
     return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k)
 
 
 @functools.lru_cache(maxsize=4096)
-def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_size: int) -> Int4KernelConfig:
+def _select_config(m: int, n: int, k: int, device_type: str, index: int,
+                   group_size: int) -> tuple[Int4KernelConfig, str]:
     if device_type == "cuda" and m <= TUNED_M[-1]:
         cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size)
         if cfg is not None:
-            return cfg
-    sms = _num_sms(torch.device(device_type, index))
-    if m <= 2:
-        cands = _GEMV_CONFIGS
-    elif m <= 16:
-        cands = _GEMM_CONFIGS[:2]
-    else:
-        cands = _GEMM_CONFIGS[2:]
-    for cfg in cands:
-        tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m) * cfg.split_k
-        if tiles >= 2 * sms:
-            return cfg
-    return cands[-1]
+            return cfg, "table"
+    return rule_config(m, n, k, min(group_size, k), _num_sms(torch.device(device_type, index))), "rule"
 
 
 class _Scratch:
@@ -952,11 +1033,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     m, k = x2.shape
     n = w.out_features
     per_channel = w.group_size >= k
-    block_k = cfg.block_k
-    if not cfg.gemv and not per_channel:
-        block_k = min(block_k, w.group_size)  # a GEMM tile never straddles two groups
-    split_k = min(cfg.split_k, triton.next_power_of_2(triton.cdiv(k, block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
     consts = dict(
         GROUP=1 if per_channel else w.group_size,  # unused when PER_CHANNEL: no recompile per K

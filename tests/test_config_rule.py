@@ -1,0 +1,124 @@
+"""The INT4 kernel's configuration rule (sdsie.kernels.int4_gemm.rule_config) and the tables shipped beside it, checked
+against the committed H200 shape sweep (reproductions/kernels/fit_config_rule.py fits the rule from it)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reproductions.kernels.fit_config_rule import (
+    DEFAULT_DATA,
+    best_table,
+    fit_rule,
+    load,
+    model_family,
+    rule_time,
+    scores,
+)
+from sdsie.kernels import candidate_configs
+from sdsie.kernels.int4_gemm import (
+    _LARGE_M_CONFIG,
+    GEMV_MAX_M,
+    RULE_FAMILIES,
+    SHIPPED_TUNED_PATH,
+    rule_config,
+    rule_features,
+    tuned_lookup,
+)
+
+SMS = 132  # the sweep's H200
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return load(DEFAULT_DATA)
+
+
+@given(m=st.integers(1, 64), n=st.integers(1, 300_000), k=st.integers(1, 40_000),
+       group=st.sampled_from([32, 64, 128, 256, None]), sms=st.sampled_from([1, 16, 78, 108, 132, 144]))
+def test_the_rule_returns_a_tested_candidate_of_the_right_kernel_for_any_shape_deterministically(m, n, k, group, sms):
+    g = k if group is None or group >= k else group
+    cfg = rule_config(m, n, k, g, sms)
+    assert cfg in candidate_configs()  # so the every-candidate property tests cover it
+    assert cfg == rule_config(m, n, k, g, sms)
+    if m <= GEMV_MAX_M:
+        assert cfg.gemv and cfg.block_m == 1
+    elif m <= 16:
+        assert cfg.swap_ab
+    else:
+        assert cfg == _LARGE_M_CONFIG
+
+
+def test_the_rule_rejects_sizes_below_one():
+    for bad in ((0, 8, 64, 32, 132), (1, 0, 64, 32, 132), (1, 8, 0, 32, 132), (1, 8, 64, 0, 132), (1, 8, 64, 32, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            rule_config(*bad)
+
+
+def test_rule_features_count_the_busiest_sm_and_partial_tiles():
+    """264 programs over 132 SMs: two programs' bytes on each SM; a K of 1.5 tiles reads two whole tiles; an SM can
+    draw `spread` times its fair share, never less than the fair share."""
+    cfg = RULE_FAMILIES[0].terms[0].config  # one-row GEMV
+    n = 264 * cfg.block_n
+    kb, chain = rule_features(cfg, 1, n, cfg.block_k, cfg.block_k, SMS, 1.0, 2)
+    assert kb == pytest.approx(2 * cfg.block_n * cfg.block_k / 2 / 1024) and chain == 1.0
+    kb_partial, _ = rule_features(cfg, 1, n, cfg.block_k * 3 // 2, cfg.block_k * 3 // 2, SMS, 1.0, 2)
+    assert kb_partial == pytest.approx(kb * 2)  # two tiles a program, the second half masked
+    fair = n * cfg.block_k / 2 / SMS / 1024
+    assert rule_features(cfg, 1, n, cfg.block_k, cfg.block_k, SMS, 1e9, 2)[0] == pytest.approx(fair)
+
+
+def test_the_shipped_rule_is_what_the_fit_gives_on_the_committed_sweep(sweep):
+    cases, configs, meta = sweep
+    fitted = fit_rule(cases, configs, meta["sms"])
+    assert len(fitted) == len(RULE_FAMILIES) and RULE_FAMILIES[0].max_m == GEMV_MAX_M
+    for got, shipped in zip(fitted, RULE_FAMILIES, strict=True):
+        assert (got.max_m, got.spread, got.programs_per_sm) == (shipped.max_m, shipped.spread, shipped.programs_per_sm)
+        assert [t.config for t in got.terms] == [t.config for t in shipped.terms]
+        assert got.per_tile_us == pytest.approx(shipped.per_tile_us, rel=1e-4, abs=1e-6)
+        for a, b in zip(got.terms, shipped.terms, strict=True):
+            assert (a.per_kb, a.fixed_us) == pytest.approx((b.per_kb, b.fixed_us), rel=1e-4, abs=1e-6)
+
+
+def test_on_the_measured_shapes_the_rule_runs_near_the_exhaustive_best(sweep):
+    """In sample, every one of the 120 cases within 1.2x of its sweep best and 1.03x in geometric mean (the fit's
+    own figures: 1.19x and 1.021x, docs/kernel-log.md, 2026-12-03)."""
+    cases, _, _ = sweep
+    ratios = [rule_time(RULE_FAMILIES, c, SMS)[1] / c.best for c in cases]
+    assert len(ratios) == 120
+    assert max(ratios) <= 1.2
+    assert math.exp(sum(math.log(r) for r in ratios) / len(ratios)) <= 1.03
+
+
+def test_held_out_model_families_score_against_the_target(sweep):
+    """Leave-one-model-family-out: at least 115 of 120 cases within 1.11x of best, none past 1.2x, and the rule's
+    geometric-mean speedup over bf16 within 2% of the exhaustive best's at M = 1 group 128."""
+    cases, configs, meta = sweep
+    s = scores(cases, configs, meta["sms"])
+    ratios = [p["held_out_over_best"] for p in s["per_case"]]
+    assert sum(r <= 1 / 0.9 for r in ratios) >= 115 and max(ratios) <= 1.2
+    g = s["groups"]["m1.g128"]
+    assert g["rule_held_out_geomean_speedup"] >= 0.98 * g["table_best_geomean_speedup"]
+    assert set(s["families"]) == {"Gemma-2", "Llama-2", "Llama-3.1", "Qwen2.5"}
+
+
+def test_model_family_drops_the_size():
+    assert model_family("Qwen2.5-1.5B.lm_head") == model_family("Qwen2.5-7B.down") == "Qwen2.5"
+    assert model_family("Llama-3.1-8B.q_o") == "Llama-3.1"
+
+
+def test_the_shipped_table_holds_the_sweep_best_of_every_measured_case_and_only_tested_configs(sweep):
+    cases, configs, meta = sweep
+    shipped = json.loads(SHIPPED_TUNED_PATH.read_text())[meta["device"]]
+    for key, cfg in best_table(cases, configs).items():
+        assert shipped[key] == cfg.__dict__, key
+    from sdsie.kernels.int4_gemm import _tuned_table
+
+    table = _tuned_table()[meta["device"]]
+    for c in cases:
+        assert tuned_lookup(table, c.m, c.n, c.k, c.group_size) == configs[min(c.times, key=c.times.get)]
+    assert set(table.values()) <= set(candidate_configs())

@@ -48,6 +48,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="Jinja chat template replacing the tokenizer's (for tokenizers without one)")
     p.add_argument("--no-energy", action="store_true", help="do not measure energy with NVML")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's choice)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -75,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"sdsie serve needs the serve extra (pip install 'sdsie[serve]'): {err}", file=sys.stderr)
         return 1
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         engine = Engine.load(config)
     except (ValueError, OSError) as err:

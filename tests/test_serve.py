@@ -190,6 +190,7 @@ def test_chat_applies_the_template_and_streams_the_same_text(pair, tokenizer, cl
     assert tokenizer.decode(ids).endswith("<|assistant|>")
     ref = direct(pair, ids, 16)
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                          logprobs=False, presence_penalty=0,  # neutral values pass
                                           extra_body={"return_token_ids": True})
     assert resp.choices[0].token_ids == ref.tokens and resp.usage.prompt_tokens == len(ids)
     assert resp.choices[0].message.content == tokenizer.decode(ref.tokens, skip_special_tokens=True)
@@ -268,6 +269,8 @@ BAD = [
     ("completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream", "true or false"),
     ("completions", {"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs",
+     "not supported"),
 ]
 
 
@@ -318,7 +321,7 @@ def test_load_fifo_queue_answers_each_request_as_alone(url) -> None:
                         answers[i] = r.json()["choices"][0]
                         break
                     refusals.append(r)
-                    await asyncio.sleep(0.01)  # a test client retries sooner than Retry-After asks
+                    await asyncio.sleep(0.05)  # a test client retries sooner than Retry-After asks
 
     async def main() -> None:
         await asyncio.gather(*(client_task(list(range(c, n_requests, n_clients))) for c in range(n_clients)))
@@ -377,6 +380,19 @@ def test_api_key_and_missing_chat_template(pair) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert "no chat template" in r.json()["error"]["message"]
         assert http.post("/v1/completions", headers=key, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_static_cache_engine_carries_nothing_from_one_request_to_the_next(pair) -> None:
+    engine = Engine(pair.target, pair.tokenizer, _config(kv_cache="static"), scout=pair.scout)
+    other = {"prompt": "class Parser:\n", "max_tokens": 12, "temperature": 0.9, "seed": 3, "return_token_ids": True}
+    first = {"prompt": PROMPT, "max_tokens": 22, "temperature": 0, "return_token_ids": True}
+    with TestClient(create_app(engine)) as http:
+        answers = [http.post("/v1/completions", json=body).json() for body in (first, other, first)]
+    ref = direct(pair, pair.tokenizer.encode(PROMPT), 22)
+    assert answers[0]["choices"][0]["token_ids"] == answers[2]["choices"][0]["token_ids"] == ref.tokens
+    assert answers[0]["usage"]["sdsie"] == {**answers[2]["usage"]["sdsie"], "seconds": answers[0]["usage"]["sdsie"][
+        "seconds"]}
+    assert answers[2]["usage"]["sdsie"]["decisions"] == ref.decisions  # the clutch starts afresh
 
 
 def test_gear_share_in_usage_matches_generate(pair) -> None:

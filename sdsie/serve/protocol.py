@@ -132,7 +132,8 @@ def _request(body: dict[str, Any], ids: list[int], limits: Limits, chat: bool, d
         raise APIError(400, f"the model {model!r} does not exist: this server serves {limits.model!r}",
                        param="model", code="model_not_found")
     for name, off in UNSUPPORTED.items():
-        if body.get(name, off) not in (off, None):
+        value = body.get(name)
+        if not (value is None or value is False or value == off):
             raise bad(name, f"{name} is not supported by this server")
     n = body.get("n", 1)
     if n not in (1, None) or isinstance(n, bool):

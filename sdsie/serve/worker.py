@@ -93,6 +93,7 @@ class Engine:
         self._busy = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._current: Job | None = None
         self._mean_seconds = 1.0  # running mean of a request's engine time, for Retry-After
 
     @classmethod
@@ -151,8 +152,11 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Finish the running request (cancelled), refuse what waits, stop the worker."""
+        """End the running request at its next cycle, refuse what waits, stop the worker."""
         self._stopping.set()
+        current = self._current
+        if current is not None:
+            current.cancel()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -171,9 +175,11 @@ class Engine:
             except queue.Empty:
                 continue
             self._busy.set()
+            self._current = job
             try:
                 self.run(job)
             finally:
+                self._current = None
                 self._busy.clear()
 
     # -- one request -------------------------------------------------------------------------------

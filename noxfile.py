@@ -23,7 +23,7 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The CPU suite: unit and property tests (Triton kernels under TRITON_INTERPRET=1)."""
-    _install(session, "test,report")
+    _install(session, "test,report,serve")
     session.run("pytest", "tests", "-m", "not gpu", *session.posargs)
 
 

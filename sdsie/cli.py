@@ -259,5 +259,24 @@ register(Subcommand("fidelity", "token match of INT4-gated layers vs full precis
                     _configure_fidelity, _run_fidelity))
 
 
+# -- serve (options in sdsie.serve.cli; fastapi and uvicorn are imported only when it runs) -------------------
+
+
+def _configure_serve(p: argparse.ArgumentParser) -> None:
+    from sdsie.serve.cli import configure
+
+    configure(p)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from sdsie.serve.cli import run
+
+    return run(args)
+
+
+register(Subcommand("serve", "OpenAI-compatible server (batch 1) where the clutch gates the scout and the gear",
+                    _configure_serve, _run_serve))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -188,3 +188,29 @@ def compiled_copy(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     compiled = copy.deepcopy(model)
     compiled.compile(**compile_kwargs)
     return compiled
+
+
+def render_chat(tokenizer: Any, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` ([{"role": str, "content": str}, ...]) through the tokenizer's chat template.
+    ValueError when the tokenizer has no chat template or a message is malformed."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{type(tokenizer).__name__} has no chat template: set tokenizer.chat_template")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role' and a string 'content'")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))  # the template writes its own special tokens
+
+
+def eos_ids(tokenizer: Any, model: nn.Module | None = None) -> frozenset[int]:
+    """Every token id that ends a generation: the tokenizer's eos_token_id and the model's generation config's."""
+    found: set[int] = set()
+    sources = [getattr(tokenizer, "eos_token_id", None)]
+    if model is not None:
+        sources.append(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    for ids in sources:
+        found.update([ids] if isinstance(ids, int) else list(ids or ()))
+    return frozenset(found)

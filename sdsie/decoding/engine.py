@@ -249,7 +249,7 @@ class DecodeStats:
 @dataclass
 class GenerationResult:
     tokens: list[int]  # new tokens only
-    stop_reason: str  # "eos" or "max_new_tokens"
+    stop_reason: str  # "eos", "max_new_tokens", or "stopped" (on_tokens asked to stop)
     stats: DecodeStats
     cycles: list[CycleRecord] = field(default_factory=list)
     prefill_entropy: float = float("nan")
@@ -430,6 +430,7 @@ def generate(
     clutch: EntropyClutch | None = None,
     gear: Gear | None = None,
     on_cycle: Callable[[CycleRecord], None] | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> GenerationResult:
     """Generate up to config.max_new_tokens after prompt_ids (batch 1).
 
@@ -440,6 +441,8 @@ def generate(
     the entropy of the target distribution that token came from. Each cycle's decision is the clutch
     state at the cycle's start; the gear is set from it before the target's forward (the prefill's
     gear comes from `initial_engaged`). on_cycle, if given, is called with each CycleRecord.
+    on_tokens, if given, is called with the tokens the prefill and then each cycle appended (a streaming
+    server's hook); a true return ends the run after that step, stop_reason "stopped" (unless it ended anyway).
     """
     config = config if config is not None else DecodeConfig()
     device = model_device(target)
@@ -450,7 +453,7 @@ def generate(
         clutch.reset()
 
     with torch.inference_mode():
-        return _loop(run, prompt.numel(), k_engaged, clutch, gear, on_cycle)
+        return _loop(run, prompt.numel(), k_engaged, clutch, gear, on_cycle, on_tokens)
 
 
 def _loop(
@@ -460,6 +463,7 @@ def _loop(
     clutch: EntropyClutch | None,
     gear: Gear | None,
     on_cycle: Callable[[CycleRecord], None] | None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> GenerationResult:
     config, stats, eos = run.config, run.stats, run.config.eos_ids
     device = run.ids.device
@@ -476,8 +480,9 @@ def _loop(
     result = GenerationResult(
         tokens, "eos" if first in eos else "max_new_tokens", stats, prefill_entropy=h0, prefill_gear_int4=prefill_gear
     )
+    _tokens_hook(on_tokens, [first], result)
 
-    while result.stop_reason != "eos" and len(tokens) < config.max_new_tokens:
+    while result.stop_reason == "max_new_tokens" and len(tokens) < config.max_new_tokens:
         t_start = time.perf_counter()
         engaged = clutch.engaged if clutch is not None else None
         k = _draft_length(run, engaged, produced=len(tokens))
@@ -508,11 +513,18 @@ def _loop(
         result.cycles.append(record)
         if on_cycle is not None:
             on_cycle(record)
+        _tokens_hook(on_tokens, emitted, result)
 
     sync_device(device)
     stats.decode_seconds = sum(c.seconds for c in result.cycles)
     stats.new_tokens = len(tokens)
     return result
+
+
+def _tokens_hook(on_tokens: Callable[[list[int]], bool | None] | None, emitted: list[int],
+                 result: GenerationResult) -> None:
+    if on_tokens is not None and on_tokens(list(emitted)) and result.stop_reason == "max_new_tokens":
+        result.stop_reason = "stopped"
 
 
 def _draft_length(run: _Run, engaged: bool | None, produced: int) -> int:

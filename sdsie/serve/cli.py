@@ -1,0 +1,89 @@
+"""`sdsie serve ...`: the options, and the run that loads the models and serves until interrupted.
+
+Importing this module needs no serving packages; running it needs the `serve` extra (fastapi, uvicorn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from sdsie.serve.config import DTYPES, KV_CACHES, ServeConfig, parse_clutch
+
+__all__ = ["config_from_args", "configure", "run"]
+
+
+def _clutch(text: str):  # -> ClutchConfig | None
+    try:
+        return parse_clutch(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model: a save_pretrained folder or a hub id")
+    p.add_argument("--scout", default=None, help="scout (draft) model sharing the target's vocabulary; "
+                                                  "without one, no speculation")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: each model's own)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.add_argument("--clutch", type=_clutch, default="production", metavar="production|tuned|off|LOW,HIGH[,ALPHA]",
+                   help="the entropy clutch gating the scout and the gear (default production; off: fixed-K "
+                        "speculation with a scout)")
+    p.add_argument("--gear", default="", metavar="LINEAR[,LINEAR...]",
+                   help="gate these linear layers to INT4 when the clutch engages (e.g. mlp.down_proj; default none)")
+    p.add_argument("--gear-layers", default=None, metavar="I[,I...]", help="decoder layers to gate (default all)")
+    p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs "
+                                                              "(needs --kv-cache static and a CUDA device)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    p.add_argument("--max-tokens", type=int, default=512, help="the most tokens one request may ask for")
+    p.add_argument("--context", type=int, default=None,
+                   help="positions one request may fill, prompt plus max_tokens (default: the target's maximum)")
+    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait; one more gets 503")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="Jinja chat template replacing the tokenizer's (for tokenizers without one)")
+    p.add_argument("--no-energy", action="store_true", help="do not measure energy with NVML")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's choice)")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    clutch = args.clutch if not isinstance(args.clutch, str) else parse_clutch(args.clutch)
+    layers = None if args.gear_layers is None else tuple(int(i) for i in args.gear_layers.split(","))
+    template = None if args.chat_template is None else args.chat_template.read_text()
+    return ServeConfig(
+        target=args.target, scout=args.scout, tokenizer=args.tokenizer, model_name=args.model_name,
+        clutch=clutch if (args.scout is not None or args.gear) else None,
+        gear=tuple(g for g in args.gear.split(",") if g), gear_layers=layers, kv_cache=args.kv_cache,
+        cuda_graphs=args.cuda_graphs, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
+        api_key=args.api_key, max_tokens=args.max_tokens, context=args.context, queue_size=args.queue_size,
+        chat_template=template, energy=not args.no_energy)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as err:
+        print(f"sdsie serve: {err}", file=sys.stderr)
+        return 1
+    try:
+        from sdsie.serve.app import run_server
+        from sdsie.serve.worker import Engine
+    except ImportError as err:
+        print(f"sdsie serve needs the serve extra (pip install 'sdsie[serve]'): {err}", file=sys.stderr)
+        return 1
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine.load(config)
+    except (ValueError, OSError) as err:
+        print(f"sdsie serve: {err}", file=sys.stderr)
+        return 1
+    run_server(engine)
+    return 0

@@ -1,0 +1,90 @@
+"""The server's settings: one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sdsie.clutch import SEED_CLUTCHES, ClutchConfig
+
+__all__ = ["ServeConfig", "parse_clutch"]
+
+KV_CACHES = ("dynamic", "static")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def parse_clutch(text: str) -> ClutchConfig | None:
+    """'production' or 'tuned' (the seed's settings), 'off' (None), or 'LOW,HIGH[,ALPHA]' thresholds in bits."""
+    if text in SEED_CLUTCHES:
+        return SEED_CLUTCHES[text]
+    if text == "off":
+        return None
+    parts = text.split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3):
+        raise ValueError(f"clutch must be one of {', '.join([*SEED_CLUTCHES, 'off'])} or LOW,HIGH[,ALPHA] in bits, "
+                         f"got {text!r}")
+    return ClutchConfig(theta_low=values[0], theta_high=values[1], **({"alpha": values[2]} if len(values) == 3 else {}))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `sdsie serve` runs and how it answers.
+
+    scout None: no speculation. clutch None ('off'): the scout, if any, drafts K in every cycle (fixed-K).
+    gear: names of linear layers to gate to INT4 (sdsie.quant.gated.gate_model; needs a clutch), gear_layers:
+    which decoder layers (None: all). max_tokens: the most a request may ask for. context: positions one request
+    may fill, prompt plus max_tokens (None: the target's max_position_embeddings). queue_size: requests that may
+    wait behind the running one; one more is answered 503 with Retry-After. chat_template: Jinja text that
+    replaces the tokenizer's own (None: keep the tokenizer's, if it has one). energy: measure each request's GPU
+    energy where NVML and CUDA are present.
+    """
+
+    target: str
+    scout: str | None = None
+    tokenizer: str | None = None
+    model_name: str | None = None
+    clutch: ClutchConfig | None = None
+    gear: tuple[str, ...] = ()
+    gear_layers: tuple[int, ...] | None = None
+    kv_cache: str = "dynamic"
+    cuda_graphs: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_tokens: int = 512
+    context: int | None = None
+    queue_size: int = 16
+    chat_template: str | None = None
+    energy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        if self.cuda_graphs and self.kv_cache != "static":
+            raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.gear and self.clutch is None:
+            raise ValueError("gear needs a clutch to drive it: pass clutch (production, tuned or thresholds)")
+        if self.clutch is not None and self.scout is None and not self.gear:
+            raise ValueError("a clutch with neither a scout nor a gear gates nothing: pass scout and/or gear")
+        for name, low in (("max_tokens", 1), ("queue_size", 1), ("port", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.port > 65535:
+            raise ValueError(f"port must be at most 65535, got {self.port}")
+        if self.context is not None and (not isinstance(self.context, int) or self.context < 2):
+            raise ValueError(f"context must be an integer >= 2, got {self.context!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+
+    @property
+    def served_name(self) -> str:
+        """The model id clients name: model_name, else the target's folder or hub id."""
+        return self.model_name or self.target.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,303 @@
+"""The batch-1 engine behind the server: a bounded FIFO queue and one worker thread that runs each request
+through `sdsie.decoding.generate`, where the clutch decides per cycle whether the scout drafts and which
+gear the target runs in.
+
+Per request: a fresh clutch (generate also resets it), the gear's counters zeroed, caches new (dynamic) or
+emptied (static: generate crops a reused cache to 0). Tokens reach the request's `emit` after every step
+through generate's on_tokens hook, which also ends the run at the next cycle boundary when the request is
+cancelled (its client went away) or a stop string appeared.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from sdsie.clutch import EntropyClutch
+from sdsie.decoding import DecodeConfig, GenerationResult, generate
+from sdsie.models import eos_ids, render_chat, vocab_size
+from sdsie.serve.config import ServeConfig
+from sdsie.serve.metrics import Metrics, RequestStats
+from sdsie.serve.protocol import APIError, GenerationRequest, Limits
+from sdsie.serve.text import TextStream
+
+__all__ = ["Delta", "Done", "Engine", "Failed", "Job"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text released after one step (possibly empty: held back) and the tokens that step appended."""
+
+    text: str
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a request: the text still held back, why it ended, usage, every generated token."""
+
+    text: str
+    finish_reason: str  # "stop" (eos or a stop string), "length", or "cancelled"
+    usage: dict[str, Any]
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Done | Failed
+
+
+@dataclass
+class Job:
+    """A request in the queue. emit is called from the worker thread with each Event."""
+
+    request: GenerationRequest
+    emit: Callable[[Event], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Engine:
+    """Holds the models; `submit` queues a Job (APIError 503 when the queue is full); `start` runs the worker."""
+
+    def __init__(self, target: nn.Module, tokenizer: Any, config: ServeConfig, scout: nn.Module | None = None,
+                 gear: Any = None, meter: Any = None) -> None:
+        if (config.scout is None) != (scout is None):
+            raise ValueError("config.scout and the scout model must be given together")
+        if bool(config.gear) != (gear is not None):
+            raise ValueError("config.gear and the gear state must be given together")
+        self.target, self.scout, self.tokenizer, self.config = target, scout, tokenizer, config
+        self.gear, self.meter = gear, meter
+        context = config.context or int(getattr(target.config, "max_position_embeddings", 0) or 0)
+        if context < 2:
+            raise ValueError("the target's config has no max_position_embeddings: set context")
+        self.limits = Limits(config.served_name, config.max_tokens, context, vocab_size(target))
+        self.eos = eos_ids(tokenizer, target)
+        self.metrics = Metrics(gear=gear is not None, energy=meter is not None)
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=config.queue_size)
+        self._busy = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._current: Job | None = None
+        self._mean_seconds = 1.0  # running mean of a request's engine time, for Retry-After
+
+    @classmethod
+    def load(cls, config: ServeConfig) -> Engine:
+        """Load the models config names, gate the target's gear layers, open the energy meter where there is one."""
+        import torch
+
+        from sdsie.models import load_model, load_pair, load_tokenizer
+
+        dtype = getattr(torch, config.dtype)
+        if config.scout is not None:
+            pair = load_pair(config.target, config.scout, dtype, config.device, tokenizer=config.tokenizer)
+            target, scout, tokenizer = pair.target, pair.scout, pair.tokenizer
+        else:
+            target, scout = load_model(config.target, dtype, config.device), None
+            tokenizer = load_tokenizer(config.tokenizer or config.target)
+        if config.chat_template is not None:
+            tokenizer.chat_template = config.chat_template
+        gear = None
+        if config.gear:
+            from sdsie.quant.gated import gate_model
+
+            gear = gate_model(target, list(config.gear), layers=config.gear_layers)
+        return cls(target, tokenizer, config, scout=scout, gear=gear, meter=_meter(config))
+
+    # -- the queue -------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy.is_set()
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.metrics.count("queue_full")
+            raise APIError(503, f"the server is busy: {self.config.queue_size} requests are already waiting; "
+                                "retry after the time in Retry-After", type="server_overloaded", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after())}) from None
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely drained one place: a running request's mean time, 1 to 60."""
+        return max(1, min(60, math.ceil(self._mean_seconds)))
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._work, name="sdsie-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the running request at its next cycle, refuse what waits, stop the worker."""
+        self._stopping.set()
+        current = self._current
+        if current is not None:
+            current.cancel()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            job.cancel()
+            job.emit(Failed("the server is shutting down"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _work(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                job = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self._busy.set()
+            self._current = job
+            try:
+                self.run(job)
+            finally:
+                self._current = None
+                self._busy.clear()
+
+    # -- one request -------------------------------------------------------------------------------
+    def decode_config(self, req: GenerationRequest) -> DecodeConfig:
+        eos = None if req.ignore_eos or not self.eos else tuple(sorted(self.eos))
+        return DecodeConfig(max_new_tokens=req.max_tokens, sampling=req.sampling, eos_token_id=eos,
+                            kv_cache=self.config.kv_cache, cuda_graphs=self.config.cuda_graphs)
+
+    def run(self, job: Job) -> None:
+        """Generate for one job on this thread, emitting Deltas, then Done (or Failed)."""
+        req = job.request
+        if job.cancelled.is_set():  # its client left while it waited
+            self.metrics.count("cancelled")
+            job.emit(Done("", "cancelled", {}, []))
+            return
+        text = TextStream(self.tokenizer, req.stop)
+
+        def on_tokens(tokens: list[int]) -> bool:
+            job.emit(Delta(text.feed(tokens), tokens))
+            return text.stopped or job.cancelled.is_set()
+
+        clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
+        if self.gear is not None:
+            self.gear.reset_counters()
+        window = self._open_energy()
+        t0 = time.perf_counter()
+        try:
+            result = generate(self.target, list(req.prompt_ids), self.decode_config(req), scout=self.scout,
+                              clutch=clutch, gear=self.gear, on_tokens=on_tokens)
+        except Exception as err:  # the engine keeps serving; the client gets a 500 naming the cause
+            log.exception("generation failed")
+            _abort(window)
+            self.metrics.count("failed")
+            job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
+            return
+        seconds = time.perf_counter() - t0
+        self._mean_seconds += 0.2 * (seconds - self._mean_seconds)
+        energy = self._close_energy(window, len(result.tokens))
+        cancelled = result.stop_reason == "stopped" and not text.stopped
+        finish = "cancelled" if cancelled else "stop" if text.stopped or result.stop_reason == "eos" else "length"
+        stats = request_stats(result, len(req.prompt_ids), seconds, energy)
+        self.metrics.add(stats, "cancelled" if cancelled else "ok")
+        job.emit(Done(text.finish(), finish, usage(result, stats), list(result.tokens)))
+
+    # -- energy ------------------------------------------------------------------------------------
+    def _open_energy(self) -> Any:
+        if self.meter is None:
+            return None
+        try:
+            return self.meter.start()
+        except Exception as err:  # a failed reading is "no reading", never a failed request
+            log.warning("energy window not opened: %s", err)
+            return None
+
+    def _close_energy(self, window: Any, tokens: int) -> float | None:
+        if window is None:
+            return None
+        try:
+            return float(self.meter.stop(window, tokens).energy_j)
+        except Exception as err:  # too short a window, a counter that did not move: no reading (None), not 0 J
+            _abort(window)
+            log.debug("no energy reading: %s", err)
+            return None
+
+
+def request_stats(result: GenerationResult, prompt_tokens: int, seconds: float,
+                  energy_j: float | None) -> RequestStats:
+    gears = [result.prefill_gear_int4, *(c.gear_int4 for c in result.cycles)]
+    s = result.stats
+    return RequestStats(prompt_tokens=prompt_tokens, completion_tokens=len(result.tokens), seconds=seconds,
+                        cycles=s.cycles, engaged_cycles=s.engaged_cycles, speculate_cycles=s.speculate_cycles,
+                        drafted=s.drafted, accepted=s.accepted, target_forwards=s.target_forwards,
+                        int4_target_forwards=sum(bool(g) for g in gears), energy_j=energy_j)
+
+
+def usage(result: GenerationResult, stats: RequestStats) -> dict[str, Any]:
+    """OpenAI's token counts plus what the engine did (`sdsie`): gear share None without a gear, energy None
+    without a reading."""
+    s = result.stats
+    has_gear = result.prefill_gear_int4 is not None
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "sdsie": {
+            "cycles": s.cycles,
+            "speculate_cycles": s.speculate_cycles,
+            "engaged_cycles": s.engaged_cycles,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "scout_forwards": s.scout_forwards,
+            "target_forwards": s.target_forwards,
+            "decisions": result.decisions,
+            "gear_int4_share": stats.int4_target_forwards / (1 + s.cycles) if has_gear else None,
+            "energy_j": stats.energy_j,
+            "seconds": stats.seconds,
+            "stop_reason": result.stop_reason,
+        },
+    }
+
+
+def _abort(window: Any) -> None:
+    poller = getattr(window, "poller", None)
+    if poller is not None:
+        poller.abort()
+
+
+def _meter(config: ServeConfig) -> Any:
+    """An EnergyMeter on the serving GPU, or None (CPU, energy off, or no NVML: the reason is logged)."""
+    import torch
+
+    if not config.energy or torch.device(config.device).type != "cuda":
+        return None
+    from sdsie.telemetry.energy import EnergyMeter, EnergyUnavailable
+
+    index = torch.device(config.device).index or 0
+    try:
+        return EnergyMeter(index)
+    except EnergyUnavailable as err:
+        log.warning("energy not measured: %s", err)
+        return None

@@ -1,0 +1,470 @@
+"""`sdsie serve` on the committed CPU stand-in pair: a live uvicorn server on 127.0.0.1 driven by the official
+openai client and by httpx, checked against direct `generate()` calls on the same models."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import uvicorn  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from sdsie.clutch import ClutchConfig, EntropyClutch  # noqa: E402
+from sdsie.decoding import DecodeConfig, SamplingConfig, generate  # noqa: E402
+from sdsie.models import load_pair, render_chat  # noqa: E402
+from sdsie.serve import ServeConfig, parse_clutch  # noqa: E402
+from sdsie.serve.app import create_app  # noqa: E402
+from sdsie.serve.cli import config_from_args, configure  # noqa: E402
+from sdsie.serve.text import TextStream  # noqa: E402
+from sdsie.serve.worker import Engine  # noqa: E402
+
+PAIR = Path(__file__).resolve().parents[1] / "reproductions" / "standin" / "cpu"
+MODEL = "standin"
+# The stand-in's entropy sits near 7 bits; these thresholds make the clutch engage and release within a few dozen
+# tokens of PROMPT (both seed settings, at 0.55-1.25 bits, never engage on it).
+MIXED = ClutchConfig(theta_low=6.5, theta_high=7.0, alpha=0.5)
+K = MIXED.k_draft
+PROMPT = "import os\nimport sys\n"
+EOS = (1,)
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+LIMIT, CONTEXT, QUEUE = 200, 256, 4
+
+
+# ------------------------------------------------------------------------------------------------
+# Fixtures: the pair, a live server, and an in-process app with an API key and no chat template
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and OpenMP spin-waits hurt on shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(PAIR / "target", PAIR / "scout", tokenizer=PAIR / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(pair):
+    tok = copy.deepcopy(pair.tokenizer)
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def _config(**kw) -> ServeConfig:
+    base = dict(target=str(PAIR / "target"), scout=str(PAIR / "scout"), model_name=MODEL, clutch=MIXED,
+                max_tokens=LIMIT, context=CONTEXT, queue_size=QUEUE)
+    return ServeConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def engine(pair, tokenizer):
+    return Engine(pair.target, tokenizer, _config(), scout=pair.scout)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with other processes
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def direct(pair, ids, max_new, sampling: SamplingConfig | None = None, eos=EOS):
+    config = DecodeConfig(max_new_tokens=max_new, eos_token_id=eos, sampling=sampling or SamplingConfig())
+    return generate(pair.target, ids, config, scout=pair.scout, clutch=EntropyClutch(MIXED))
+
+
+def completion(client, prompt=PROMPT, **kw):
+    kw.setdefault("temperature", 0)
+    return client.completions.create(model=MODEL, prompt=prompt, extra_body={"return_token_ids": True}, **kw)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    found = re.search(rf"^sdsie_{re.escape(name)} (\S+)$", text, re.M)
+    assert found, f"no metric {name} in\n{text}"
+    return float(found.group(1))
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{url}/health").json()
+        if not health["busy"] and health["queued"] == 0:
+            return
+        assert time.monotonic() < deadline, f"the engine is still busy: {health}"
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine's hook
+
+
+def test_on_tokens_sees_every_token_and_can_stop_the_run(pair) -> None:
+    ids = pair.tokenizer.encode(PROMPT)
+    full = direct(pair, ids, 20)
+    steps: list[list[int]] = []
+    seen = generate(pair.target, ids, DecodeConfig(max_new_tokens=20, eos_token_id=EOS), scout=pair.scout,
+                    clutch=EntropyClutch(MIXED), on_tokens=steps.append)
+    assert [t for s in steps for t in s] == full.tokens == seen.tokens and len(steps) == 1 + full.stats.cycles
+    calls = []
+    stopped = generate(pair.target, ids, DecodeConfig(max_new_tokens=20), scout=pair.scout,
+                       on_tokens=lambda s: calls.append(s) or len(calls) == 3)
+    assert stopped.stop_reason == "stopped" and len(calls) == 3 and stopped.stats.cycles == 2
+    assert stopped.tokens == [t for s in calls for t in s] and len(stopped.tokens) < 20
+    assert stopped.tokens == generate(pair.target, ids, DecodeConfig(max_new_tokens=20), scout=pair.scout
+                                      ).tokens[: len(stopped.tokens)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Completions, chat, streaming
+
+
+def test_greedy_completion_is_generate_token_for_token_and_the_clutch_acts(pair, tokenizer, client) -> None:
+    ids = tokenizer.encode(PROMPT)
+    ref = direct(pair, ids, 22)  # 22: no speculate cycle of this run is cut short by the token budget
+    spec = [c for c in ref.cycles if c.speculated]
+    assert "S" in ref.decisions and "F" in ref.decisions and all(c.k == K for c in spec)  # the case is gated
+    resp = completion(client, max_tokens=22)
+    choice = resp.choices[0]
+    assert choice.token_ids == ref.tokens
+    assert choice.text == tokenizer.decode(ref.tokens, skip_special_tokens=True)
+    assert choice.finish_reason == "length" and resp.model == MODEL and resp.object == "text_completion"
+    usage = resp.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), 22, len(ids) + 22)
+    s = usage.sdsie
+    assert s["decisions"] == ref.decisions and s["cycles"] == ref.stats.cycles
+    assert (s["speculate_cycles"], s["drafted"], s["accepted"]) == (
+        ref.stats.speculate_cycles, ref.stats.drafted, ref.stats.accepted)
+    assert s["scout_forwards"] == s["speculate_cycles"] * K and s["speculate_cycles"] == ref.decisions.count("S")
+    assert s["gear_int4_share"] is None and s["energy_j"] is None  # no gear, no NVML: nothing, never 0
+
+
+def test_stream_concatenates_to_the_whole_answer(pair, tokenizer, client) -> None:
+    whole = completion(client, max_tokens=20)
+    chunks = list(completion(client, max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text and len([t for t in texts if t]) > 3
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.sdsie["decisions"] == whole.usage.sdsie["decisions"]
+
+
+def test_chat_applies_the_template_and_streams_the_same_text(pair, tokenizer, client) -> None:
+    messages = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "import os"}]
+    ids = render_chat(tokenizer, messages)
+    assert tokenizer.decode(ids).endswith("<|assistant|>")
+    ref = direct(pair, ids, 16)
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                          logprobs=False, presence_penalty=0,  # neutral values pass
+                                          extra_body={"return_token_ids": True})
+    assert resp.choices[0].token_ids == ref.tokens and resp.usage.prompt_tokens == len(ids)
+    assert resp.choices[0].message.content == tokenizer.decode(ref.tokens, skip_special_tokens=True)
+    assert resp.choices[0].message.role == "assistant" and resp.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == resp.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sampling_goes_through_the_rejection_sampler_seeded(pair, tokenizer, client) -> None:
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, seed=7)
+    ref = direct(pair, tokenizer.encode(PROMPT), 24, sampling)
+    assert ref.stats.speculate_cycles > 0  # drafts were verified by rejection sampling
+    first = completion(client, max_tokens=24, temperature=0.8, top_p=0.9, seed=7)
+    again = completion(client, max_tokens=24, temperature=0.8, top_p=0.9, seed=7)
+    assert first.choices[0].token_ids == again.choices[0].token_ids == ref.tokens
+    assert first.usage.sdsie["decisions"] == ref.decisions
+
+
+def test_stop_string_ends_the_text_before_it_and_the_run(pair, tokenizer, client) -> None:
+    text = completion(client, max_tokens=40).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.index(stop)]
+    resp = completion(client, max_tokens=40, stop=[stop, "never appears"])
+    assert resp.choices[0].text == expected and resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 40  # generation ended at the cycle that wrote the stop string
+    streamed = list(completion(client, max_tokens=40, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_metrics(url, client) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    before = metric(url, 'requests_total{outcome="ok"}')
+    completion(client, max_tokens=4)
+    response = httpx.get(f"{url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    assert metric(url, 'requests_total{outcome="ok"}') == before + 1
+    for name in ("completion_tokens_total", "tokens_per_second", "acceptance_rate", "engaged_cycle_share",
+                 "target_forwards_total"):
+        assert metric(url, name) > 0
+    assert "int4" not in response.text and "joule" not in response.text  # no gear, no NVML: no such line
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: status, OpenAI error body naming the field, and the server keeps serving
+
+BAD = [
+    ("completions", b"{not json", None, "not valid JSON"),
+    ("completions", b"[1, 2]", None, "JSON object"),
+    ("completions", {"max_tokens": 4}, "prompt", "missing required field 'prompt'"),
+    ("chat/completions", {"max_tokens": 4}, "messages", "missing required field 'messages'"),
+    ("chat/completions", {"messages": []}, "messages", "non-empty list"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "must be >= 1"),
+    ("completions", {"prompt": "x", "max_tokens": -3}, "max_tokens", "must be >= 1"),
+    ("completions", {"prompt": "x", "max_tokens": LIMIT + 1}, "max_tokens", f"limit of {LIMIT}"),
+    ("completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens", "must be an integer"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens", "must be >= 1"),
+    ("completions", {"prompt": list(range(3, 3 + CONTEXT))}, "prompt", f"cache of {CONTEXT}"),
+    ("completions", {"prompt": list(range(3, CONTEXT - 5)), "max_tokens": 10}, "max_tokens", f"cache of {CONTEXT}"),
+    ("completions", {"prompt": [5, 99999]}, "prompt", "token ids must lie in"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt", "batch of 2 prompts"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, "model", "'gpt-4' does not exist"),
+    ("completions", {"prompt": "x", "temperature": -0.1}, "temperature", "must be >= 0"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ("completions", {"prompt": "x", "stop": 5}, "stop", "must be a string or a list"),
+    ("completions", {"prompt": "x", "stop": ["a", 1]}, "stop", "must be a string or a list"),
+    ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ("completions", {"prompt": "x", "seed": 1.5}, "seed", "must be an integer"),
+    ("completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
+    ("completions", {"prompt": "x", "stream": "yes"}, "stream", "true or false"),
+    ("completions", {"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs",
+     "not supported"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param", "phrase"), BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, p, _x)
+                                                                              in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field(url, endpoint, body, param, phrase) -> None:
+    if isinstance(body, bytes):
+        response = httpx.post(f"{url}/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = httpx.post(f"{url}/v1/{endpoint}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and phrase in error["message"] and error["type"] == "invalid_request_error"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_bad_input_through_the_openai_client_raises_its_error(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        completion(client, max_tokens=4, temperature=-1)
+    assert completion(client, max_tokens=2).usage.completion_tokens == 2  # still serving
+
+
+# ------------------------------------------------------------------------------------------------
+# Queue, load, disconnects
+
+
+SPECS = [{"model": MODEL, "prompt": p, "max_tokens": 2 + j % 3, "temperature": t, "seed": j, "return_token_ids": True}
+         for j, (p, t) in enumerate((p, t) for p in (PROMPT, "def main(args):\n    ", "class Parser:\n", "The fox")
+                                    for t in (0, 0.9))]
+
+
+def test_load_fifo_queue_answers_each_request_as_alone(url) -> None:
+    """200 requests from 16 concurrent clients against a queue of 4: every answer equals its solo run, the only
+    non-200 answers are 503 queue-full with Retry-After, and the server is healthy and idle afterwards."""
+    n_requests, n_clients = 200, 16
+    solo = [httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0] for body in SPECS]
+    full_before = metric(url, 'requests_total{outcome="queue_full"}')
+    answers: dict[int, dict] = {}
+    refusals: list[httpx.Response] = []
+
+    async def client_task(ids: list[int]) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            for i in ids:
+                while True:
+                    r = await http.post("/v1/completions", json=SPECS[i % len(SPECS)])
+                    if r.status_code != 503:
+                        assert r.status_code == 200, r.text
+                        answers[i] = r.json()["choices"][0]
+                        break
+                    refusals.append(r)
+                    await asyncio.sleep(0.05)  # a test client retries sooner than Retry-After asks
+
+    async def main() -> None:
+        await asyncio.gather(*(client_task(list(range(c, n_requests, n_clients))) for c in range(n_clients)))
+
+    asyncio.run(main())
+    assert len(answers) == n_requests
+    for i, answer in answers.items():
+        expected = solo[i % len(SPECS)]
+        assert (answer["token_ids"], answer["text"]) == (expected["token_ids"], expected["text"]), i
+    assert refusals, "16 clients against a queue of 4 should have been refused at times"
+    for r in refusals:
+        assert r.json()["error"]["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+    assert metric(url, 'requests_total{outcome="queue_full"}') == full_before + len(refusals)
+    wait_idle(url)
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL, "busy": False, "queued": 0}
+
+
+def test_streaming_disconnect_stops_generation_at_the_next_cycle(url) -> None:
+    cancelled, tokens = metric(url, 'requests_total{outcome="cancelled"}'), metric(url, "completion_tokens_total")
+    body = {"prompt": PROMPT, "max_tokens": LIMIT, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # the connection is closed here, after one chunk
+    wait_idle(url)
+    assert metric(url, 'requests_total{outcome="cancelled"}') == cancelled + 1
+    assert metric(url, "completion_tokens_total") - tokens < LIMIT  # it stopped early
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_waiting_client_that_disconnects_cancels_its_request(url) -> None:
+    cancelled, tokens = metric(url, 'requests_total{outcome="cancelled"}'), metric(url, "completion_tokens_total")
+    body = {"prompt": PROMPT, "max_tokens": LIMIT, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    wait_idle(url)
+    assert metric(url, 'requests_total{outcome="cancelled"}') == cancelled + 1
+    assert metric(url, "completion_tokens_total") - tokens < LIMIT
+
+
+# ------------------------------------------------------------------------------------------------
+# An app with an API key, a tokenizer without a chat template, and a gear
+
+
+def test_api_key_and_missing_chat_template(pair) -> None:
+    engine = Engine(pair.target, pair.tokenizer, _config(api_key="sk-test"), scout=pair.scout)
+    with TestClient(create_app(engine)) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test"}):
+            r = http.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert http.get("/health").status_code == 200
+        key = {"Authorization": "Bearer sk-test"}
+        assert http.get("/v1/models", headers=key).json()["data"][0]["id"] == MODEL
+        r = http.post("/v1/chat/completions", headers=key, json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "no chat template" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", headers=key, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_static_cache_engine_carries_nothing_from_one_request_to_the_next(pair) -> None:
+    engine = Engine(pair.target, pair.tokenizer, _config(kv_cache="static"), scout=pair.scout)
+    other = {"prompt": "class Parser:\n", "max_tokens": 12, "temperature": 0.9, "seed": 3, "return_token_ids": True}
+    first = {"prompt": PROMPT, "max_tokens": 22, "temperature": 0, "return_token_ids": True}
+    with TestClient(create_app(engine)) as http:
+        answers = [http.post("/v1/completions", json=body).json() for body in (first, other, first)]
+    ref = direct(pair, pair.tokenizer.encode(PROMPT), 22)
+    assert answers[0]["choices"][0]["token_ids"] == answers[2]["choices"][0]["token_ids"] == ref.tokens
+    assert answers[0]["usage"]["sdsie"] == {**answers[2]["usage"]["sdsie"], "seconds": answers[0]["usage"]["sdsie"][
+        "seconds"]}
+    assert answers[2]["usage"]["sdsie"]["decisions"] == ref.decisions  # the clutch starts afresh
+
+
+def test_gear_share_in_usage_matches_generate(pair) -> None:
+    from sdsie.quant.gated import gate_model
+
+    target = copy.deepcopy(pair.target)
+    gear = gate_model(target, ["down_proj"], layers=[0])
+    engine = Engine(target, pair.tokenizer, _config(gear=("down_proj",), gear_layers=(0,)), scout=pair.scout,
+                    gear=gear)
+    ids = pair.tokenizer.encode(PROMPT)
+    with TestClient(create_app(engine)) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    ref = generate(target, ids, DecodeConfig(max_new_tokens=8, eos_token_id=EOS), scout=pair.scout,
+                   clutch=EntropyClutch(MIXED), gear=gear)
+    gears = [ref.prefill_gear_int4, *(c.gear_int4 for c in ref.cycles)]
+    s = r.json()["usage"]["sdsie"]
+    assert s["gear_int4_share"] == sum(gears) / len(gears) and s["decisions"] == ref.decisions
+    assert 0 < s["gear_int4_share"] < 1  # the gear changed with the clutch within the request
+    assert "sdsie_int4_forward_share" in engine.metrics.render(0, False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pieces: incremental text, the command line
+
+
+class _Chars:
+    """A tokenizer double: token i decodes to VOCAB[i]; id 0 is a special token."""
+
+    VOCAB = ["<eos>", "ab", "c", "d", "\ufffd", "é", "STOP", "S", "TOP"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = "".join(self.VOCAB[i] for i in ids if not (skip_special_tokens and i == 0))
+        return text.replace("\ufffdé", "é")  # a character split over two tokens decodes whole once complete
+
+
+@pytest.mark.parametrize(("steps", "stop", "pieces", "stopped"), [
+    ([[1], [2, 3], [0]], (), ["ab", "cd", ""], False),
+    ([[1], [4], [5, 2]], (), ["ab", "", "éc"], False),  # U+FFFD held back until its character completes
+    ([[1, 7], [8, 2]], ("STOP",), ["", "ab"], True),  # a stop string over two steps: nothing of it is sent
+    ([[1], [6, 2]], ("zz", "STOP"), ["", "ab"], True),
+    ([[1, 2, 3, 3], [2]], ("STOP",), ["ab", "c"], False),  # the last len(stop) - 1 characters wait; finish() sends them
+])
+def test_text_stream_releases_only_final_text(steps, stop, pieces, stopped) -> None:
+    stream = TextStream(_Chars(), stop)
+    assert [stream.feed(s) for s in steps] == pieces and stream.stopped is stopped
+    tail = stream.finish()
+    full = _Chars().decode([t for s in steps for t in s])
+    assert "".join(pieces) + tail == (full[: min(full.find(s) for s in stop if s in full)] if stopped else full)
+
+
+def test_cli_options_become_the_server_config(tmp_path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    p = argparse.ArgumentParser()
+    configure(p)
+    args = p.parse_args(["--target", "t", "--scout", "s", "--clutch", "tuned", "--gear", "mlp.down_proj",
+                         "--gear-layers", "0,2", "--kv-cache", "static", "--api-key", "k", "--port", "9",
+                         "--chat-template", str(template)])
+    config = config_from_args(args)
+    assert config.clutch == parse_clutch("tuned") and config.gear == ("mlp.down_proj",)
+    assert config.gear_layers == (0, 2) and config.kv_cache == "static" and config.host == "127.0.0.1"
+    assert config.chat_template == TEMPLATE and config.api_key == "k" and config.port == 9
+    assert config_from_args(p.parse_args(["--target", "t", "--scout", "s", "--clutch", "off"])).clutch is None
+    assert parse_clutch("1,2") == ClutchConfig(theta_low=1.0, theta_high=2.0)
+    assert parse_clutch("1,2,0.5").alpha == 0.5
+    for bad in ("fast", "1", "2,1"):
+        with pytest.raises(ValueError, match="clutch|theta_low"):
+            parse_clutch(bad)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--target", "t", "--clutch", "fast"])
+    with pytest.raises(ValueError, match="cuda_graphs needs kv_cache='static'"):
+        config_from_args(p.parse_args(["--target", "t", "--cuda-graphs"]))
+    with pytest.raises(ValueError, match="gear needs a clutch"):
+        ServeConfig(target="t", gear=("down_proj",))

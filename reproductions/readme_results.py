@@ -687,6 +687,25 @@ def _families(rec: RunRecord, cell: Callable[[str], str | None]) -> str:
     return ", ".join(parts) if parts else "-"
 
 
+def e2e_rows(records: list[RunRecord]) -> list[str]:
+    """INT4 end to end: per model of the newest decode_e2e record that compiled both, INT4 against bf16 with the same
+    engine, compilation and graphs, in tok/s and J/token."""
+    rec = newest(records, "decode_e2e", lambda r: any(k.endswith(".int4_compiled.speedup_vs_baseline")
+                                                       for k in r.metrics))
+    if rec is None:
+        return []
+    mt, rows = rec.metrics, []
+    for key in sorted(k for k in mt if k.endswith(".int4_compiled.speedup_vs_baseline")):
+        base = key.removesuffix(".speedup_vs_baseline")  # model names hold dots: qwen2.5-7b.p32.int4_compiled
+        model, prompt = base.removesuffix(".int4_compiled").rsplit(".", 1)
+        rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt[1:]}, 128 new tokens): "
+                    f"all linears INT4 against bf16, both compiled and graphed | {mt[key]:.2f}x tok/s "
+                    f"({mt[base + '.decode_tok_s_median']:.0f} tok/s), "
+                    f"{mt[base + '.energy_vs_baseline']:.3f}x J/token; "
+                    f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'} | `{_rid(rec)}` |")
+    return rows
+
+
 def claims_gate_row(records: list[RunRecord], registry_path: Path = Path("reproductions/claims.toml")) -> list[str]:
     """The headline's claims rows: the gate against our own references, and the quotable judgment against the seed."""
     from sdsie.claims import evaluate, load_registry, summary
@@ -749,6 +768,7 @@ def headline(records: list[RunRecord]) -> str:
             bound = "within" if got[1] >= GATED_BOUND else "not shown within"
             rows.append(f"| Clutch-gated chain (production clutch) over plain decoding on the highest-entropy family "
                         f"({high}) | {_cell(got)}: {bound} the 1% bound | `{_rid(gated)}` |")
+    rows += e2e_rows(records)
     rows += lossless_rows(records, tree, best)
     rows += claims_gate_row(records)
     return "\n".join([HEAD_BEGIN, "", GENERATED[:-2] + "; every detail in [docs/results.md](docs/results.md)._", "",

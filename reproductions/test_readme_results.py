@@ -83,3 +83,12 @@ def test_claims_rows_keep_the_two_judgments_apart():
     assert "stable" in gate and "against our pinned references" in gate
     assert "Of " in seed and "seed claims" in seed and "not comparable" in seed
     assert "reproduced" not in gate + seed  # a match with our own record is never called a reproduction
+
+
+def test_e2e_row_reads_int4_against_bf16_of_the_newest_compiled_record():
+    from reproductions.readme_results import e2e_rows
+    from sdsie.telemetry.records import load_records
+
+    rows = e2e_rows(load_records(TELEMETRY))
+    assert rows and all("target 2.5x" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "2.04x tok/s" in r and "`681f4aec`" in r for r in rows)

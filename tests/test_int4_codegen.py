@@ -112,16 +112,3 @@ def test_scales_as_words_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
     assert pairs["bar"] == halves["bar"]
     assert pairs["left_operand_in_registers"] and halves["left_operand_in_registers"]
     assert pairs["weight_tiles_through_shared"] == 0 == halves["weight_tiles_through_shared"]
-
-
-def test_the_packed_probe_compiles_its_toy_loops_to_bf16x2_arithmetic():
-    """reproductions/kernels/packed_sass_probe.py: Triton ops on a joined pair of bf16 codes become packed bf16x2
-    instructions (the premise of its SASS counts, docs/kernel-log.md)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.packed_sass_probe import count; "
-            "print(json.dumps(count('join', block_n=64, block_cols=32)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    packed = sum(v for op, v in r["per_code"].items() if op.startswith("HFMA2") and "BF16_V2" in op)
-    assert packed > 0 and r["sass_per_code"] > 0

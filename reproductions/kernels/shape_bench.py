@@ -62,9 +62,9 @@ from reproductions.kernels.int4_bench import (
     tinygemm_pack,
     tuned_table_provenance,
 )
+from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
 from sdsie.kernels.int4_gemm import _num_sms, _plan, _plans_of, rule_config, select_config_with_source
-from sdsie.int4_format import Int4Weight, pack_int4
 
 # (model, layer, N, K) of decoder linears, N x K = out x in. Fused rows are q/k/v or gate/up stacked along N.
 DECODER_LINEARS: tuple[tuple[str, str, int, int], ...] = (

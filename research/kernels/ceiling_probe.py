@@ -15,7 +15,7 @@ CUDA graphs (`int4_bench.graph_us`, L2-cold rotation):
 mean at M = 1 (what the 3.0x target would be against a kernel as fast as moving its bytes), and the share of the
 measured copy bandwidth (a 1 GiB copy, as the suite computes it) that moving the bytes reaches per shape.
 
-    python -m reproductions.kernels.ceiling_probe --out telemetry/raw/ceiling_probe_h200.json
+    python -m research.kernels.ceiling_probe --out telemetry/raw/ceiling_probe_h200.json
 
 Its answer (a copy of the INT4 bytes reaches 2.93x, 59-60% of the copy bandwidth; telemetry/raw/
 ceiling_probe_s22_h200.json) is in docs/kernel-log.md.

@@ -1,7 +1,7 @@
 """Can Triton ops alone give the GEMV packed bf16x2 arithmetic (half the FMAs per code)? Compile toy K loops for sm_90
 offline and count their SASS per code.
 
-    python -m reproductions.kernels.packed_sass_probe
+    python -m research.kernels.packed_sass_probe
 
 A prediction in docs/kernel-log.md: FFMA and LOP3 are 62% of what the tuned GEMV
 executes, and only packed arithmetic halves them. The toy loops below do the GEMV's inner product on [BN, BC] int32

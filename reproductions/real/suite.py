@@ -225,6 +225,8 @@ def decode_metrics(family: str, runs: Mapping[str, GenerationResult]) -> dict[st
             out[f"{prefix}.speculate_cycles"] = float(stats.speculate_cycles)
             out[f"{prefix}.scout_forwards"] = float(stats.scout_forwards)
             out[f"{prefix}.scout_forwards_match"] = stats.scout_forwards == _drafts_asked(result)
+            # speculate cycles the token budget capped below K (near the run's end): forwards == cycles x K without them
+            out[f"{prefix}.capped_cycles"] = float(sum(0 < c.k < GATED_K for c in result.cycles))
     return out
 
 

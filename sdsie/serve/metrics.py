@@ -33,17 +33,9 @@ class RequestStats:
 
 
 @dataclass
-class _Totals:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    seconds: float = 0.0
-    cycles: int = 0
-    engaged_cycles: int = 0
-    speculate_cycles: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_forwards: int = 0
-    int4_target_forwards: int = 0
+class _Totals(RequestStats):
+    """RequestStats summed over finished generations; energy over those with a reading only."""
+
     energy_j: float = 0.0
     energy_tokens: int = 0
     energy_requests: int = 0
@@ -67,7 +59,7 @@ class Metrics:
     def add(self, stats: RequestStats, outcome: str = "ok") -> None:
         with self._lock:
             self._t.requests[outcome] += 1
-            for f in fields(stats):
+            for f in fields(RequestStats):
                 if f.name != "energy_j":
                     setattr(self._t, f.name, getattr(self._t, f.name) + getattr(stats, f.name))
             if stats.energy_j is not None:

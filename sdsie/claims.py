@@ -245,7 +245,8 @@ class Registry:
     def conditions_of(self, record: RunRecord) -> Conditions:
         """A record's conditions, from its conditions field and its environment capture."""
         env = record.environment
-        digest = env.get("prompts_hash")
+        # a suite that hashes its prompt file into its config (the real pair's prompts_sha256) names its set there
+        digest = env.get("prompts_hash") or record.config.get("prompts_sha256")
         names = {h: name for name, h in self.prompts.items()}
         models = env.get("models") if isinstance(env.get("models"), list) else []
         checkpoints = tuple(m["checkpoint_sha256"] for m in models

@@ -705,3 +705,14 @@ def test_gate_fails_on_a_planted_slower_decode_record(registry: Registry, commit
     assert speedup.verdict == "drifted" and "OUTSIDE band" in speedup.detail
     assert results["spec-k5-fidelity"].reference.verdict == "drifted"
     assert results["e2e-throughput"].reference.verdict == "stable"
+
+
+def test_the_real_pair_runs_under_the_seeds_prompts_and_model_class():
+    """The real pair's record names its prompt file's digest in its config: the registry reads it as the seed's own
+    prompt set, so claims whose quality depends on model class and prompts are judged against the seed there."""
+    root = Path(__file__).resolve().parents[1]
+    registry = load_registry(root / "reproductions" / "claims.toml")
+    (rec,) = [r for r in load_records(root / "telemetry") if r.record_id.endswith("2879d290")]
+    cond = registry.conditions_of(rec)
+    assert (cond.prompts, cond.model_class, cond.hardware) == ("seed", "instruction-tuned chat model", "cpu")
+    assert "gear-fidelity-1l-poem" in registry.claim_ids_of(rec)

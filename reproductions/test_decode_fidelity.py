@@ -280,9 +280,12 @@ def test_readme_keeps_the_full_decode_table_and_adds_the_graphed_k_sweep_from_a_
 
     from reproductions.readme_results import K_SWEEP, MAIN_DECODE, k_sweep_section, newest
 
-    full = SimpleNamespace(suite="decode_standin", created="2026-11-30T11:00", config={"variants": list(MAIN_DECODE)})
-    subset = SimpleNamespace(suite="decode_standin", created="2026-11-30T13:00", config={"variants": list(K_SWEEP)})
-    older = SimpleNamespace(suite="decode_standin", created="2026-11-30T06:00", config={})  # before 'variants'
+    full = SimpleNamespace(suite="decode_standin", created="2026-11-30T11:00", record_id="full",
+                           config={"variants": list(MAIN_DECODE)})
+    subset = SimpleNamespace(suite="decode_standin", created="2026-11-30T13:00", record_id="subset",
+                             config={"variants": list(K_SWEEP)})
+    older = SimpleNamespace(suite="decode_standin", created="2026-11-30T06:00", record_id="older",
+                            config={})  # before 'variants'
     assert newest([full, subset, older], "decode_standin", MAIN_DECODE) is full
     assert newest([full, subset, older], "decode_standin", K_SWEEP) is subset
     assert newest([full, subset, older], "decode_standin") is subset
@@ -666,7 +669,8 @@ def test_a_tree_run_is_any_graphed_run_of_an_ungated_tree_and_each_replication_i
                                        (other, "2026-12-02T08:00", "c.json", [5, 3])):
         rec.suite, rec.created, rec.source, rec.config["tree_widths"] = "decode_standin", created, \
             SimpleNamespace(name=name), widths
-    gated_only = SimpleNamespace(suite="decode_standin", created="2026-12-02T10:00",
+        rec.record_id = name
+    gated_only = SimpleNamespace(suite="decode_standin", created="2026-12-02T10:00", record_id="gated_only",
                                  config={"variants": ["plain", "plain_graphs", "gated_tuned_graphs"]})
     records = [second, gated_only, first, other]
     assert tree_run(first) and not tree_run(gated_only)

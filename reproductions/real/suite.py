@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,39 +300,37 @@ def markdown_tables(decode: Mapping[str, Any], fidelity: Mapping[str, Any] | Non
             f"{100 * m[f'clutch.tuned.{f}.engaged_share']:.0f}% |")
     names = [*(f"fixed_k{k}" for k in FIXED_KS), "tree", *(f"gated_{s}" for s in SEED_CLUTCHES)]
     lines += ["", "| variant | " + " | ".join(families) + " |", "|---|" + "---|" * len(families)]
+    def decode_cell(p: str) -> str:
+        acc = f"{100 * m[f'{p}.acceptance']:.0f}%" if f"{p}.acceptance" in m else "no drafts"
+        cell = f"{m[f'{p}.tokens_per_forward']:.2f} tok/fwd, {acc}"
+        if f"{p}.fallback_share" in m:
+            cell += f", {100 * m[f'{p}.fallback_share']:.0f}% fallback"
+        return cell + ("" if m[f"{p}.identical"] else ", NOT identical")
+
     for name in names:
-        cells = []
-        for f in families:
-            p = f"{name}.{f}"
-            if f"{p}.tokens_per_forward" not in m:
-                cells.append("-")
-                continue
-            acc = f"{100 * m[f'{p}.acceptance']:.0f}%" if f"{p}.acceptance" in m else "no drafts"
-            cell = f"{m[f'{p}.tokens_per_forward']:.2f} tok/fwd, {acc}"
-            if f"{p}.fallback_share" in m:
-                cell += f", {100 * m[f'{p}.fallback_share']:.0f}% fallback"
-            cell += "" if m[f"{p}.identical"] else ", NOT identical"
-            cells.append(cell)
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(_cells(m, name, families, "tokens_per_forward", decode_cell)) + " |")
     if fidelity is not None:
         lines += ["", _fidelity_table(fidelity, families)]
     return "\n".join(lines)
 
 
+def _cells(m: Mapping[str, Any], prefix: str, families: Sequence[str], present: str,
+           cell: Callable[[str], str]) -> list[str]:
+    """One table row's cells: cell("{prefix}.{family}") per family, "-" where the record lacks its `present` key."""
+    return [cell(f"{prefix}.{f}") if f"{prefix}.{f}.{present}" in m else "-" for f in families]
+
+
 def _fidelity_table(m: Mapping[str, Any], families: Sequence[str]) -> str:
+    def fidelity_cell(p: str) -> str:
+        div = m[f"{p}.first_divergence"]
+        return f"{m[f'{p}.match_pct']:.1f}%, " + ("no divergence" if m[f"{p}.match_pct"] == 100.0
+                                                   else f"diverges at {div:.0f}")
+
     rows = ["| scheme | layers gated | " + " | ".join(families) + " |", "|---|---|" + "---|" * len(families)]
     keys = sorted({k.split(".")[2] for k in m if k.startswith("fidelity.") and k.count(".") == 4},
                   key=lambda s: int(s.removeprefix("layers_")))
     for scheme in ("per-channel", "group", "awq"):
         for layers in keys:
-            cells = []
-            for f in families:
-                p = f"fidelity.{scheme}.{layers}.{f}"
-                if f"{p}.match_pct" not in m:
-                    cells.append("-")
-                    continue
-                div = m[f"{p}.first_divergence"]
-                where = "no divergence" if m[f"{p}.match_pct"] == 100.0 else f"diverges at {div:.0f}"
-                cells.append(f"{m[f'{p}.match_pct']:.1f}%, {where}")
+            cells = _cells(m, f"fidelity.{scheme}.{layers}", families, "match_pct", fidelity_cell)
             rows.append(f"| {scheme} | {layers.removeprefix('layers_')} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -13,6 +13,7 @@ Run: `python -m reproductions.kernels.int4_bench [--out DIR] [--sweep]` or throu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -180,11 +181,11 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)]. (Older
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,rREGS)]. (Older
     raw sweeps also name ',planes', a flag that swap_ab replaced: docs/kernel-log.md.)"""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
-            f"{',swap' if cfg.swap_ab else ''}]")
+            f"{',swap' if cfg.swap_ab else ''}{'' if cfg.max_registers is None else f',r{cfg.max_registers}'}]")
 
 
 def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
@@ -448,6 +449,30 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, x_tile=False, swap_ab=True)
              for sk in (8, 16)]
     return cfgs
+
+
+REGISTER_CAPS = (None, 128, 96, 80, 64)  # ptxas register caps (Int4KernelConfig.max_registers) a regcap sweep tries
+
+
+def register_cap_configs() -> list[Int4KernelConfig]:
+    """The register-cap sweep: the one-row GEMV configurations the M = 1 table and rule use, and more-parallel ones
+    (K splits, BN 64), each at every cap in REGISTER_CAPS; two-row GEMV and planes configurations for M = 2 at three.
+    The M = 1 GEMV holds 160 registers a thread, so an SM runs at most 12 of its warps, and under Nsight Compute it
+    issued on half its cycles for lack of warps (docs/kernel-log.md); a cap buys warps with spills. No cap (None) is
+    timed beside each so the comparison is within one run."""
+    one_row = [Int4KernelConfig(1, bn, bk, split_k=sk, num_warps=w, num_stages=p)
+               for bn, bk, sk, w, p in ((32, 1024, 1, 4, 3), (64, 512, 1, 4, 3), (128, 256, 1, 4, 3),
+                                        (128, 256, 4, 4, 3), (8, 2048, 1, 8, 1), (128, 256, 2, 4, 4),
+                                        (64, 256, 2, 4, 3), (64, 256, 4, 4, 3))]
+    two_rows = [Int4KernelConfig(2, 128, 256, split_k=sk, num_warps=4, num_stages=3) for sk in (1, 4)]
+    planes = [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=p, swap_ab=True)
+              for bn, sk, p in ((128, 4, 4), (128, 1, 3), (64, 8, 3), (256, 4, 3))]
+    cfgs = [dataclasses.replace(c, max_registers=r) for c in one_row for r in REGISTER_CAPS]
+    cfgs += [dataclasses.replace(c, max_registers=r) for c in two_rows + planes for r in REGISTER_CAPS[:3]]
+    return cfgs
+
+
+SWEEP_SETS = {"full": sweep_configs, "regcap": register_cap_configs}  # --sweep-set: which configurations a sweep times
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from reproductions.kernels.int4_bench import (
     LLAMA_SHAPES,
     M_VALUES,
+    SWEEP_SETS,
     bench,
     bytes_moved_bf16,
     bytes_moved_int4,
@@ -189,11 +190,13 @@ def plan_cases(shapes: list[Shape], m_values: list[int], groups: list[str],
     return [Case(s, m, g, choice) for m in order for s in mine for g in groups]
 
 
-def output_name(sweep: bool, m_values: list[int], part: tuple[int, int], choice: str = "auto") -> str:
-    """shape_bench[.sweep][.rule].m1-16[.part1of2].json: calls with other M, parts or choices never overwrite each
-    other."""
+def output_name(sweep: bool, m_values: list[int], part: tuple[int, int], choice: str = "auto",
+                sweep_set: str = "full") -> str:
+    """shape_bench[.sweep[.SET]][.rule].m1-16[.part1of2].json: calls with other M, parts, sets or choices never
+    overwrite each other."""
     ms = "-".join(str(m) for m in sorted(set(m_values)))
-    return (f"shape_bench{'.sweep' if sweep else ''}{'' if choice == 'auto' else f'.{choice}'}.m{ms}"
+    sweep_name = f".sweep{'' if sweep_set == 'full' else f'.{sweep_set}'}" if sweep else ""
+    return (f"shape_bench{sweep_name}{'' if choice == 'auto' else f'.{choice}'}.m{ms}"
             f"{'' if part == (1, 1) else f'.part{part[0]}of{part[1]}'}.json")
 
 
@@ -494,6 +497,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON (name: output_name)")
     p.add_argument("--sweep", action="store_true", help="also time every sweep configuration that fits each case")
+    p.add_argument("--sweep-set", choices=sorted(SWEEP_SETS), default="full",
+                   help="with --sweep: the full grid (sweep_configs) or the register-cap set (register_cap_configs)")
     p.add_argument("--m", type=int, nargs="+", choices=M_VALUES, default=None,
                    help=f"M values (default {list(M_VALUES)}; with --sweep {list(SWEEP_DEFAULT_M)})")
     p.add_argument("--shapes", nargs="+", default=None, metavar="NAME",
@@ -530,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [c for c in sweep_configs() if c.block_m == 1][:2]
     else:
         shapes = pick_shapes(shape_table(), a.shapes)
-        configs = sweep_configs()
+        configs = SWEEP_SETS[a.sweep_set]()
     m_values = a.m or list(SWEEP_DEFAULT_M if a.sweep else M_VALUES)
     cases = plan_cases(shapes, m_values, a.groups, a.part, a.choice)
     if a.device == "cuda" and not a.estimate_only and not torch.cuda.is_available():
@@ -547,13 +552,14 @@ def main(argv: list[str] | None = None) -> int:
           f"(limit {a.max_seconds:.0f} s)", flush=True)
     if a.estimate_only:
         return 0
-    path = a.out / output_name(a.sweep, m_values, a.part, a.choice)
+    path = a.out / output_name(a.sweep, m_values, a.part, a.choice, a.sweep_set)
     meta = {"tool": "reproductions.kernels.shape_bench", "argv": sys.argv[1:] if argv is None else argv,
             "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter dry run)",
             "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None, "l2_bytes": l2,
             "torch": torch.__version__, "triton": __import__("triton").__version__, "python": platform.python_version(),
             "commit": _commit(), "tuned_table": tuned_table_provenance(), "m_values": sorted(set(m_values)),
-            "groups": a.groups, "part": list(a.part), "choice": a.choice, "sweep": a.sweep, "reps": a.reps,
+            "groups": a.groups, "part": list(a.part), "choice": a.choice, "sweep": a.sweep, "sweep_set": a.sweep_set,
+            "reps": a.reps,
             "eager_ms": a.eager_ms, "max_copies": a.max_copies, "correct_below": CORRECT,
             "timer": "graph_us: one CUDA graph cycles over weight copies covering > 4x L2 (at most max_copies), "
                      "median of reps replays / calls; eager_us: do_bench median, L2 flushed",

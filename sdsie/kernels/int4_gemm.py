@@ -735,8 +735,16 @@ class Int4KernelConfig:
     # words through cp.async where x allows it, else two strided gathers (loaded in each K tile, not staged)
     x_tile: bool = True
     swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
+    # ptxas's cap on registers per thread (Triton's maxnreg; None: its own choice). The M = 1 GEMV is latency-bound
+    # for lack of warps, and its 160 registers a thread allow 12 warps an SM (docs/kernel-log.md); a cap trades
+    # spills for warps. Ignored by the interpreter.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_registers is not None and (not isinstance(self.max_registers, int)
+                                               or not 24 <= self.max_registers <= 255 or self.max_registers % 8):
+            raise ValueError(f"Int4KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], got "
+                             f"{self.max_registers!r}")
         for flag in ("x_tile", "swap_ab"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -1083,8 +1091,16 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     order = _constexpr_names(kernel)
     return _Plan(kernel, grid, qw, w.zeros if w.zeros is not None else w.scales,
                  (m, n, k, qw.shape[1], w.n_groups, k_per_split), {name: consts[name] for name in order},
-                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), split_k, n_tiles * m_tiles,
+                 _launch_options(cfg), split_k, n_tiles * m_tiles,
                  (w.qweight, w.scales, w.zeros), extra)
+
+
+def _launch_options(cfg: Int4KernelConfig) -> dict:
+    """Triton's compile options for `cfg` (maxnreg only when capped: the interpreter takes no such option)."""
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_registers is not None and not _interpreting():
+        options["maxnreg"] = cfg.max_registers
+    return options
 
 
 _PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan}; an entry leaves with its weight

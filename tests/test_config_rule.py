@@ -19,7 +19,7 @@ from reproductions.kernels.fit_config_rule import (
     rule_time,
     scores,
 )
-from sdsie.kernels import candidate_configs
+from sdsie.kernels import Int4KernelConfig, candidate_configs
 from sdsie.kernels.int4_gemm import (
     _LARGE_M_CONFIG,
     GEMV_MAX_M,
@@ -115,7 +115,7 @@ def test_the_shipped_table_holds_the_sweep_best_of_every_measured_case_and_only_
     cases, configs, meta = sweep
     shipped = json.loads(SHIPPED_TUNED_PATH.read_text())[meta["device"]]
     for key, cfg in best_table(cases, configs).items():
-        assert shipped[key] == cfg.__dict__, key
+        assert Int4KernelConfig(**shipped[key]) == cfg, key
     from sdsie.kernels.int4_gemm import _tuned_table
 
     table = _tuned_table()[meta["device"]]

@@ -37,7 +37,7 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
 
 @torch.no_grad()
 def _logits(model: torch.nn.Module) -> torch.Tensor:
-    return model(IDS, use_cache=False).logits
+    return model(IDS.to(model.device), use_cache=False).logits
 
 
 def _assert_rounding_close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -45,9 +45,10 @@ def _assert_rounding_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2])
-def test_fused_int4_rows_are_the_unfused_rows_and_the_logits_the_unfused_logits(build):
+def test_fused_int4_rows_are_the_unfused_rows_and_the_logits_the_unfused_logits(kernel_device, build):
     unfused = build(seed=0)
     quantize_model(unfused, ALL_LINEARS, CFG)
+    unfused.to(kernel_device)
     fused = copy.deepcopy(unfused)
     report = fuse_projections(fused)
     assert len(report.qkv) == len(report.gate_up) == 2
@@ -71,15 +72,17 @@ def test_fused_int4_rows_are_the_unfused_rows_and_the_logits_the_unfused_logits(
     _assert_rounding_close(got, expected)
 
 
-def test_a_fused_int4_model_decodes_the_unfused_models_tokens():
+def test_a_fused_int4_model_decodes_the_unfused_models_tokens(kernel_device):
     """Through the engine's static cache (the slices see one input per forward; decode steps are GEMVs, slow under
     the interpreter: few tokens)."""
     unfused = tiny_llama(seed=0)
     quantize_model(unfused, ALL_LINEARS, CFG)
+    unfused.to(kernel_device)
     fused = copy.deepcopy(unfused)
     fuse_projections(fused)
-    tokens = generate(fused, IDS[0], DecodeConfig(max_new_tokens=3, kv_cache="static")).tokens
-    assert tokens == _greedy_by_hand(unfused, IDS, 3)
+    ids = IDS.to(kernel_device)
+    tokens = generate(fused, ids[0], DecodeConfig(max_new_tokens=3, kv_cache="static")).tokens
+    assert tokens == _greedy_by_hand(unfused, ids, 3)
 
 
 def _greedy_by_hand(model: torch.nn.Module, ids: torch.Tensor, n: int) -> list[int]:
@@ -100,9 +103,10 @@ def test_fused_float_projections_give_the_float_models_logits(build):
     assert generate(fused, IDS[0], cfg).tokens == generate(model, IDS[0], cfg).tokens
 
 
-def test_fused_gated_layers_follow_the_gear():
+def test_fused_gated_layers_follow_the_gear(kernel_device):
     model = tiny_llama(seed=2)
     state = gate_model(model, ALL_LINEARS, CFG)
+    model.to(kernel_device)
     fused = copy.deepcopy(model)
     fuse_projections(fused)
     fused_state = fused.model.layers[0].mlp.gate_up_proj.state

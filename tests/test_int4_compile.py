@@ -33,15 +33,15 @@ INT4 = _int4_model()
 
 @torch.no_grad()
 def _logits(model: torch.nn.Module) -> torch.Tensor:
-    return model(IDS, use_cache=False).logits
+    return model(IDS.to(model.device), use_cache=False).logits
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("shape", [(3, 64), (2, 1, 64)])
-def test_the_op_passes_opcheck_and_is_the_launcher(symmetric: bool, shape: tuple[int, ...]):
+def test_the_op_passes_opcheck_and_is_the_launcher(kernel_device, symmetric: bool, shape: tuple[int, ...]):
     lin = torch.nn.Linear(64, 24, bias=False)
-    q = Int4Linear.from_linear(lin, QuantConfig("minmax", 32, symmetric=symmetric))
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    q = Int4Linear.from_linear(lin, QuantConfig("minmax", 32, symmetric=symmetric)).to(kernel_device)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(kernel_device)
     args = (x, q.qweight, q.scales, q.zeros, q.group_size)
     torch.library.opcheck(torch.ops.sdsie.int4_mm.default, args)
     assert torch.equal(torch.ops.sdsie.int4_mm(*args), int4_matmul(x, q.int4_weight))
@@ -61,10 +61,10 @@ def test_the_op_finds_the_layers_weight_object_and_wraps_unknown_tensors_anew():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_compiled_int4_llama_gives_eager_logits_in_one_graph(fused: bool):
+def test_a_compiled_int4_llama_gives_eager_logits_in_one_graph(kernel_device, fused: bool):
     """aot_eager: AOT traces the op through its fake implementation; fused: q/k/v and gate/up as one INT4 layer each
     (their slices' shared state traced by dynamo too)."""
-    model = copy.deepcopy(INT4)
+    model = copy.deepcopy(INT4).to(kernel_device)
     if fused:
         fuse_projections(model)
     eager = _logits(model)
@@ -77,9 +77,10 @@ def test_a_compiled_int4_llama_gives_eager_logits_in_one_graph(fused: bool):
     torch._dynamo.reset()
 
 
-def test_a_compiled_gated_llama_follows_the_gear():
+def test_a_compiled_gated_llama_follows_the_gear(kernel_device):
     model = tiny_llama(vocab_size=64, num_layers=1, seed=0)
     state = gate_model(model, ALL_LINEARS, QuantConfig("minmax", 32))
+    model.to(kernel_device)
     full = _logits(model)
     state.int4 = True
     int4 = _logits(model)

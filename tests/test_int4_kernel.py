@@ -390,6 +390,23 @@ def test_the_rule_takes_planes_up_to_m16_and_the_launch_runs_it(kernel_device):
     assert getattr(plan.kernel, "fn", plan.kernel).__name__ == "_int4_gemm_planes_kernel"
 
 
+def test_register_cap_validation_and_launch(kernel_device):
+    """max_registers is None or a multiple of 8 in [24, 255]; it reaches Triton's options only on a GPU (maxnreg), and
+    a capped configuration computes what the uncapped one does."""
+    from sdsie.kernels.int4_gemm import _launch_options
+
+    for bad in (0, 20, 100, 256, 96.0):
+        with pytest.raises(ValueError, match="max_registers"):
+            Int4KernelConfig(1, 32, 256, max_registers=bad)
+    capped = Int4KernelConfig(1, 32, 256, num_stages=3, max_registers=96)
+    assert _launch_options(capped).get("maxnreg") == (96 if kernel_device.type == "cuda" else None)
+    assert "maxnreg" not in _launch_options(Int4KernelConfig(1, 32, 256))
+    gen = torch.Generator().manual_seed(37)
+    w = make_weight(64, 512, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+    x = torch.randn(1, 512, generator=gen).to(torch.bfloat16).to(kernel_device)
+    assert_close_to_reference(int4_matmul(x, w, config=capped), x, w)
+
+
 def test_gemv_rows_config_validation():
     assert Int4KernelConfig(2, 32, 256).gemv and Int4KernelConfig(4, 64, 128).gemv
     assert not Int4KernelConfig(16, 64, 128).gemv
@@ -500,6 +517,28 @@ def test_kernel_calls_counts_launches(kernel_device):
     int4_matmul(torch.randn(1, 64).to(kernel_device), w)
     int4_matmul(torch.randn(4, 64).to(kernel_device), w)
     assert kernel_calls() == before + 2
+
+
+def test_cpu_tensors_outside_the_interpreter_get_a_clear_error(monkeypatch):
+    """On a GPU host (kernels compiled, no interpreter) Triton refuses CPU pointers with a message naming no remedy;
+    int4_matmul says what to do. The compiled kernel is stood in for by one that refuses as Triton does."""
+    from sdsie.kernels import int4_gemm
+
+    real = int4_gemm._int4_gemv_kernel
+
+    class Refusing:
+        fn = getattr(real, "fn", real)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+            return launch
+
+    monkeypatch.setattr(int4_gemm, "_int4_gemv_kernel", Refusing())
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    w = make_weight(8, 64, 32, False, 0.1, torch.device("cpu"), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="CPU tensors run only under the Triton interpreter"):
+        int4_matmul(torch.randn(1, 64), w)
 
 
 def test_invalid_inputs_raise_clear_errors(kernel_device):

@@ -87,6 +87,15 @@ def test_sweep_names_keep_pipelined_and_register_prefetch_configs_apart():
     assert twin in cfgs and config_name(twin) != config_name(Int4KernelConfig(1, 128, 256, num_stages=3))
 
 
+def test_the_register_cap_set_names_every_cap_apart():
+    from reproductions.kernels.int4_bench import REGISTER_CAPS, SWEEP_SETS, config_name
+
+    cfgs = SWEEP_SETS["regcap"]()
+    assert len({config_name(c) for c in cfgs}) == len(cfgs)
+    assert {c.max_registers for c in cfgs} == set(REGISTER_CAPS)
+    assert config_name(Int4KernelConfig(1, 64, 512, num_stages=3, max_registers=96)) == "int4[1,64,512,s1,w4,p3,r96]"
+
+
 def test_inspect_ptx_config_specs():
     """The offline PTX tool's config spec: [rRr]BNxBKxWARPS[xSPLIT][pSTAGES][g] -> (bn, bk, split, warps, x_tile,
     rows, stages)."""

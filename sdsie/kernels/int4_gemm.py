@@ -1140,7 +1140,14 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
         ws = locks = plan.qw  # unused by the kernel without split K: any fixed pointer
     # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
     after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
-    result = plan.kernel[plan.grid](x2, plan.qw, w.scales, plan.zeros, y, *after_y, **plan.consts, **plan.options)
+    try:
+        result = plan.kernel[plan.grid](x2, plan.qw, w.scales, plan.zeros, y, *after_y, **plan.consts, **plan.options)
+    except Exception as err:  # checked here, off the per-call fast path: Triton's own message names no remedy
+        if x2.device.type == "cpu" and not _interpreting():
+            raise ValueError("int4_matmul: CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1, "
+                             "set before triton is imported); on a GPU machine move the model and inputs to the GPU"
+                             ) from err
+        raise
     if not _interpreting() and y.data_ptr() % 16 == 0 and hasattr(result, "run"):
         plan.before_y = (plan.qw, w.scales, plan.zeros)
         plan.after_y = (*after_y, *plan.consts.values())

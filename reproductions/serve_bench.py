@@ -156,7 +156,8 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget) -
             ref, whole = sides.direct(pid), sides.whole(pid)
             warmups.append(budget.clock() - t0)
             m.add("warmup_s", warmups[-1])
-            m.check(whole.token_ids == ref.tokens, f"{pid} warm-up: server token ids differ from direct generate()")
+            m.check(whole.token_ids == ref.tokens, f"{pid} warm-up: server token ids differ from direct generate() "
+                    f"from position {_first_difference(whole.token_ids, ref.tokens)}")
             reference[pid] = (ref, whole)
             m.warmed.append(pid)
             budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {warmups[-1]:.1f} s (both sides)")
@@ -190,7 +191,8 @@ def _add_pair(m: Measured, pid: str, trial: int, direct: DirectRun, streamed: St
     n = streamed.usage["completion_tokens"]
     sdsie = streamed.usage["sdsie"]
     where = f"{pid} trial {trial + 1}"
-    m.check(direct.tokens == ref.tokens, f"{where}: direct tokens differ from its warm-up")
+    at = _first_difference(direct.tokens, ref.tokens)
+    m.check(direct.tokens == ref.tokens, f"{where}: direct tokens differ from its warm-up from position {at}")
     m.check(n == len(direct.tokens) and streamed.text == whole.text and sdsie["decisions"] == direct.decisions,
             f"{where}: the streamed answer differs from direct generate() (tokens, text or clutch decisions)")
     engine_s = sdsie["seconds"]
@@ -204,6 +206,11 @@ def _add_pair(m: Measured, pid: str, trial: int, direct: DirectRun, streamed: St
     if sdsie.get("energy_j") is not None:  # only requests whose window gave a reading: never 0 J for none
         m.add("server_j_per_token", sdsie["energy_j"] / n)
     m.pairs += 1
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first position where a and b differ (the shorter one's length when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 # ------------------------------------------------------------------------------------------------------------

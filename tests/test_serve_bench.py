@@ -38,9 +38,11 @@ class FakeSides:
     """Direct runs take 1 s and server runs 2 s of a fake clock (warm-up: 2 s per prompt, a timed pair 3 s); the
     n-th streamed request reports a total of 1 + n/10 s, 0.5 s of it outside the engine."""
 
-    def __init__(self, bad_decisions_at: int | None = None, interrupt_at: int | None = None) -> None:
+    def __init__(self, bad_decisions_at: int | None = None, interrupt_at: int | None = None,
+                 bad_direct_at: int | None = None, bad_whole_for: str | None = None) -> None:
         self.t, self.calls, self.streams = 0.0, [], 0
         self.bad_decisions_at, self.interrupt_at = bad_decisions_at, interrupt_at
+        self.bad_direct_at, self.bad_whole_for = bad_direct_at, bad_whole_for
 
     def clock(self) -> float:
         return self.t
@@ -48,12 +50,13 @@ class FakeSides:
     def direct(self, pid: str) -> DirectRun:
         self.t += 1.0
         self.calls.append(("direct", pid))
-        return DirectRun(list(TOKENS), "FSF", 0.5, 0.01)
+        bad = len([c for c in self.calls if c[0] == "direct"]) == self.bad_direct_at
+        return DirectRun([*TOKENS[:2], 0, *TOKENS[3:]] if bad else list(TOKENS), "FSF", 0.5, 0.01)
 
     def whole(self, pid: str) -> WholeAnswer:
         self.t += 1.0
         self.calls.append(("whole", pid))
-        return WholeAnswer(list(TOKENS), "text")
+        return WholeAnswer(TOKENS[:1] if pid == self.bad_whole_for else list(TOKENS), "text")
 
     def streamed(self, pid: str) -> StreamedRun:
         self.streams += 1
@@ -142,11 +145,13 @@ def test_an_interrupt_keeps_the_pairs_that_completed() -> None:
     assert m.samples["server|a|tokens_per_s"] and "server|b|tokens_per_s" not in m.samples
 
 
-def test_a_streamed_answer_that_differs_is_named_and_fails_the_identity_metric() -> None:
-    fake = FakeSides(bad_decisions_at=3)  # prompt a, trial 2
+def test_answers_that_differ_are_named_and_fail_the_identity_metric() -> None:
+    fake = FakeSides(bad_decisions_at=3, bad_direct_at=6, bad_whole_for="b")  # streamed a and direct b of trial 2
     m = measure(["a", "b"], fake.sides(), 2, Budget(None, fake.clock))
     assert m.pairs == 4 and m.mismatches == [
-        "a trial 2: the streamed answer differs from direct generate() (tokens, text or clutch decisions)"]
+        "b warm-up: server token ids differ from direct generate() from position 1",
+        "a trial 2: the streamed answer differs from direct generate() (tokens, text or clutch decisions)",
+        "b trial 2: direct tokens differ from its warm-up from position 2"]
     record = _record(fake, m)
     assert record.metrics["serve.tokens_identical"] is False and record.config["mismatched"] == m.mismatches
 

@@ -16,7 +16,8 @@ is HTTP, queueing and streaming (http overhead). The ratio server / direct is pa
 
 --max-seconds bounds the whole run from its start, pair build included: a warm-up or timed pair that would end past
 it (less a reserve for stopping the server and writing) is not started, and the record keeps what completed,
-marked incomplete (`complete: false`, config.cut saying where). SIGTERM and SIGINT end it the same way.
+marked incomplete (`complete: false`, config.cut saying where). SIGTERM and SIGINT end it the same way; so does an
+error while measuring (config.failed, exit status 1), with the server's log at --server-log.
 
     python -u -m reproductions.serve_bench --preset gpu --device cuda --dtype bfloat16 --kv-cache static \\
         --cuda-graphs --max-tokens 128 --trials 10 --max-seconds 470 --out telemetry
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +131,7 @@ class Measured:
     checked: int = 0  # runs whose tokens were compared
     pairs: int = 0  # timed pairs completed
     cut: str | None = None  # why the run stopped early; None: it completed
+    failed: bool = False  # it stopped on an error (the command exits 1), not on the budget or a signal
 
     def add(self, key: str, value: float) -> None:
         self.samples.setdefault(key, []).append(value)
@@ -180,6 +183,10 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget) -
             budget.say(f"trial {trial + 1}/{trials} done ({m.pairs} pairs)")
     except KeyboardInterrupt as stop:
         m.cut = f"interrupted ({stop or 'SIGINT'}) after {m.pairs} pairs"
+    except Exception as err:  # e.g. a request the server failed: keep what completed, and say what broke
+        traceback.print_exc()
+        m.failed = True
+        m.cut = f"failed after {m.pairs} pairs: {type(err).__name__}: {err}"
     if m.cut is not None:
         budget.say(f"cut: {m.cut}")
     return m
@@ -265,7 +272,7 @@ def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any]
                                          "max_tokens", "one_per_family", "threads", "max_seconds")}
     config.update(
         trials_requested=a.trials, prompts=m.prompts, timed_prompts=m.warmed, pairs=m.pairs, cut=m.cut,
-        mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
+        failed=m.failed, mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
         graphs={"direct": a.cuda_graphs, "server": a.cuda_graphs},  # one decoding configuration on both sides
         server_energy=not a.no_energy,
         transport="HTTP/1.1 SSE, server in a child process, client httpx in this process",
@@ -490,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     budget.say(f"record: {path}" + ("" if record.complete else f" (incomplete: {record.config['cut']})"))
     for key, value in sorted(record.metrics.items()):
         print(f"  {key} = {value:.4g}" if not isinstance(value, bool) else f"  {key} = {value}", flush=True)
-    return 0
+    return 1 if record.config["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -141,8 +141,25 @@ def test_budget_too_short_for_a_warm_up_writes_a_record_with_nothing_measured() 
 def test_an_interrupt_keeps_the_pairs_that_completed() -> None:
     fake = FakeSides(interrupt_at=2)
     m = measure(["a", "b"], fake.sides(), 2, Budget(None, fake.clock))
-    assert m.pairs == 1 and m.cut == "interrupted (SIGTERM) after 1 pairs"
+    assert m.pairs == 1 and m.cut == "interrupted (SIGTERM) after 1 pairs" and not m.failed
     assert m.samples["server|a|tokens_per_s"] and "server|b|tokens_per_s" not in m.samples
+
+
+def test_an_error_while_measuring_keeps_the_pairs_that_completed_and_says_what_broke(capsys) -> None:
+    fake = FakeSides()
+    streamed = fake.streamed
+
+    def failing(pid: str) -> StreamedRun:
+        if fake.streams == 2:
+            raise RuntimeError("the server failed mid-stream: boom")
+        return streamed(pid)
+
+    m = measure(["a"], Sides(fake.direct, fake.whole, failing), 5, Budget(None, fake.clock))
+    assert m.failed and m.pairs == 2
+    assert m.cut == "failed after 2 pairs: RuntimeError: the server failed mid-stream: boom"
+    record = _record(fake, m)
+    assert not record.complete and record.config["failed"] and len(record.samples["tok_s_ratio"]) == 2
+    assert "Traceback" in capsys.readouterr().err
 
 
 def test_answers_that_differ_are_named_and_fail_the_identity_metric() -> None:
@@ -217,6 +234,7 @@ def test_dry_run_writes_one_record_with_identical_tokens_without_openai(tmp_path
     assert record["conditions"]["trials"] == 2 and "(cpu preset, build " in record["conditions"]["model"]
     config, metrics, samples = record["config"], record["metrics"], record["samples"]
     assert metrics["serve.tokens_identical"] is True and config["mismatched"] == [] and config["cut"] is None
+    assert config["failed"] is False and config["max_seconds"] == 300
     assert config["runs_compared"] == 3 + 2 * 2 * 3 and config["pairs"] == 6
     prompts = config["prompts"]
     assert len(prompts) == 3 and config["timed_prompts"] == prompts  # one per family

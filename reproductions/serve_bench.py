@@ -20,7 +20,7 @@ marked incomplete (`complete: false`, config.cut saying where). SIGTERM and SIGI
 error while measuring (config.failed, exit status 1), with the server's log at --server-log.
 
     python -u -m reproductions.serve_bench --preset gpu --device cuda --dtype bfloat16 --kv-cache static \\
-        --cuda-graphs --max-tokens 128 --trials 10 --max-seconds 470 --out telemetry
+        --cuda-graphs --max-tokens 128 --trials 10 --max-seconds 450 --out telemetry
     python -m reproductions.serve_bench --preset cpu --device cpu --trials 1 --max-tokens 4 --one-per-family \\
         --threads 1 --out /tmp/serve_bench                                          (the CPU dry run)
 """

@@ -1,18 +1,26 @@
 """Server overhead: `sdsie serve` tokens/s against direct `generate()` on the same prompts, and time to first token.
 
-The server runs as its own process (`python -m sdsie.cli serve`), as a deployment would, on the stand-in pair's
-folders; this process loads the same folders for the direct runs. The two take turns on the device, never at
-once, interleaved per prompt and trial (the order alternating between trials). Each request is greedy with a
-fixed length (ignore_eos), so both sides generate the same tokens: the untimed warm-up checks that token for
-token (non-streamed, return_token_ids) and also captures any CUDA graphs on both sides.
+The server runs as its own process (`python -m sdsie.cli serve`, inheriting this process's environment), as a
+deployment would, on the stand-in pair's folders; this process loads the same folders for the direct runs. Both
+sides run the same decoding configuration (kv cache, CUDA graphs or not, clutch). They take turns on the device,
+never at once, interleaved per prompt and trial (the order alternating between trials). Each request is greedy with
+a fixed length (ignore_eos), so both sides generate the same tokens: the untimed warm-up checks that token for token
+(non-streamed, return_token_ids) and captures any CUDA graphs on both sides; every timed pair checks it again (the
+direct run's tokens, the streamed text, the clutch's decisions and the token count).
 
-Per timed run: direct tokens/s = tokens / wall time of generate(); server tokens/s = tokens / (request sent ->
+Per timed pair: direct tokens/s = tokens / wall time of generate(); server tokens/s = tokens / (request sent ->
 `data: [DONE]`), streamed, parsed as raw SSE by httpx; time to first token = request sent -> the first chunk with
-text; the server's own engine time (usage.sdsie.seconds) separates HTTP and queueing from decoding. One record,
-suite `serve_overhead`.
+text; the server's engine time (usage.sdsie.seconds) gives its engine tokens/s, and the rest of the request's time
+is HTTP, queueing and streaming (http overhead). The ratio server / direct is paired per prompt and trial
+(sdsie.stats.paired_ratios). One record, suite `serve_overhead`.
 
-    python -m reproductions.serve_bench --preset gpu --device cuda --dtype bfloat16 --kv-cache static \\
-        --cuda-graphs --max-tokens 128 --trials 5 --out telemetry
+--max-seconds bounds the whole run from its start, pair build included: a warm-up or timed pair that would end past
+it (less a reserve for stopping the server and writing) is not started, and the record keeps what completed,
+marked incomplete (`complete: false`, config.cut saying where). SIGTERM and SIGINT end it the same way; so does an
+error while measuring (config.failed, exit status 1), with the server's log at --server-log.
+
+    python -u -m reproductions.serve_bench --preset gpu --device cuda --dtype bfloat16 --kv-cache static \\
+        --cuda-graphs --max-tokens 128 --trials 10 --max-seconds 450 --out telemetry
     python -m reproductions.serve_bench --preset cpu --device cpu --trials 1 --max-tokens 4 --one-per-family \\
         --threads 1 --out /tmp/serve_bench                                          (the CPU dry run)
 """
@@ -21,14 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +51,240 @@ from sdsie.clutch import EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import sync_device
 from sdsie.serve.config import DTYPES, KV_CACHES, parse_clutch
+from sdsie.stats import paired_ratios, paired_speedup
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE = "serve_overhead"
+TARGET_RATIO = 0.95  # server tokens/s over direct that the server aims for on the GPU stand-in pair under graphs
 HEALTH_TIMEOUT_S = 300.0  # model loading on a cold machine
+RESERVE_S = 15.0  # kept back from --max-seconds: stopping the server (at most 10 s) and writing the record
+FIRST_WARMUP_GUESS_S = 20.0  # before any warm-up has run: a prompt's first runs capture graphs on both sides
+ESTIMATE_MARGIN = 1.5  # the next step is assumed to take this times the longest such step so far
+
+
+class Budget:
+    """Wall-clock budget in seconds from construction (None: unbounded); clock injectable for tests."""
+
+    def __init__(self, seconds: float | None, clock: Callable[[], float] = time.monotonic,
+                 reserve: float = RESERVE_S) -> None:
+        self.seconds, self.clock, self.reserve = seconds, clock, reserve
+        self.t0 = clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def left(self) -> float:
+        """Seconds left before the reserve; inf when unbounded."""
+        return math.inf if self.seconds is None else self.seconds - self.reserve - self.elapsed()
+
+    def fits(self, estimate: float) -> bool:
+        return estimate <= self.left()
+
+    def say(self, message: str) -> None:
+        print(f"serve_bench [{self.elapsed():6.1f} s] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The measurement: warm-up, then interleaved timed pairs, with the budget checked before each step
 
 
 @dataclass
-class Timed:
-    direct_tok_s: float
-    direct_first_token_s: float
-    server_tok_s: float
-    server_ttft_s: float
-    server_engine_tok_s: float
-    server_energy_j: float | None
-    tokens: int
+class DirectRun:
+    tokens: list[int]
+    decisions: str
+    seconds: float  # wall time of generate(), synchronized
+    prefill_seconds: float
+
+
+@dataclass
+class WholeAnswer:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class StreamedRun:
+    ttft: float  # request sent -> first chunk with text
+    total: float  # request sent -> data: [DONE]
+    text: str
+    usage: dict[str, Any]
+
+
+@dataclass
+class Sides:
+    """The bench's three ways to run a prompt (by id): direct generate(), the server non-streamed and streamed."""
+
+    direct: Callable[[str], DirectRun]
+    whole: Callable[[str], WholeAnswer]
+    streamed: Callable[[str], StreamedRun]
+
+
+@dataclass
+class Measured:
+    """Everything a run measured so far: complete or cut, a record can be written from it."""
+
+    prompts: list[str]  # the prompts asked for
+    warmed: list[str] = field(default_factory=list)  # warmed up, so timed
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+    checked: int = 0  # runs whose tokens were compared
+    pairs: int = 0  # timed pairs completed
+    cut: str | None = None  # why the run stopped early; None: it completed
+    failed: bool = False  # it stopped on an error (the command exits 1), not on the budget or a signal
+
+    def add(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
+
+    def check(self, ok: bool, what: str) -> None:
+        self.checked += 1
+        if not ok:
+            self.mismatches.append(what)
+
+
+def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget) -> Measured:
+    """Warm every prompt up on both sides, then `trials` interleaved timed pairs per prompt, while the budget lasts.
+    KeyboardInterrupt (SIGINT, and SIGTERM under main) ends it like the budget: what completed is kept."""
+    m = Measured(list(prompts))
+    reference: dict[str, tuple[DirectRun, WholeAnswer]] = {}
+    warmups: list[float] = []
+    pairs: list[float] = []
+    try:
+        for pid in prompts:  # untimed: graphs captured on both sides, tokens compared
+            estimate = ESTIMATE_MARGIN * max(warmups) if warmups else FIRST_WARMUP_GUESS_S
+            if not budget.fits(estimate):
+                m.cut = f"budget: warm-up stopped before {pid} ({budget.left():.0f} s left, {estimate:.0f} s needed)"
+                break
+            t0 = budget.clock()
+            ref, whole = sides.direct(pid), sides.whole(pid)
+            warmups.append(budget.clock() - t0)
+            m.add("warmup_s", warmups[-1])
+            m.check(whole.token_ids == ref.tokens, f"{pid} warm-up: server token ids differ from direct generate() "
+                    f"from position {_first_difference(whole.token_ids, ref.tokens)}")
+            reference[pid] = (ref, whole)
+            m.warmed.append(pid)
+            budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {warmups[-1]:.1f} s (both sides)")
+        for trial in range(trials if m.cut is None else 0):
+            for pid in m.warmed:
+                estimate = ESTIMATE_MARGIN * max(pairs) if pairs else ESTIMATE_MARGIN * max(warmups)
+                if not budget.fits(estimate):
+                    m.cut = (f"budget: trial {trial + 1} stopped before {pid} ({budget.left():.0f} s left, "
+                             f"{estimate:.1f} s needed)")
+                    break
+                t0 = budget.clock()
+                if trial % 2 == 0:
+                    direct, streamed = sides.direct(pid), sides.streamed(pid)
+                else:
+                    streamed, direct = sides.streamed(pid), sides.direct(pid)
+                pairs.append(budget.clock() - t0)
+                _add_pair(m, pid, trial, direct, streamed, reference[pid])
+            if m.cut is not None:
+                break
+            budget.say(f"trial {trial + 1}/{trials} done ({m.pairs} pairs)")
+    except KeyboardInterrupt as stop:
+        m.cut = f"interrupted ({stop or 'SIGINT'}) after {m.pairs} pairs"
+    except Exception as err:  # e.g. a request the server failed: keep what completed, and say what broke
+        traceback.print_exc()
+        m.failed = True
+        m.cut = f"failed after {m.pairs} pairs: {type(err).__name__}: {err}"
+    if m.cut is not None:
+        budget.say(f"cut: {m.cut}")
+    return m
+
+
+def _add_pair(m: Measured, pid: str, trial: int, direct: DirectRun, streamed: StreamedRun,
+              reference: tuple[DirectRun, WholeAnswer]) -> None:
+    ref, whole = reference
+    n = streamed.usage["completion_tokens"]
+    sdsie = streamed.usage["sdsie"]
+    where = f"{pid} trial {trial + 1}"
+    at = _first_difference(direct.tokens, ref.tokens)
+    m.check(direct.tokens == ref.tokens, f"{where}: direct tokens differ from its warm-up from position {at}")
+    m.check(n == len(direct.tokens) and streamed.text == whole.text and sdsie["decisions"] == direct.decisions,
+            f"{where}: the streamed answer differs from direct generate() (tokens, text or clutch decisions)")
+    engine_s = sdsie["seconds"]
+    # appended together, so the two lists of a prompt pair up by trial (sdsie.stats.paired_ratios)
+    m.add(f"direct|{pid}|tokens_per_s", len(direct.tokens) / direct.seconds)
+    m.add(f"server|{pid}|tokens_per_s", n / streamed.total)
+    m.add("direct_first_token_s", direct.prefill_seconds)
+    m.add("server_ttft_s", streamed.ttft)
+    m.add("server_engine_tok_s", n / engine_s)
+    m.add("server_http_overhead_s", streamed.total - engine_s)
+    if sdsie.get("energy_j") is not None:  # only requests whose window gave a reading: never 0 J for none
+        m.add("server_j_per_token", sdsie["energy_j"] / n)
+    m.pairs += 1
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first position where a and b differ (the shorter one's length when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What a record holds
+
+
+def _p90(xs: Sequence[float]) -> float:
+    return float(statistics.quantiles(xs, n=10, method="inclusive")[-1]) if len(xs) > 1 else float(xs[0])
+
+
+def summarize(m: Measured) -> tuple[dict[str, list[float]], dict[str, float | bool]]:
+    """(samples, metrics) of a measurement, complete or cut; metrics only for what has samples."""
+    samples = {k: list(v) for k, v in m.samples.items()}
+    ratios = paired_ratios(samples, "server", "direct", m.warmed)
+    metrics: dict[str, float | bool] = {}
+    if m.checked:
+        metrics["serve.tokens_identical"] = not m.mismatches
+    if not ratios:
+        return samples, metrics
+    samples["tok_s_ratio"] = ratios  # prompt by prompt, trial order within each
+    median, low, high = paired_speedup(ratios)
+    side = {s: [v for p in m.warmed for v in samples.get(f"{s}|{p}|tokens_per_s", [])] for s in ("direct", "server")}
+    metrics.update({
+        "serve.tok_s_ratio_median": median,
+        "serve.tok_s_ratio_ci_low": low,  # 95% bootstrap interval of the median
+        "serve.tok_s_ratio_ci_high": high,
+        "serve.tok_s_ratio_min": min(ratios),
+        "serve.tok_s_ratio_max": max(ratios),
+        "serve.direct_tok_s_median": statistics.median(side["direct"]),
+        "serve.server_tok_s_median": statistics.median(side["server"]),
+        "serve.server_engine_tok_s_median": statistics.median(samples["server_engine_tok_s"]),
+        "serve.ttft_s_median": statistics.median(samples["server_ttft_s"]),
+        "serve.ttft_s_p90": _p90(samples["server_ttft_s"]),
+        "serve.http_overhead_s_median": statistics.median(samples["server_http_overhead_s"]),
+        "serve.http_overhead_s_p90": _p90(samples["server_http_overhead_s"]),
+        "serve.direct_first_token_s_median": statistics.median(samples["direct_first_token_s"]),
+    })
+    for pid in m.warmed:
+        mine = paired_ratios(samples, "server", "direct", [pid])
+        if mine:
+            metrics[f"serve.{pid}.tok_s_ratio_median"] = statistics.median(mine)
+    if samples.get("server_j_per_token"):
+        metrics["serve.server_j_per_token_median"] = statistics.median(samples["server_j_per_token"])
+    return samples, metrics
+
+
+def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any], model: str,
+                 hardware: str) -> RunRecord:
+    samples, metrics = summarize(m)
+    done = max((len(samples.get(f"direct|{p}|tokens_per_s", [])) for p in m.warmed), default=0)
+    config = {k: getattr(a, k) for k in ("preset", "device", "dtype", "kv_cache", "cuda_graphs", "clutch",
+                                         "max_tokens", "one_per_family", "threads", "max_seconds")}
+    config.update(
+        trials_requested=a.trials, prompts=m.prompts, timed_prompts=m.warmed, pairs=m.pairs, cut=m.cut,
+        failed=m.failed, mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
+        graphs={"direct": a.cuda_graphs, "server": a.cuda_graphs},  # one decoding configuration on both sides
+        server_energy=not a.no_energy,
+        transport="HTTP/1.1 SSE, server in a child process, client httpx in this process",
+        order="warm-up per prompt on both sides; then interleaved per prompt, the order alternating per trial",
+        cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))  # the child inherits it
+    return RunRecord(claim_ids=[], suite=SUITE, config=config, samples=samples, metrics=metrics,
+                     environment=environment, complete=m.cut is None,
+                     conditions={"model": model, "hardware": hardware, "trials": max(done, 1)})
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The two sides on real models
 
 
 def _free_port() -> int:
@@ -62,10 +293,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pair_dir(preset: str, device: str) -> Path:
-    from sdsie.standin import COMMITTED_CPU_DIR, ensure_standin, get_preset
-
-    return COMMITTED_CPU_DIR if preset == "cpu" else ensure_standin(get_preset(preset), torch.device(device))
+def child_env() -> dict[str, str]:
+    """This process's environment for the server, with the repository first on PYTHONPATH and output unbuffered."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
 class Server:
@@ -80,27 +311,29 @@ class Server:
                "standin", "--max-tokens", str(a.max_tokens)]
         cmd += ["--cuda-graphs"] if a.cuda_graphs else []
         cmd += ["--threads", str(a.threads)] if a.threads else []
+        cmd += ["--no-energy"] if a.no_energy else []
         self.log = log
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
 
-    def wait_ready(self, http: Any) -> None:
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    def wait_ready(self, http: Any, timeout: float) -> bool:
+        """True once /health answers 200; False after `timeout` s. Raises if the server exits."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
                 if http.get(f"{self.url}/health").status_code == 200:
-                    return
+                    return True
             except Exception:  # not listening yet
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"the server did not answer /health in {HEALTH_TIMEOUT_S:.0f} s")
+        return False
 
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(30)
+            self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -112,10 +345,9 @@ def _request(ids: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
     return {**body, "stream_options": {"include_usage": True}} if stream else {**body, "return_token_ids": True}
 
 
-def _streamed(http: Any, url: str, ids: list[int], max_tokens: int) -> tuple[float, float, dict[str, Any]]:
-    """(time to first text, total seconds, usage) of one streamed request."""
+def _streamed(http: Any, url: str, ids: list[int], max_tokens: int) -> StreamedRun:
     t0 = time.perf_counter()
-    ttft, usage = None, None
+    ttft, usage, pieces = None, None, []
     with http.stream("POST", f"{url}/v1/completions", json=_request(ids, max_tokens, True)) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -124,16 +356,25 @@ def _streamed(http: Any, url: str, ids: list[int], max_tokens: int) -> tuple[flo
             if line == "data: [DONE]":
                 break
             chunk = json.loads(line[6:])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                ttft = time.perf_counter() - t0
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed mid-stream: {chunk['error']}")
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                pieces.append(chunk["choices"][0]["text"])
             usage = chunk.get("usage") or usage
     total = time.perf_counter() - t0
     if usage is None:
         raise RuntimeError("the stream carried no usage chunk")
-    return (ttft if ttft is not None else total), total, usage
+    return StreamedRun(ttft if ttft is not None else total, total, "".join(pieces), usage)
 
 
-def run(a: argparse.Namespace) -> RunRecord:
+def _pair_dir(preset: str, device: str) -> Path:
+    from sdsie.standin import COMMITTED_CPU_DIR, ensure_standin, get_preset
+
+    return COMMITTED_CPU_DIR if preset == "cpu" else ensure_standin(get_preset(preset), torch.device(device))
+
+
+def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     import httpx
 
     from reproductions.decode_repro import pair_build_id
@@ -142,99 +383,58 @@ def run(a: argparse.Namespace) -> RunRecord:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    budget.say(f"stand-in pair ({a.preset} preset): loading, or building on a cache miss")
     pair_dir = _pair_dir(a.preset, a.device)
-    dtype = getattr(torch, a.dtype)
-    pair = load_pair(pair_dir / "target", pair_dir / "scout", dtype, a.device, tokenizer=pair_dir / "tokenizer")
-    prompts = list(load_prompts())
-    if a.one_per_family:
-        prompts = [next(p for p in prompts if p.family == f) for f in dict.fromkeys(p.family for p in prompts)]
-    ids = {p.id: list(pair.tokenizer.encode(p.text)) for p in prompts}
-    clutch = parse_clutch(a.clutch)
-    config = DecodeConfig(max_new_tokens=a.max_tokens, kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs)
     device = torch.device(a.device)
-
-    def direct(prompt: list[int]):
-        sync_device(device)
-        t0 = time.perf_counter()
-        r = generate(pair.target, prompt, config, scout=pair.scout,
-                     clutch=EntropyClutch(clutch) if clutch is not None else None)
-        sync_device(device)
-        return r, time.perf_counter() - t0
-
-    log = Path(tempfile.mkdtemp(prefix="serve_bench_")) / "server.log"
-    server = Server(pair_dir, a, log)
-    runs: dict[str, list[Timed]] = {p.id: [] for p in prompts}
-    mismatches: list[str] = []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # a build in this process leaves its training memory cached
+    log = a.server_log or Path(tempfile.mkdtemp(prefix="serve_bench_")) / "server.log"
+    server = Server(pair_dir, a, log)  # starts loading while this process loads the same folders
+    budget.say(f"pair at {pair_dir.name}; server starting on {server.url} (log: {log})")
     try:
+        pair = load_pair(pair_dir / "target", pair_dir / "scout", getattr(torch, a.dtype), a.device,
+                         tokenizer=pair_dir / "tokenizer")
+        prompts = list(load_prompts())
+        if a.one_per_family:
+            prompts = [next(p for p in prompts if p.family == f) for f in dict.fromkeys(p.family for p in prompts)]
+        ids = {p.id: list(pair.tokenizer.encode(p.text)) for p in prompts}
+        clutch = parse_clutch(a.clutch)
+        config = DecodeConfig(max_new_tokens=a.max_tokens, kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs)
+
+        def direct(pid: str) -> DirectRun:
+            sync_device(device)
+            t0 = time.perf_counter()
+            r = generate(pair.target, ids[pid], config, scout=pair.scout,
+                         clutch=EntropyClutch(clutch) if clutch is not None else None)
+            sync_device(device)
+            return DirectRun(list(r.tokens), r.decisions, time.perf_counter() - t0, r.stats.prefill_seconds)
+
         with httpx.Client(timeout=600) as http:
-            server.wait_ready(http)
-            for p in prompts:  # warm-up, untimed: graphs captured on both sides, tokens compared
-                ref, _ = direct(ids[p.id])
-                answer = http.post(f"{server.url}/v1/completions", json=_request(ids[p.id], a.max_tokens, False))
+            def whole(pid: str) -> WholeAnswer:
+                answer = http.post(f"{server.url}/v1/completions", json=_request(ids[pid], a.max_tokens, False))
                 answer.raise_for_status()
-                if answer.json()["choices"][0]["token_ids"] != ref.tokens:
-                    mismatches.append(p.id)
-            for trial in range(a.trials):
-                for p in prompts:
-                    first, second = ("direct", "server") if trial % 2 == 0 else ("server", "direct")
-                    out: dict[str, Any] = {}
-                    for side in (first, second):
-                        if side == "direct":
-                            out["direct"] = direct(ids[p.id])
-                        else:
-                            out["server"] = _streamed(http, server.url, ids[p.id], a.max_tokens)
-                    (r, seconds), (ttft, total, usage) = out["direct"], out["server"]
-                    n = usage["completion_tokens"]
-                    runs[p.id].append(Timed(len(r.tokens) / seconds, r.stats.prefill_seconds, n / total, ttft,
-                                            n / usage["sdsie"]["seconds"], usage["sdsie"]["energy_j"], n))
-                print(f"serve_bench: trial {trial + 1}/{a.trials} done", flush=True)
+                choice = answer.json()["choices"][0]
+                return WholeAnswer(choice["token_ids"], choice["text"])
+
+            if server.wait_ready(http, max(0.0, min(HEALTH_TIMEOUT_S, budget.left()))):
+                budget.say("server ready; warm-up")
+                measured = measure(list(ids), Sides(direct, whole, lambda pid: _streamed(
+                    http, server.url, ids[pid], a.max_tokens)), a.trials, budget)
+            else:
+                measured = Measured(list(ids), cut=f"budget: the server was not ready after {budget.elapsed():.0f} s")
+                budget.say(f"cut: {measured.cut}")
     finally:
         server.stop()
-    return _record(a, runs, mismatches, pair, ids, pair_build_id, prompts_hash())
-
-
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def _record(a: argparse.Namespace, runs: dict[str, list[Timed]], mismatches: list[str], pair: Any,
-            ids: dict[str, list[int]], pair_build_id: Any, prompts_digest: str) -> RunRecord:
-    every = [t for ts in runs.values() for t in ts]
-    ratio = [t.server_tok_s / t.direct_tok_s for t in every]
-    ttft = [t.server_ttft_s for t in every]
-    samples = {"direct_tok_s": [t.direct_tok_s for t in every], "server_tok_s": [t.server_tok_s for t in every],
-               "tok_s_ratio": ratio, "server_ttft_s": ttft,
-               "direct_first_token_s": [t.direct_first_token_s for t in every],
-               "server_engine_tok_s": [t.server_engine_tok_s for t in every]}
-    for pid, ts in runs.items():
-        samples[f"{pid}|tok_s_ratio"] = [t.server_tok_s / t.direct_tok_s for t in ts]
-    energy = [t.server_energy_j / t.tokens for t in every if t.server_energy_j is not None]
-    metrics: dict[str, float | bool] = {
-        "serve.direct_tok_s_median": _median(samples["direct_tok_s"]),
-        "serve.server_tok_s_median": _median(samples["server_tok_s"]),
-        "serve.server_engine_tok_s_median": _median(samples["server_engine_tok_s"]),
-        "serve.tok_s_ratio_median": _median(ratio),
-        "serve.tok_s_ratio_min": min(ratio),
-        "serve.ttft_s_median": _median(ttft),
-        "serve.ttft_s_max": max(ttft),
-        "serve.direct_first_token_s_median": _median(samples["direct_first_token_s"]),
-        "serve.tokens_identical": not mismatches,
-    }
-    if energy:  # only requests whose window gave a reading; none: no energy metric at all
-        samples["server_j_per_token"] = energy
-        metrics["serve.server_j_per_token_median"] = _median(energy)
     env = capture_environment(models={"target": pair.target, "scout": pair.scout},
                               prompts={pid: pair.tokenizer.decode(v) for pid, v in ids.items()})
-    env["prompts_hash"] = prompts_digest
-    hardware = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu (dry run)"
-    config = {k: getattr(a, k) for k in ("preset", "device", "dtype", "kv_cache", "cuda_graphs", "clutch",
-                                         "max_tokens", "trials", "one_per_family", "threads")}
-    config.update(prompts=list(ids), mismatched_prompts=mismatches, transport="HTTP/1.1 SSE, server in a child "
-                  "process, client httpx in this process", order="interleaved per prompt, alternating per trial")
-    return RunRecord(claim_ids=[], suite=SUITE, config=config, samples=samples, metrics=metrics, environment=env,
-                     conditions={"model": f"sdsie stand-in pair ({a.preset} preset, build "
-                                          f"{pair_build_id(env['models'])}), {a.dtype}",
-                                 "hardware": hardware, "trials": a.trials})
+    env["prompts_hash"] = prompts_hash()
+    hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
+    model = f"sdsie stand-in pair ({a.preset} preset, build {pair_build_id(env['models'])}), {a.dtype}"
+    return build_record(a, measured, env, model, hardware)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Command line
 
 
 def _positive(text: str) -> int:
@@ -244,23 +444,39 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpu", help="stand-in preset (cpu: the committed pair, for a dry run)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
-    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="on both sides")
     p.add_argument("--clutch", default="production", help="production, tuned, off or LOW,HIGH[,ALPHA]")
     p.add_argument("--max-tokens", type=_positive, default=128, help="tokens per request (eos ignored)")
     p.add_argument("--trials", type=_positive, default=5)
     p.add_argument("--one-per-family", action="store_true", help="the first prompt of each family only")
     p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads, here and in the server")
+    p.add_argument("--max-seconds", type=_seconds, default=None,
+                   help="wall-clock budget of the whole run, pair build included; cut runs write an incomplete record")
+    p.add_argument("--no-energy", action="store_true", help="the server does not measure energy with NVML")
+    p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
     p.add_argument("--out", type=Path, default=Path("telemetry"))
     return p
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    budget = Budget(None)
     a = parser().parse_args(argv)
     parse_clutch(a.clutch)  # refused before anything loads
     if a.cuda_graphs and (a.kv_cache != "static" or not a.device.startswith("cuda")):
@@ -268,12 +484,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("serve_bench: --device cuda but torch.cuda.is_available() is False")
         return 2
-    record = run(a)
+    budget.seconds = a.max_seconds
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the pair build's progress
+    for quiet in ("httpx", "httpcore"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        record = run(a, budget)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     path = write_record(record, a.out)
-    print(f"record: {path}")
+    budget.say(f"record: {path}" + ("" if record.complete else f" (incomplete: {record.config['cut']})"))
     for key, value in sorted(record.metrics.items()):
-        print(f"  {key} = {value:.4g}" if not isinstance(value, bool) else f"  {key} = {value}")
-    return 0
+        print(f"  {key} = {value:.4g}" if not isinstance(value, bool) else f"  {key} = {value}", flush=True)
+    return 1 if record.config["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -98,6 +98,13 @@ def url(engine):
     sock.close()
 
 
+@pytest.fixture
+def idle_url(url):
+    """The live server with its engine idle, so that what a test counts in /metrics is its own requests' doing."""
+    wait_idle(url)
+    return url
+
+
 @pytest.fixture(scope="module")
 def client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -224,17 +231,29 @@ def test_stop_string_ends_the_text_before_it_and_the_run(pair, tokenizer, client
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
-def test_models_health_and_metrics(url, client) -> None:
+COUNTERS = {"completion_tokens_total": "completion_tokens", "cycles_total": "cycles",
+            "engaged_cycles_total": "engaged_cycles", "speculate_cycles_total": "speculate_cycles",
+            "drafted_tokens_total": "drafted", "accepted_tokens_total": "accepted",
+            "target_forwards_total": "target_forwards"}
+
+
+def test_models_health_and_metrics(idle_url, client) -> None:
+    url = idle_url
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
-    before = metric(url, 'requests_total{outcome="ok"}')
-    completion(client, max_tokens=4)
+    ok = 'requests_total{outcome="ok"}'
+    before = {name: metric(url, name) for name in (ok, *COUNTERS)}
+    resp = completion(client, max_tokens=22)  # gated: speculate cycles that accept drafts, and fallback cycles
+    usage = resp.usage.sdsie | {"completion_tokens": resp.usage.completion_tokens}
+    assert 0 < usage["speculate_cycles"] <= usage["engaged_cycles"] < usage["cycles"] and 0 < usage["accepted"]
     response = httpx.get(f"{url}/metrics")
     assert response.headers["content-type"].startswith("text/plain")
-    assert metric(url, 'requests_total{outcome="ok"}') == before + 1
-    for name in ("completion_tokens_total", "tokens_per_second", "acceptance_rate", "engaged_cycle_share",
-                 "target_forwards_total"):
+    assert metric(url, ok) == before[ok] + 1
+    for name, field in COUNTERS.items():  # each counter grew by what this request's usage says it did
+        assert metric(url, name) - before[name] == usage[field], name
+    for name in ("tokens_per_second", "acceptance_rate", "engaged_cycle_share"):  # defined once drafts exist
         assert metric(url, name) > 0
+    assert metric(url, "acceptance_rate") <= 1 and metric(url, "engaged_cycle_share") <= 1
     assert "int4" not in response.text and "joule" not in response.text  # no gear, no NVML: no such line
 
 
@@ -302,9 +321,10 @@ SPECS = [{"model": MODEL, "prompt": p, "max_tokens": 2 + j % 3, "temperature": t
                                     for t in (0, 0.9))]
 
 
-def test_load_fifo_queue_answers_each_request_as_alone(url) -> None:
+def test_load_fifo_queue_answers_each_request_as_alone(idle_url) -> None:
     """200 requests from 16 concurrent clients against a queue of 4: every answer equals its solo run, the only
     non-200 answers are 503 queue-full with Retry-After, and the server is healthy and idle afterwards."""
+    url = idle_url
     n_requests, n_clients = 200, 16
     solo = [httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0] for body in SPECS]
     full_before = metric(url, 'requests_total{outcome="queue_full"}')
@@ -339,7 +359,8 @@ def test_load_fifo_queue_answers_each_request_as_alone(url) -> None:
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL, "busy": False, "queued": 0}
 
 
-def test_streaming_disconnect_stops_generation_at_the_next_cycle(url) -> None:
+def test_streaming_disconnect_stops_generation_at_the_next_cycle(idle_url) -> None:
+    url = idle_url
     cancelled, tokens = metric(url, 'requests_total{outcome="cancelled"}'), metric(url, "completion_tokens_total")
     body = {"prompt": PROMPT, "max_tokens": LIMIT, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
@@ -352,7 +373,8 @@ def test_streaming_disconnect_stops_generation_at_the_next_cycle(url) -> None:
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def test_waiting_client_that_disconnects_cancels_its_request(url) -> None:
+def test_waiting_client_that_disconnects_cancels_its_request(idle_url) -> None:
+    url = idle_url
     cancelled, tokens = metric(url, 'requests_total{outcome="cancelled"}'), metric(url, "completion_tokens_total")
     body = {"prompt": PROMPT, "max_tokens": LIMIT, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):

@@ -1,52 +1,251 @@
-"""The server benchmark's CPU dry run: a `sdsie serve` child process on the committed stand-in pair against direct
-generate(), one record with every sample (timings are recorded, never asserted)."""
+"""The server benchmark: its measurement loop on fake sides and a fake clock (pairing, interleaving, budget cuts,
+interrupts, token checks), and its CPU dry run, a `sdsie serve` child process on the committed stand-in pair against
+direct generate() writing one record (timings are recorded, never asserted)."""
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("httpx")
+from reproductions import serve_bench
+from reproductions.serve_bench import (
+    FIRST_WARMUP_GUESS_S,
+    REPO,
+    SUITE,
+    Budget,
+    DirectRun,
+    Sides,
+    StreamedRun,
+    WholeAnswer,
+    build_record,
+    child_env,
+    main,
+    measure,
+    parser,
+)
+from sdsie.stats import paired_speedup
 
-from reproductions.serve_bench import SUITE, main, parser  # noqa: E402
+TOKENS = [5, 6, 7, 8]
 
 
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)  # the dry run sets one thread for this process too
+class FakeSides:
+    """Direct runs take 1 s and server runs 2 s of a fake clock (warm-up: 2 s per prompt, a timed pair 3 s); the
+    n-th streamed request reports a total of 1 + n/10 s, 0.5 s of it outside the engine."""
+
+    def __init__(self, bad_decisions_at: int | None = None, interrupt_at: int | None = None,
+                 bad_direct_at: int | None = None, bad_whole_for: str | None = None) -> None:
+        self.t, self.calls, self.streams = 0.0, [], 0
+        self.bad_decisions_at, self.interrupt_at = bad_decisions_at, interrupt_at
+        self.bad_direct_at, self.bad_whole_for = bad_direct_at, bad_whole_for
+
+    def clock(self) -> float:
+        return self.t
+
+    def direct(self, pid: str) -> DirectRun:
+        self.t += 1.0
+        self.calls.append(("direct", pid))
+        bad = len([c for c in self.calls if c[0] == "direct"]) == self.bad_direct_at
+        return DirectRun([*TOKENS[:2], 0, *TOKENS[3:]] if bad else list(TOKENS), "FSF", 0.5, 0.01)
+
+    def whole(self, pid: str) -> WholeAnswer:
+        self.t += 1.0
+        self.calls.append(("whole", pid))
+        return WholeAnswer(TOKENS[:1] if pid == self.bad_whole_for else list(TOKENS), "text")
+
+    def streamed(self, pid: str) -> StreamedRun:
+        self.streams += 1
+        if self.streams == self.interrupt_at:
+            raise KeyboardInterrupt("SIGTERM")
+        self.t += 2.0
+        self.calls.append(("streamed", pid))
+        total = 1.0 + self.streams / 10
+        decisions = "FFF" if self.streams == self.bad_decisions_at else "FSF"
+        return StreamedRun(0.02 * self.streams, total, "text",
+                           {"completion_tokens": len(TOKENS), "sdsie": {"decisions": decisions,
+                                                                        "seconds": total - 0.5, "energy_j": None}})
+
+    def sides(self) -> Sides:
+        return Sides(self.direct, self.whole, self.streamed)
 
 
-@pytest.mark.slow  # a server process starts and loads the pair: about 15 s on two idle cores
-def test_dry_run_writes_one_record_with_identical_tokens(tmp_path: Path, threads) -> None:
-    argv = ["--preset", "cpu", "--device", "cpu", "--trials", "2", "--max-tokens", "3", "--one-per-family",
-            "--threads", "1", "--clutch", "6.5,7.0,0.5", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    (path,) = tmp_path.glob("*.json")
-    record = json.loads(path.read_text())
-    assert record["suite"] == SUITE and record["conditions"]["hardware"] == "cpu (dry run)"
-    assert record["conditions"]["trials"] == 2 and "(cpu preset, build " in record["conditions"]["model"]
-    assert record["metrics"]["serve.tokens_identical"] is True and record["config"]["mismatched_prompts"] == []
-    prompts = record["config"]["prompts"]
-    assert len(prompts) == 3  # one per family
-    for key in ("direct_tok_s", "server_tok_s", "tok_s_ratio", "server_ttft_s", "server_engine_tok_s"):
-        assert len(record["samples"][key]) == 2 * 3 and all(v > 0 for v in record["samples"][key])
-    assert all(len(record["samples"][f"{p}|tok_s_ratio"]) == 2 for p in prompts)
-    assert "serve.server_j_per_token_median" not in record["metrics"]  # no NVML here: no energy figure, never 0
-    ratio = record["samples"]["tok_s_ratio"]
-    assert record["metrics"]["serve.tok_s_ratio_median"] == pytest.approx((sorted(ratio)[2] + sorted(ratio)[3]) / 2)
+def _args(*extra: str):
+    return parser().parse_args(["--preset", "cpu", "--device", "cpu", *extra])
+
+
+def _record(fake: FakeSides, m, *extra: str):
+    return build_record(_args(*extra), m, {}, "fake pair", "fake")
+
+
+def test_pairs_interleave_alternating_and_the_record_pairs_them_by_prompt_and_trial(capsys) -> None:
+    fake = FakeSides()
+    m = measure(["a", "b"], fake.sides(), 3, Budget(None, fake.clock))
+    assert m.cut is None and m.pairs == 6 and m.warmed == ["a", "b"] and m.mismatches == [] and m.checked == 2 + 12
+    timed = [c for c in fake.calls[4:] if c[0] != "whole"]
+    assert fake.calls[:4] == [("direct", "a"), ("whole", "a"), ("direct", "b"), ("whole", "b")]  # warm-up first
+    assert [c[0] for c in timed[:4]] == ["direct", "streamed"] * 2  # trial 1: direct first
+    assert [c[0] for c in timed[4:8]] == ["streamed", "direct"] * 2  # trial 2: the server first
+    record = _record(fake, m, "--trials", "3")
+    s, mt = record.samples, record.metrics
+    assert record.complete and record.config["cut"] is None and record.conditions["trials"] == 3
+    assert s["direct|a|tokens_per_s"] == [8.0] * 3  # 4 tokens in 0.5 s
+    assert s["server|a|tokens_per_s"] == pytest.approx([4 / 1.1, 4 / 1.3, 4 / 1.5])  # streams 1, 3, 5
+    ratios = [(4 / (1 + n / 10)) / 8 for n in (1, 3, 5, 2, 4, 6)]  # prompt a's trials, then b's
+    assert s["tok_s_ratio"] == pytest.approx(ratios)
+    median, low, high = paired_speedup(ratios)
+    assert (mt["serve.tok_s_ratio_median"], mt["serve.tok_s_ratio_ci_low"], mt["serve.tok_s_ratio_ci_high"]) == (
+        pytest.approx(median), pytest.approx(low), pytest.approx(high))
+    assert (mt["serve.tok_s_ratio_min"], mt["serve.tok_s_ratio_max"]) == (pytest.approx(min(ratios)),
+                                                                          pytest.approx(max(ratios)))
+    assert mt["serve.a.tok_s_ratio_median"] == pytest.approx(ratios[1])
+    assert s["server_http_overhead_s"] == pytest.approx([0.5] * 6) and mt["serve.http_overhead_s_median"] == 0.5
+    assert mt["serve.server_engine_tok_s_median"] == pytest.approx(statistics.median(
+        [4 / (0.5 + n / 10) for n in range(1, 7)]))
+    ttft = [0.02 * n for n in (1, 3, 5, 2, 4, 6)]
+    assert mt["serve.ttft_s_median"] == pytest.approx(statistics.median(ttft))
+    assert mt["serve.ttft_s_median"] < mt["serve.ttft_s_p90"] <= max(ttft)
+    assert mt["serve.tokens_identical"] is True and "serve.server_j_per_token_median" not in mt  # no reading, no 0
+    assert record.config["graphs"] == {"direct": False, "server": False} and record.config["pairs"] == 6
+    assert "trial 3/3 done (6 pairs)" in capsys.readouterr().out  # progress, for a log cut short
+
+
+def test_budget_stops_before_a_pair_that_would_overrun_and_the_record_keeps_what_completed(monkeypatch) -> None:
+    """Warm-ups take 2 s (the first guessed at 3 s); pairs take 3 s, each estimated at 1.5x the longest so far (the
+    first at 1.5x the longest warm-up): with 16 s, pairs start at 4, 7 and 10 s, and the one due at 13 s (4.5 s
+    needed, 3 left) does not."""
+    monkeypatch.setattr(serve_bench, "FIRST_WARMUP_GUESS_S", 3.0)
+    fake = FakeSides()
+    m = measure(["a", "b"], fake.sides(), 3, Budget(16, fake.clock, reserve=0))
+    assert m.pairs == 3 and m.cut.startswith("budget: trial 2 stopped before b")
+    record = _record(fake, m, "--trials", "3", "--max-seconds", "16")
+    assert not record.complete and record.config["cut"] == m.cut and record.config["pairs"] == 3
+    assert record.conditions["trials"] == 2 and record.config["trials_requested"] == 3
+    assert len(record.samples["direct|a|tokens_per_s"]) == 2 and len(record.samples["server|b|tokens_per_s"]) == 1
+    assert len(record.samples["tok_s_ratio"]) == 3 and record.metrics["serve.tokens_identical"] is True
+
+
+def test_budget_too_short_for_a_warm_up_writes_a_record_with_nothing_measured() -> None:
+    fake = FakeSides()
+    m = measure(["a"], fake.sides(), 2, Budget(FIRST_WARMUP_GUESS_S - 1, fake.clock, reserve=0))
+    assert fake.calls == [] and m.warmed == [] and m.cut.startswith("budget: warm-up stopped before a")
+    record = _record(fake, m)
+    assert not record.complete and record.samples == {} and record.metrics == {}  # no comparison: no identity claim
+    assert record.conditions["trials"] == 1 and record.config["pairs"] == 0
+
+
+def test_an_interrupt_keeps_the_pairs_that_completed() -> None:
+    fake = FakeSides(interrupt_at=2)
+    m = measure(["a", "b"], fake.sides(), 2, Budget(None, fake.clock))
+    assert m.pairs == 1 and m.cut == "interrupted (SIGTERM) after 1 pairs" and not m.failed
+    assert m.samples["server|a|tokens_per_s"] and "server|b|tokens_per_s" not in m.samples
+
+
+def test_an_error_while_measuring_keeps_the_pairs_that_completed_and_says_what_broke(capsys) -> None:
+    fake = FakeSides()
+    streamed = fake.streamed
+
+    def failing(pid: str) -> StreamedRun:
+        if fake.streams == 2:
+            raise RuntimeError("the server failed mid-stream: boom")
+        return streamed(pid)
+
+    m = measure(["a"], Sides(fake.direct, fake.whole, failing), 5, Budget(None, fake.clock))
+    assert m.failed and m.pairs == 2
+    assert m.cut == "failed after 2 pairs: RuntimeError: the server failed mid-stream: boom"
+    record = _record(fake, m)
+    assert not record.complete and record.config["failed"] and len(record.samples["tok_s_ratio"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_answers_that_differ_are_named_and_fail_the_identity_metric() -> None:
+    fake = FakeSides(bad_decisions_at=3, bad_direct_at=6, bad_whole_for="b")  # streamed a and direct b of trial 2
+    m = measure(["a", "b"], fake.sides(), 2, Budget(None, fake.clock))
+    assert m.pairs == 4 and m.mismatches == [
+        "b warm-up: server token ids differ from direct generate() from position 1",
+        "a trial 2: the streamed answer differs from direct generate() (tokens, text or clutch decisions)",
+        "b trial 2: direct tokens differ from its warm-up from position 2"]
+    record = _record(fake, m)
+    assert record.metrics["serve.tokens_identical"] is False and record.config["mismatched"] == m.mismatches
+
+
+def test_budget_counts_from_its_start_less_the_reserve() -> None:
+    now = [100.0]
+    budget = Budget(60, lambda: now[0], reserve=15)
+    now[0] = 130.0
+    assert budget.elapsed() == 30 and budget.left() == 15 and budget.fits(15) and not budget.fits(15.1)
+    assert Budget(None).left() == float("inf")
+
+
+def test_the_server_inherits_this_environment_with_the_repository_on_its_path(monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    monkeypatch.setenv("SDSIE_CACHE", "/somewhere")
+    env = child_env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/opt/site"] and env["SDSIE_CACHE"] == "/somewhere"
+    assert env["PYTHONUNBUFFERED"] == "1" and {k: v for k, v in env.items() if k not in (
+        "PYTHONPATH", "PYTHONUNBUFFERED")} == {k: v for k, v in os.environ.items() if k not in (
+            "PYTHONPATH", "PYTHONUNBUFFERED")}
 
 
 def test_bad_options_are_refused_before_anything_loads() -> None:
-    with pytest.raises(SystemExit):
-        parser().parse_args(["--trials", "0"])
+    for bad in (["--trials", "0"], ["--max-seconds", "0"], ["--max-seconds", "-5"]):
+        with pytest.raises(SystemExit):
+            parser().parse_args(bad)
     with pytest.raises(SystemExit, match="--cuda-graphs needs"):
         main(["--device", "cpu", "--cuda-graphs"])
     with pytest.raises(ValueError, match="clutch must be"):
         main(["--device", "cpu", "--clutch", "fast"])
+
+
+SITECUSTOMIZE = """\
+import os, sys
+sys.modules["openai"] = None  # the GPU machine has no openai package: importing it here fails the run
+with open(os.path.join(os.environ["SERVE_BENCH_MARKS"], str(os.getpid())), "w") as fh:
+    fh.write(" ".join(sys.orig_argv))
+"""
+
+
+@pytest.mark.slow  # two processes start and load the pair: about 15 s on two idle cores
+def test_dry_run_writes_one_record_with_identical_tokens_without_openai(tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    site, marks, out = tmp_path / "site", tmp_path / "marks", tmp_path / "out"
+    site.mkdir(), marks.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "SERVE_BENCH_MARKS": str(marks)}
+    argv = ["--preset", "cpu", "--device", "cpu", "--trials", "2", "--max-tokens", "3", "--one-per-family",
+            "--threads", "1", "--clutch", "6.5,7.0,0.5", "--max-seconds", "300", "--out", str(out),
+            "--server-log", str(tmp_path / "server.log")]
+    done = subprocess.run([sys.executable, "-m", "reproductions.serve_bench", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    commands = [p.read_text() for p in marks.iterdir()]
+    assert any("sdsie.cli serve" in c for c in commands)  # the server saw this environment's PYTHONPATH
+    for line in ("server ready; warm-up", "warm-up code-instruction: 3 tokens", "trial 2/2 done (6 pairs)", "record:"):
+        assert line in done.stdout
+    (path,) = out.glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["suite"] == SUITE and record["conditions"]["hardware"] == "cpu (dry run)" and record["complete"]
+    assert record["conditions"]["trials"] == 2 and "(cpu preset, build " in record["conditions"]["model"]
+    config, metrics, samples = record["config"], record["metrics"], record["samples"]
+    assert metrics["serve.tokens_identical"] is True and config["mismatched"] == [] and config["cut"] is None
+    assert config["failed"] is False and config["max_seconds"] == 300
+    assert config["runs_compared"] == 3 + 2 * 2 * 3 and config["pairs"] == 6
+    prompts = config["prompts"]
+    assert len(prompts) == 3 and config["timed_prompts"] == prompts  # one per family
+    for p in prompts:
+        assert len(samples[f"direct|{p}|tokens_per_s"]) == len(samples[f"server|{p}|tokens_per_s"]) == 2
+        assert metrics[f"serve.{p}.tok_s_ratio_median"] > 0
+    for key in ("tok_s_ratio", "server_ttft_s", "server_engine_tok_s", "server_http_overhead_s",
+                "direct_first_token_s"):
+        assert len(samples[key]) == 2 * 3 and all(v > 0 for v in samples[key])
+    for key in ("direct_tok_s_median", "server_tok_s_median", "server_engine_tok_s_median", "tok_s_ratio_median",
+                "ttft_s_median", "ttft_s_p90", "http_overhead_s_median"):
+        assert metrics[f"serve.{key}"] > 0
+    assert "serve.server_j_per_token_median" not in metrics  # no NVML here: no energy figure, never 0
+    assert config["graphs"] == {"direct": False, "server": False}

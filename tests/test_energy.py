@@ -96,6 +96,26 @@ def test_edge_states_record_power_limit_clocks_and_temperature() -> None:
     assert result.end_state["mem_clock_mhz"] == 3201.0
 
 
+def test_a_window_without_snapshots_reads_energy_alone() -> None:
+    """snapshot=False (a server's per-request window): the same energy, no state queries, empty edge states."""
+    meter, clock, _, nvml = counter_meter(watts=100.0)
+    queried: list[str] = []
+
+    def counted(name: str):
+        real = getattr(nvml, name)
+        return lambda *a: queried.append(name) or real(*a)
+
+    for name in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature", "nvmlDeviceGetEnforcedPowerLimit"):
+        setattr(nvml, name, counted(name))
+    window = meter.start(snapshot=False)
+    clock.advance(1.0)
+    result = meter.stop(window, tokens=10, snapshot=False)
+    assert result.energy_j == pytest.approx(100.0) and result.start_state == {} == result.end_state
+    assert queried == []
+    meter.start()  # with its snapshot, the same meter queries the state
+    assert queried
+
+
 def test_state_field_nvml_refuses_is_none_with_reason_not_a_failed_window() -> None:
     refusal = FakeNvmlError(3, "Not Supported")
     meter, clock, _, _ = counter_meter(fail={"nvmlDeviceGetTemperature": refusal})

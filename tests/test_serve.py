@@ -466,6 +466,23 @@ def test_text_stream_releases_only_final_text(steps, stop, pieces, stopped) -> N
     assert "".join(pieces) + tail == (full[: min(full.find(s) for s in stop if s in full)] if stopped else full)
 
 
+def test_text_stream_decodes_a_bounded_window_per_step() -> None:
+    """A step decodes the tokens since the last final text and their context, not the whole sequence (it runs
+    between the engine's cycles): 600 steps, no decode of more than a few tokens, the same text."""
+    lengths: list[int] = []
+
+    class Counting(_Chars):
+        def decode(self, ids, skip_special_tokens=True):
+            lengths.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    ids = [[1 + i % 3] if i % 7 else [4, 5] for i in range(600)]
+    stream = TextStream(Counting(), ("STOPX",))
+    text = "".join(stream.feed(step) for step in ids) + stream.finish()
+    assert text == _Chars().decode([t for step in ids for t in step])
+    assert max(lengths) <= 6
+
+
 def test_cli_options_become_the_server_config(tmp_path) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)

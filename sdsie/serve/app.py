@@ -164,11 +164,21 @@ async def _stream(engine: Engine, job: Job, channel: _Channel) -> AsyncIterator[
     try:
         if req.chat:
             yield _sse(protocol.chunk_body(req, model, "", first=True))
+        pending: Event | None = None
         while True:
-            event = await channel.queue.get()
+            event, pending = pending or await channel.queue.get(), None
             if isinstance(event, Delta):
-                if event.text:
-                    yield _sse(protocol.chunk_body(req, model, event.text))
+                # the deltas already waiting go out as one chunk: when the client or the loop falls behind the
+                # engine, the loop's work per cycle (and its hold on the GIL the engine's thread needs) stays bounded
+                text = event.text
+                while pending is None and not channel.queue.empty():
+                    nxt = channel.queue.get_nowait()
+                    if isinstance(nxt, Delta):
+                        text += nxt.text
+                    else:
+                        pending = nxt
+                if text:
+                    yield _sse(protocol.chunk_body(req, model, text))
             elif isinstance(event, Failed):
                 finished = True
                 yield _sse(APIError(500, event.message, type="server_error").body())

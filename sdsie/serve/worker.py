@@ -198,7 +198,9 @@ class Engine:
         text = TextStream(self.tokenizer, req.stop)
 
         def on_tokens(tokens: list[int]) -> bool:
-            job.emit(Delta(text.feed(tokens), tokens))
+            piece = text.feed(tokens)
+            if piece:  # an empty piece (text held back) would wake the event loop for nothing, between cycles
+                job.emit(Delta(piece, tokens))
             return text.stopped or job.cancelled.is_set()
 
         clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
@@ -229,7 +231,7 @@ class Engine:
         if self.meter is None:
             return None
         try:
-            return self.meter.start()
+            return self.meter.start(snapshot=False)
         except Exception as err:  # a failed reading is "no reading", never a failed request
             log.warning("energy window not opened: %s", err)
             return None
@@ -238,7 +240,7 @@ class Engine:
         if window is None:
             return None
         try:
-            return float(self.meter.stop(window, tokens).energy_j)
+            return float(self.meter.stop(window, tokens, snapshot=False).energy_j)
         except Exception as err:  # too short a window, a counter that did not move: no reading (None), not 0 J
             _abort(window)
             log.debug("no energy reading: %s", err)

@@ -264,10 +264,11 @@ class EnergyMeter:
         return True, f"{backend}: {reason}"
 
     # -- windows -------------------------------------------------------------------------------
-    def start(self) -> OpenWindow:
-        """Synchronize the device and open a window at this edge."""
+    def start(self, snapshot: bool = True) -> OpenWindow:
+        """Synchronize the device and open a window at this edge. snapshot=False skips the GPU state read (clocks,
+        temperature: several NVML queries) where a window's energy is all that is wanted, as per server request."""
         self._sync()
-        state = self._state()
+        state = self._state() if snapshot else {}
         if self.backend == BACKEND_COUNTER:
             energy = self._counter_mj()
             return OpenWindow(t0=self._clock(), start_state=state, energy_mj=energy)
@@ -278,8 +279,9 @@ class EnergyMeter:
             raise EnergyMeterError(f"power reading failed at window start: {_describe(err)}") from err
         return OpenWindow(t0=poller.times[0], start_state=state, poller=poller)
 
-    def stop(self, window: OpenWindow, tokens: int | None = None) -> EnergyWindow:
-        """Synchronize the device, close `window` and return its energy (raises on no reading)."""
+    def stop(self, window: OpenWindow, tokens: int | None = None, snapshot: bool = True) -> EnergyWindow:
+        """Synchronize the device, close `window` and return its energy (raises on no reading); snapshot as in
+        start."""
         tokens = window.tokens if tokens is None else tokens
         _check_tokens(tokens)
         self._sync()
@@ -295,7 +297,7 @@ class EnergyMeter:
         if energy_j <= 0:
             raise EnergyMeterError(f"no energy registered over {duration:.3f} s ({self.backend}): no reading")
         result = EnergyWindow(self.backend, duration, energy_j, tokens, self.idle,
-                              window.start_state, self._state(), n_samples)
+                              window.start_state, self._state() if snapshot else {}, n_samples)
         window.result = result
         return result
 

@@ -36,6 +36,14 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
     return model(IDS.to(model.device), use_cache=False).logits
 
 
+def _same_logits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise on CPU (the interpreter and CPU matmuls are deterministic); on a GPU within fp32 float noise: cuBLAS
+    may pick another algorithm for a traced graph's matmuls (the H200 differed in the fifth digit)."""
+    if a.device.type == "cpu":
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("shape", [(3, 64), (2, 1, 64)])
 def test_the_op_passes_opcheck_and_is_the_launcher(kernel_device, symmetric: bool, shape: tuple[int, ...]):
@@ -73,7 +81,7 @@ def test_a_compiled_int4_llama_gives_eager_logits_in_one_graph(kernel_device, fu
     before = kernel_calls()
     out = _logits(compiled)
     assert kernel_calls() - before == (4 + 1 if fused else N_LINEARS)  # every INT4 layer launched, through the op
-    assert torch.equal(out, eager)
+    assert _same_logits(out, eager)
     torch._dynamo.reset()
 
 
@@ -84,12 +92,12 @@ def test_a_compiled_gated_llama_follows_the_gear(kernel_device):
     full = _logits(model)
     state.int4 = True
     int4 = _logits(model)
-    assert not torch.equal(full, int4)
+    assert not _same_logits(full, int4)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     for gear, expected in ((True, int4), (False, full), (True, int4)):
         state.int4 = gear
         before = kernel_calls()
-        assert torch.equal(_logits(compiled), expected), gear
+        assert _same_logits(_logits(compiled), expected), gear
         assert kernel_calls() - before == (N_LINEARS if gear else 0)
     torch._dynamo.reset()
 

@@ -25,9 +25,25 @@ minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention, o
 token reads (every weight but the input embedding, plus the KV cache at the run's mean position) at the measured
 copy rate.
 
-Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--variants ...] [--max-seconds S]
+Compilation: the decode step is compiled with static shapes (dynamic=False), so each prompt length gets its own graph
+(as gpt-fast's decode step), not a dynamic-shape recompilation after the first length. GatedLinear's call counters are
+left uncounted while dynamo traces (`count_gates_eagerly`): a Python int that changes at every call would otherwise
+recompile the step at every call. The HF peer compiles its own forward (inductor, HF's defaults) on CUDA; off CUDA it is
+told to compile with --compile-backend, and its row says whether HF did (`hf_compiled`).
+
+Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--prompt-lens ...] [--variants ...]
+           [--max-seconds S]
 Dry run (CPU, tiny configuration): python -m reproductions.decode_e2e --device cpu --tiny --out DIR
-Writes DIR/decode_e2e.json after every variant (a cut run still returns data) and a run record at the end.
+Off CUDA the INT4 layers run the kernel's float64 reference (Triton's interpreter takes seconds per GEMV; the dry run
+checks the suite's plumbing, the kernel has its own tests), tinygemm runs torch's CPU kernel, and dynamo traces with
+the eager backend; the config records each.
+
+Writes DIR/decode_e2e.json after every row (model, prompt length, variant) and a run record at the end, also when the
+run is cut: --max-seconds starts no row that its estimate (the longest row of its kind so far, or ROW_ESTIMATE_S on
+CUDA) would carry past the limit, and SIGTERM (`timeout`'s signal) stops the run after the current row's device work.
+A cut run's record has complete=false and lists the rows it ran (config.rows_run) and why it stopped (config.cut).
+Exit status: 0 every requested row ran (a row that cannot run on this device says why); 2 the run was cut (partial
+record written); 3 it ran to the end but some row raised (its error is in its row).
 """
 
 from __future__ import annotations
@@ -35,10 +51,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,9 +64,12 @@ from typing import Any
 import torch
 from torch import nn
 
+import sdsie.kernels
+import sdsie.kernels.ops
 from sdsie.clutch import ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import sync_device
+from sdsie.kernels import int4_matmul_reference
 from sdsie.quant import GatedLinear, Int4Linear, QuantConfig, fuse_projections, gate_model
 from sdsie.quant.linear import replace_module
 from sdsie.telemetry.energy import EnergyMeter, EnergyUnavailable, calls_to_fill
@@ -80,6 +101,11 @@ BASELINE = {"bf16": "bf16", "int4": "bf16", "tinygemm": "bf16", "int4_unfused": 
 # Gears pinned by the clutch: an entropy EMA never below 0 keeps it out (bf16), never above 1e9 bits keeps it in
 PIN_FULL = ClutchConfig(theta_low=0.0, theta_high=0.0, alpha=1.0, initial_engaged=False)
 PIN_INT4 = ClutchConfig(theta_low=1e9, theta_high=1e9, alpha=1.0, initial_engaged=True)
+COMPILED = frozenset(v for v in VARIANTS if v.endswith("_compiled"))
+# Seconds one row (model, prompt, variant) takes on an H200 at the 8B shapes with 3 trials and 3 s energy windows,
+# before the run has timed a row of the kind: eager rows took 23-29 s and compiled ones 37-52 s at 32-token prompts
+# (telemetry/raw/decode_e2e_llama_qwen_p32_h200.json); a compilation from a cold cache takes longer, HF's own more.
+ROW_ESTIMATE_S = {"eager": 35.0, "compiled": 90.0, "hf": 150.0}
 
 
 # --- models ---------------------------------------------------------------------------------------------------------
@@ -109,7 +135,8 @@ def build_model(name: str, tiny: bool, device: torch.device, dtype: torch.dtype)
 
 
 class TinygemmLinear(nn.Module):
-    """A linear through torch's tinygemm INT4 kernel (`aten._weight_int4pack_mm`), from an Int4Linear's weights."""
+    """A linear through torch's tinygemm INT4 kernel (`aten._weight_int4pack_mm`), from an Int4Linear's weights; on
+    CPU, torch's CPU kernel of the same format (`aten._weight_int4pack_mm_for_cpu`), for the dry run."""
 
     def __init__(self, layer: Int4Linear) -> None:
         super().__init__()
@@ -117,7 +144,9 @@ class TinygemmLinear(nn.Module):
 
         if layer.input_scale is not None:
             raise ValueError("tinygemm takes no AWQ input scale")
-        packed = tinygemm_pack(layer.int4_weight)
+        w = layer.int4_weight
+        self.cpu = w.qweight.device.type == "cpu"
+        packed = _tinygemm_pack_cpu(w, layer.scales.dtype) if self.cpu else tinygemm_pack(w)
         if packed is None:
             raise ValueError(f"tinygemm cannot take group size {layer.group_size} or symmetric weights")
         self.register_buffer("packed", packed[0])
@@ -126,10 +155,36 @@ class TinygemmLinear(nn.Module):
         self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, layer.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, self.in_features), self.packed, self.group_size,
-                                               self.scales_and_zeros)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if self.cpu else torch.ops.aten._weight_int4pack_mm
+        y = mm(x.reshape(-1, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def _tinygemm_pack_cpu(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The weights in the format of torch's CPU tinygemm: codes [N, K] as int32, scales and (8 - z) * s in `dtype`."""
+    if w.group_size not in (32, 64, 128, 256) or w.zeros is None:
+        return None
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes().to(torch.int32).contiguous(), 8)
+    offsets = (8.0 - w.zeros.float()) * w.scales.float()
+    return packed, torch.stack([w.scales.to(dtype), offsets.to(dtype)], dim=-1).contiguous()  # [G, N, 2]
+
+
+class _TracedGatedLinear(GatedLinear):
+    """A GatedLinear that skips its call counters while dynamo traces it: they are Python ints, and dynamo guards on
+    their value, so each call of a compiled step would compile it again (and a CUDA graph capture would compile
+    inside the capture). Eager calls count as before; graph replays never count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.quantized(x) if self.state.int4 else self.full(x)
+        return super().forward(x)
+
+
+def count_gates_eagerly(model: nn.Module) -> None:
+    for module in model.modules():
+        if type(module) is GatedLinear:
+            module.__class__ = _TracedGatedLinear
 
 
 class DecodeCompiled(nn.Module):
@@ -139,6 +194,7 @@ class DecodeCompiled(nn.Module):
     def __init__(self, model: nn.Module, **compile_kwargs: Any) -> None:
         super().__init__()
         self.model = model
+        compile_kwargs.setdefault("dynamic", False)  # a graph per shape (prompt length), never a dynamic-shape one
         self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
 
     @property
@@ -205,8 +261,9 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def profile_kernels(run: Callable[[], Any], device: torch.device) -> dict[str, float] | None:
-    """Kernel launches and summed GPU microseconds of one call of `run`, by category (None off CUDA)."""
+def profile_kernels(run: Callable[[], Any], device: torch.device) -> tuple[dict[str, float], dict[str, list]] | None:
+    """Kernel launches and summed GPU microseconds of one call of `run`, by category, and by kernel name
+    ({name: [launches, us]}); None off CUDA."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -215,13 +272,29 @@ def profile_kernels(run: Callable[[], Any], device: torch.device) -> dict[str, f
         run()
         sync_device(device)
     out = {f"{cat}.{what}": 0.0 for cat in ("gemv_gemm", "attention", "other") for what in ("kernels", "us")}
+    names: dict[str, list] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         cat = kernel_category(e.name)
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         out[f"{cat}.kernels"] += 1
-        out[f"{cat}.us"] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    return out
+        out[f"{cat}.us"] += us
+        entry = names.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    return out, names
+
+
+def top_kernels(full: dict[str, list], prefill: dict[str, list], steps: int, n: int = 30) -> list[dict[str, Any]]:
+    """The n kernels with the most GPU time per decode token (a full run minus a prefill-only run), with their
+    category and launches per token: what each category is made of."""
+    rows = []
+    for name, (launches, us) in full.items():
+        before = prefill.get(name, [0, 0.0])
+        rows.append({"name": name, "category": kernel_category(name), "per_token": (launches - before[0]) / steps,
+                     "us_per_token": (us - before[1]) / steps})
+    return sorted(rows, key=lambda r: -r["us_per_token"])[:n]
 
 
 @dataclass
@@ -231,28 +304,31 @@ class Variant:
     gear: Any = None  # GearState for the gated variants
     clutch: ClutchConfig | None = None
     hf: bool = False  # HF generate() instead of the engine
+    hf_compile: Any = None  # HF's CompileConfig for its generate (None: HF's default, which compiles on CUDA)
     read_skip: Callable[[str], bool] = field(default=lambda name: False)
 
 
 def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -> tuple[int, float, float]:
     """One decode -> (new tokens, prefill seconds, decode seconds)."""
     if v.hf:
-        return _hf_run(v.model, prompt, new_tokens)
+        return _hf_run(v.model, prompt, new_tokens, v.hf_compile)
     cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs)
     clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
     r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
     return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds
 
 
-def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[int, float, float]:
+def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
+            compile_config: Any = None) -> tuple[int, float, float]:
     """HF generate with a static cache (HF compiles its forward for it); the prefill is not separated: 0 s."""
     ids = prompt[None]
+    extra = {} if compile_config is None else {"compile_config": compile_config}
     sync_device(prompt.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                             eos_token_id=None, pad_token_id=0)
+                             eos_token_id=None, pad_token_id=0, **extra)
     sync_device(prompt.device)
     return out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0
 
@@ -286,11 +362,15 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
         prefill = profile_kernels(lambda: _run_once(v, prompt, 1, graphs), device)
         if full is not None and prefill is not None:
             steps = max(result["new_tokens"] - 1, 1)
+            (full, full_names), (prefill, prefill_names) = full, prefill
             per_token = {k: (full[k] - prefill[k]) / steps for k in full}
             per_token["kernels"] = sum(per_token[f"{c}.kernels"] for c in ("gemv_gemm", "attention", "other"))
             per_token["gpu_us"] = sum(per_token[f"{c}.us"] for c in ("gemv_gemm", "attention", "other"))
             result["per_token"] = per_token
-    if not v.hf:
+            result["top_kernels"] = top_kernels(full_names, prefill_names, steps)
+    if v.hf:
+        result["hf_compiled"] = getattr(v.model, "_compiled_call", None) is not None  # HF compiles silently or not
+    else:
         target = v.model.model if isinstance(v.model, DecodeCompiled) else v.model
         read = weight_bytes(target, v.read_skip) + kv_bytes_per_token(target.config,
                                                                       prompt.numel() + new_tokens / 2)
@@ -304,12 +384,77 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
 # --- the suite ------------------------------------------------------------------------------------------------------
 
 
-class Budget:
-    def __init__(self, max_seconds: float | None) -> None:
-        self.t0, self.max_seconds = time.monotonic(), max_seconds
+def row_kind(variant: str) -> str:
+    return "hf" if variant.startswith("hf_") else "compiled" if variant in COMPILED else "eager"
 
-    def left(self) -> bool:
-        return self.max_seconds is None or time.monotonic() - self.t0 < self.max_seconds
+
+class Budget:
+    """--max-seconds: a row starts only if its estimate (the longest row of its kind so far; before any, the default
+    estimate of its kind) ends within the limit, so a run cut by its budget still ends on its own and writes its
+    record, rather than being killed mid-row by an outer limit."""
+
+    def __init__(self, max_seconds: float | None, defaults: dict[str, float] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.t0, self.max_seconds = clock(), max_seconds
+        self.defaults = defaults or {}
+        self.longest: dict[str, float] = {}
+
+    def fits(self, kind: str) -> bool:
+        if self.max_seconds is None:
+            return True
+        estimate = self.longest.get(kind, self.defaults.get(kind, 0.0))
+        return self.clock() - self.t0 + estimate <= self.max_seconds
+
+    def took(self, kind: str, seconds: float) -> None:
+        self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived while rows ran: the run ends there and writes what it measured (a BaseException, so the rows'
+    `except Exception` does not take it for a failed variant)."""
+
+
+class SigtermStop:
+    """While installed, SIGTERM stops the rows (raises Stopped) when `armed`, and is otherwise noted and ignored, so
+    the JSON and the record of a stopped run are still written."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.received: str | None = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+        if self.armed:
+            self.armed = False
+            raise Stopped(self.received)
+
+    @contextmanager
+    def installed(self) -> Iterator[SigtermStop]:
+        previous = signal.signal(signal.SIGTERM, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def int4_kernel(device: torch.device) -> Iterator[str]:
+    """The INT4 kernel the run uses: the Triton kernel on CUDA; off CUDA its float64 reference (Triton's interpreter
+    takes seconds per GEMV), put in place for the run and taken out after."""
+    if device.type == "cuda":
+        yield "triton"
+        return
+
+    def reference(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return int4_matmul_reference(x, w).to(x.dtype)
+
+    saved = sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul
+    sdsie.kernels.int4_matmul = sdsie.kernels.ops.int4_matmul = reference
+    try:
+        yield "float64 reference"
+    finally:
+        sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul = saved
 
 
 def model_variants(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -325,6 +470,7 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
         return
     torch._dynamo.reset()
     state = gate_model(model, LINEARS, QuantConfig(group_size=GROUP_SIZE))
+    count_gates_eagerly(model)
 
     def not_int4(n: str) -> bool:
         return ".quantized." in n
@@ -353,14 +499,26 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     if not wanted & {"tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled"}:
         return
     torch._dynamo.reset()
-    if device.type != "cuda":
-        yield "tinygemm", None  # tinygemm's packing and kernel are CUDA's
-        return
     to_tinygemm(model)
     yield "tinygemm", lambda: Variant("tinygemm", model)
     yield "tinygemm_compiled", lambda: Variant("tinygemm_compiled", DecodeCompiled(model, **compile_kwargs))
     torch._dynamo.reset()
-    yield "hf_tinygemm_compiled", lambda: Variant("hf_tinygemm_compiled", model, hf=True)
+    yield "hf_tinygemm_compiled", lambda: Variant("hf_tinygemm_compiled", model, hf=True,
+                                                  hf_compile=hf_compile_config(args, device))
+
+
+def hf_compile_config(args: argparse.Namespace, device: torch.device) -> Any:
+    """HF generate's own compilation: HF's default on CUDA (inductor, its CUDA graphs) unless --compile-backend names
+    another backend; off CUDA, where HF compiles only when told to, the run's backend (no mode: the CPU dry run's
+    eager backend takes none)."""
+    if device.type == "cuda" and not args.compile_backend:
+        return None
+    from transformers import CompileConfig
+
+    on_cuda = device.type == "cuda"
+    config = CompileConfig(backend=args.compile_backend or "inductor", mode="reduce-overhead" if on_cuda else None)
+    config._compile_all_devices = not on_cuda
+    return config
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -398,7 +556,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_suite(args: argparse.Namespace) -> dict[str, Any]:
+def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict[str, Any]:
+    """Every requested (model, prompt length, variant) row, written to DIR/decode_e2e.json after each; the document's
+    `complete` is False when --max-seconds or SIGTERM (with `stop` armed) cut the run, `config.cut` says which."""
     device = torch.device(args.device)
     # every compiled variant of a model recompiles the same HF forward (new modules, gears, cache sizes): past
     # dynamo's default limit of 8 it would fall back to eager silently
@@ -406,7 +566,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 64)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    budget = Budget(args.max_seconds)
+    budget = Budget(args.max_seconds, ROW_ESTIMATE_S if device.type == "cuda" else None)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meter, energy_reason = None, None
@@ -425,8 +585,9 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"models": args.models, "prompt_lens": args.prompt_lens, "variants": args.variants,
                    "new_tokens": new_tokens, "trials": args.trials, "tiny": args.tiny, "device": str(device),
                    "dtype": str(dtype), "group_size": GROUP_SIZE, "linears": LINEARS, "cuda_graphs": args.graphs,
-                   "compile_backend": args.compile_backend or "inductor", "energy_window_s": args.energy_window_s,
-                   "copy_rate_gbs": copy_gbs, "energy": energy_reason or "nvml"},
+                   "compile_backend": args.compile_backend or "inductor", "compile_dynamic": False,
+                   "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
+                   "energy": energy_reason or "nvml", "max_seconds": args.max_seconds},
         "results": [],
         "complete": False,
     }
@@ -436,46 +597,65 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         doc["summary"] = summarize(doc["results"])
         progress.write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
-    cut = False
-    for name in args.models:
-        if not budget.left():
-            cut = True
-            break
-        gen = torch.Generator().manual_seed(0)
-        vocab = (TINY if args.tiny else MODELS)[name]["vocab_size"]
-        prompts = {p: torch.randint(3, vocab, (p,), generator=gen).to(device) for p in args.prompt_lens}
-        t_build = time.monotonic()
+    cut: str | None = None
+    with int4_kernel(device) as kernel:
+        doc["config"]["int4_kernel"] = kernel
+        if stop is not None:
+            stop.armed = True
+        try:
+            for name in args.models:
+                cut = _model_rows(name, args, device, dtype, doc, budget, new_tokens, meter, copy_gbs, save)
+                if cut:
+                    break
+        except Stopped as signal_name:
+            cut = f"{signal_name}: stopped during the row after the last one written"
+        finally:
+            if stop is not None:
+                stop.armed = False
+    doc["complete"] = cut is None
+    doc["config"]["cut"] = cut
+    doc["config"]["rows_run"] = [f"{r['model']}.p{r['prompt_len']}.{r['variant']}" for r in doc["results"]]
+    save()
+    return doc
+
+
+def _model_rows(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, doc: dict[str, Any],
+                budget: Budget, new_tokens: int, meter: EnergyMeter | None, copy_gbs: float | None,
+                save: Callable[[], None]) -> str | None:
+    """One model's rows, appended to doc["results"]; returns why the budget cut them (None: all ran)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = (TINY if args.tiny else MODELS)[name]["vocab_size"]
+    prompts = {p: torch.randint(3, vocab, (p,), generator=gen).to(device) for p in args.prompt_lens}
+    t_build = time.monotonic()
+    cut = None
+    try:
         for variant, make in model_variants(name, args, device, dtype):
             if variant not in args.variants:
                 continue
-            if not budget.left():
-                cut = True
-                break
             for p, prompt in prompts.items():
+                kind = row_kind(variant)
+                if not budget.fits(kind):
+                    cut = f"--max-seconds {args.max_seconds:g}: the next row ({name} P={p} {variant}) would end past it"
+                    return cut
                 row: dict[str, Any] = {"model": name, "prompt_len": p, "variant": variant}
                 t0 = time.monotonic()
-                if make is None:
-                    row["error"] = "skipped: needs CUDA"
-                else:
-                    try:
-                        row.update(measure(make(), prompt, new_tokens, args.trials, args.graphs, meter,
-                                           args.energy_window_s, copy_gbs, args.profile))
-                    except Exception as err:  # a variant that cannot run is reported, the others still run
-                        row["error"] = f"{type(err).__name__}: {err}"[:500]
+                try:
+                    row.update(measure(make(), prompt, new_tokens, args.trials, args.graphs, meter,
+                                       args.energy_window_s, copy_gbs, args.profile))
+                except Exception as err:  # a variant that cannot run is reported, the others still run
+                    row["error"] = f"{type(err).__name__}: {err}"[:500]
                 row["seconds"] = time.monotonic() - t0
+                budget.took(kind, row["seconds"])
                 doc["results"].append(row)
                 save()
                 print(f"{name} P={p} {variant}: {row.get('decode_tok_s_median') or row.get('error')}", flush=True)
+        return cut
+    finally:
         doc.setdefault("model_seconds", {})[name] = time.monotonic() - t_build
         torch._dynamo.reset()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if cut:
-            break
-    doc["complete"] = not cut
-    save()
-    return doc
 
 
 def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
@@ -504,7 +684,9 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="exit status: 0 every requested row ran; 2 cut by --max-seconds or SIGTERM "
+                                       "(partial JSON and record written); 3 ran to the end but some row raised")
     p.add_argument("--out", required=True, help="directory for decode_e2e.json and the run record")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--prompt-lens", nargs="+", type=int, default=[32, 2048])
@@ -512,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (4 with --tiny)")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="start no new variant after this many seconds (the JSON so far is kept)")
+                   help="start no row whose estimate would end past this many seconds (the run then writes what it "
+                        "measured, a record with complete=false, and exits 2)")
     p.add_argument("--energy-window-s", type=float, default=5.0)
     p.add_argument("--no-energy", dest="energy", action="store_false")
     p.add_argument("--no-profile", dest="profile", action="store_false")
@@ -530,13 +713,18 @@ def main(argv: list[str] | None = None) -> int:
         args.compile_backend = args.compile_backend or "eager"
     if args.trials < 1 or any(n < 2 for n in args.prompt_lens):
         raise SystemExit("--trials must be >= 1 and every --prompt-lens >= 2")
-    doc = run_suite(args)
-    print(table(doc["summary"]))
-    if args.record:
-        hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        path = write_record(record_of(doc, hardware), args.out)
-        print(f"record: {path}")
-    return 0 if doc["complete"] else 2
+    with SigtermStop().installed() as stop:
+        doc = run_suite(args, stop)
+        print(table(doc["summary"]))
+        if doc["config"]["cut"]:
+            print(f"cut: {doc['config']['cut']}")
+        if args.record:
+            hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            path = write_record(record_of(doc, hardware), args.out)
+            print(f"record: {path}")
+    if not doc["complete"]:
+        return 2
+    return 3 if any(r.get("error") for r in doc["results"]) else 0
 
 
 if __name__ == "__main__":

@@ -1,50 +1,48 @@
 """The end-to-end decode suite's CPU dry run (tiny configurations): every requested (model, prompt, variant) gets a
-row, the bytes each variant reads follow its layers, tinygemm is skipped with its reason off CUDA, a cut run says so,
-and the record loads. The INT4 kernel is replaced by its float64 reference here (the interpreter takes seconds per
-GEMV; the kernel has its own tests): the dry run checks the suite's plumbing."""
+row, the bytes each variant reads follow its layers, the compiled gated gears and the HF peer run (HF compiling its
+forward), a run cut by its budget or by SIGTERM still writes its record, marked incomplete with the rows it ran, and
+the record loads. Off CUDA the suite runs the INT4 kernel's float64 reference (the interpreter takes seconds per GEMV;
+the kernel has its own tests) and torch's CPU tinygemm: the dry run checks the suite's plumbing."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-import sdsie.kernels
-import sdsie.kernels.ops
-from reproductions.decode_e2e import DecodeCompiled, build_model, kernel_category, main
-from sdsie.kernels import int4_matmul_reference
+import reproductions.decode_e2e as e2e
+from reproductions.decode_e2e import Budget, DecodeCompiled, build_model, kernel_category, main
 from sdsie.telemetry.records import load_record
 
-
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    def reference(x, w, *args, **kwargs):
-        return int4_matmul_reference(x, w).to(x.dtype)
-
-    monkeypatch.setattr(sdsie.kernels, "int4_matmul", reference)
-    monkeypatch.setattr(sdsie.kernels.ops, "int4_matmul", reference)
+# every stage of the model's transformations, each compiled kind once (dynamo's eager backend: seconds on CPU)
+VARIANTS = ["bf16", "gated_full", "gated_int4", "gated_int4_compiled", "int4", "int4_compiled", "tinygemm",
+            "hf_tinygemm_compiled"]
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run")
 
 
-VARIANTS = ["bf16", "gated_full", "gated_int4", "int4", "int4_compiled", "tinygemm"]  # one compile: seconds on CPU
+def _argv(out: Path, *extra: str) -> list[str]:
+    return ["--device", "cpu", "--tiny", "--out", str(out), "--models", "llama3.1-8b", "--trials", "1",
+            "--new-tokens", "3", *extra]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run")
-def test_the_dry_run_measures_every_requested_variant_and_writes_a_record(tmp_path: Path, reference_kernel):
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--models", "llama3.1-8b", "--prompt-lens", "6",
-            "--trials", "1", "--new-tokens", "3", "--variants", *VARIANTS]
-    assert main(argv) == 0
+@CPU_ONLY
+def test_the_dry_run_measures_every_requested_variant_and_writes_a_record(tmp_path: Path):
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", *VARIANTS)) == 0
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())
-    assert doc["complete"] is True
+    assert doc["complete"] is True and doc["config"]["cut"] is None
+    assert doc["config"]["int4_kernel"] == "float64 reference"
     rows = {r["variant"]: r for r in doc["results"]}
     assert list(rows) == VARIANTS
-    assert rows["tinygemm"]["error"] == "skipped: needs CUDA"
-    measured = [v for v in VARIANTS if v != "tinygemm"]
-    assert all("error" not in rows[v] and rows[v]["new_tokens"] == 3 for v in measured), rows
-    read = {v: rows[v]["bytes_per_token"] for v in measured}
+    assert all("error" not in r and r["new_tokens"] == 3 for r in rows.values()), rows
+    assert rows["hf_tinygemm_compiled"]["hf_compiled"] is True  # HF compiled its forward, not an eager fallback
+    read = {v: rows[v]["bytes_per_token"] for v in VARIANTS if v != "hf_tinygemm_compiled"}
     assert read["bf16"] == read["gated_full"]  # the gated layers' INT4 halves stay unread at the bf16 gear
-    assert read["gated_int4"] == read["int4"] == read["int4_compiled"] < read["bf16"] / 2  # fused: the same bytes
+    assert read["gated_int4"] == read["gated_int4_compiled"] == read["int4"] == read["int4_compiled"] < read["bf16"] / 2
+    assert read["tinygemm"] < read["bf16"] / 2
     summary = {r["variant"]: r for r in doc["summary"]}
     assert summary["bf16"]["speedup_vs_baseline"] == 1.0 and summary["int4"]["speedup_vs_baseline"] > 0
     assert "speedup_vs_baseline" not in summary["int4_compiled"]  # its baseline, bf16_compiled, did not run
@@ -52,13 +50,66 @@ def test_the_dry_run_measures_every_requested_variant_and_writes_a_record(tmp_pa
     record = load_record(record_path)
     assert record.suite == "decode_e2e" and record.complete is True and record.conditions["trials"] == 1
     assert record.metrics["llama3.1-8b.p6.int4.decode_tok_s_median"] > 0
+    assert record.config["rows_run"] == [f"llama3.1-8b.p6.{v}" for v in VARIANTS]
 
 
-def test_a_run_out_of_time_is_marked_incomplete(tmp_path: Path):
-    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--max-seconds", "0", "--no-record"]
-    assert main(argv) == 2
+@CPU_ONLY
+def test_a_2048_token_prompt_decodes_eagerly_compiled_and_through_hf(tmp_path: Path):
+    variants = ["bf16", "bf16_compiled", "gated_full_compiled", "hf_tinygemm_compiled"]
+    assert main(_argv(tmp_path, "--prompt-lens", "2048", "--variants", *variants, "--no-record")) == 0
+    rows = json.loads((tmp_path / "decode_e2e.json").read_text())["results"]
+    assert [(r["prompt_len"], r["variant"]) for r in rows] == [(2048, v) for v in variants]
+    assert all("error" not in r and r["new_tokens"] == 3 for r in rows), rows
+
+
+def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
+    assert main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--max-seconds", "0"]) == 2
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())
-    assert doc["complete"] is False and doc["results"] == []
+    assert doc["complete"] is False and doc["results"] == [] and doc["config"]["cut"].startswith("--max-seconds 0")
+    (record_path,) = tmp_path.glob("*_decode_e2e.json")
+    record = load_record(record_path)
+    assert record.complete is False and record.config["rows_run"] == []
+
+
+@CPU_ONLY
+def test_a_run_stopped_by_sigterm_keeps_its_finished_rows_in_an_incomplete_record(tmp_path: Path, monkeypatch):
+    """SIGTERM (what `timeout` sends) arriving during the second row: the first row is in the JSON and the record,
+    both marked incomplete with the rows run and the reason, and the exit status says the run was cut."""
+    measure = e2e.measure
+    calls = []
+
+    def measure_then_stop(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "measure", measure_then_stop)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16", "gated_full", "int4")) == 2
+    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is the suite's only while it runs
+    doc = json.loads((tmp_path / "decode_e2e.json").read_text())
+    assert doc["complete"] is False and doc["config"]["cut"].startswith("SIGTERM")
+    assert [r["variant"] for r in doc["results"]] == ["bf16"]
+    (record_path,) = tmp_path.glob("*_decode_e2e.json")
+    record = load_record(record_path)
+    assert record.complete is False and record.config["rows_run"] == ["llama3.1-8b.p6.bf16"]
+    assert record.metrics["llama3.1-8b.p6.bf16.decode_tok_s_median"] > 0
+
+
+def test_the_budget_starts_a_row_only_if_its_estimate_ends_within_the_limit():
+    """Before a kind has run, its default estimate counts; after, its longest row so far."""
+    now = [0.0]
+    budget = Budget(100.0, {"compiled": 90.0}, clock=lambda: now[0])
+    now[0] = 5.0
+    assert budget.fits("compiled") and budget.fits("eager")  # 5 + 90 and 5 + 0 end within 100
+    now[0] = 20.0
+    assert not budget.fits("compiled") and budget.fits("eager")
+    budget.took("eager", 70.0)
+    assert budget.fits("eager")  # 20 + 70
+    now[0] = 31.0
+    assert not budget.fits("eager")
+    assert Budget(None).fits("compiled")
 
 
 def test_the_tiny_models_are_built_in_the_asked_dtype_and_compiled_wrappers_keep_the_engines_view():

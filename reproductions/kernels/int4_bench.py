@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
 from sdsie.telemetry.energy import calls_to_fill
+from sdsie.telemetry.timing import cuda_event_ms
 
 # Llama-3.1-8B linear shapes, N x K (out x in)
 LLAMA_SHAPES: dict[str, tuple[int, int]] = {
@@ -209,14 +210,7 @@ def graph_us(make_call: Callable[[int], Callable[[], object]], bytes_per_call: i
             c()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    times = [cuda_event_ms(graph.replay) * 1e3 / len(calls) for _ in range(reps)]  # one replay per pair of events
     return statistics.median(times)
 
 

@@ -238,12 +238,17 @@ STATIC_SDPA = "sdsie_static_sdpa"
 
 @contextmanager
 def _static_attention(model: nn.Module) -> Iterator[None]:
-    """HF's sdpa, but the causal mask always built on the device.
+    """HF's sdpa over the static cache, with three changes that leave every attention score as it was:
 
-    For a multi-token forward over a static cache, HF's sdpa mask asks on the host whether the mask can be
-    skipped (`q_offset == 0` on the cache's device-side counter): a device sync, which a CUDA graph capture
-    cannot contain. The mask it then builds is the same; only that question is dropped. Models on another
-    attention implementation are left as they are.
+    - The causal mask is always built on the device. For a multi-token forward over a static cache, HF's sdpa mask
+      asks on the host whether the mask can be skipped (`q_offset == 0` on the cache's device-side counter): a device
+      sync, which a CUDA graph capture cannot contain. The mask it then builds is the same.
+    - The mask is made additive (0 / -inf, the model's dtype) once per forward, not by sdpa in every layer: the same
+      values sdpa's own conversion of a boolean mask gives.
+    - A one-token forward of a grouped-query model packs its query heads onto their key/value heads
+      (`_static_sdpa_attention`), so attention reads the cache as it is instead of a copy of it per query head.
+
+    Models on another attention implementation are left as they are.
     """
     config = model.config
     if config._attn_implementation != "sdpa":
@@ -257,18 +262,56 @@ def _static_attention(model: nn.Module) -> Iterator[None]:
         config._attn_implementation = "sdpa"
 
 
+def _static_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """HF's sdpa mask without the host-side skip question, as an additive mask in the model's dtype: built once per
+    forward, where sdpa would convert a boolean one in every layer (a kernel per layer eagerly, and under inductor
+    one more input to lay out for every attention call)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    mask = sdpa_mask(*args, **kwargs)
+    dtype = kwargs.get("dtype")
+    if mask is None or mask.dtype != torch.bool or dtype is None or not dtype.is_floating_point:
+        return mask
+    # 0 where attended, -inf elsewhere: what scaled_dot_product_attention makes of a boolean mask itself
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), float("-inf"))
+
+
+def _static_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """HF's sdpa attention, but a one-token forward of a grouped-query model (query [B, H, 1, D], keys and values
+    [B, H_kv, S, D]) packs each group's query heads as the query rows of its key/value head ([B, H_kv, H / H_kv, D]):
+    every head attends over the same positions, so the scores are the same, and the cache is read as it is.
+
+    HF's sdpa repeats the keys and values to every query head whenever a mask is passed (the fused kernels take no
+    mask with grouped heads): under a static cache, a copy of the whole cache per layer and token, in every step.
+    transformers 5.25 packs the heads this way in its eager decode but not while torch.compile traces it (earlier
+    versions may not at all), so a compiled decode step copies the cache. Other forwards go to HF's sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, dim = query.shape
+    groups = heads // key.shape[1]
+    plain = (q_len != 1 or groups == 1 or key.shape[1] * groups != heads or kwargs.get("position_bias") is not None
+             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    packed = query.reshape(batch, heads // groups, groups, dim)
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4 and mask.shape[1] != 1:  # a per-head mask follows its heads
+        mask = mask.reshape(mask.shape[0], heads // groups, groups, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)  # [B, H_kv, H / H_kv, Dv]
+    return out.reshape(batch, 1, heads, value.shape[-1]), None  # HF's layout: [B, S, H, Dv]
+
+
 @functools.cache
 def _register_static_sdpa() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
 
-    def mask(*args: Any, **kwargs: Any) -> Any:
-        kwargs["allow_is_causal_skip"] = False
-        return sdpa_mask(*args, **kwargs)
-
-    AttentionInterface.register(STATIC_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(STATIC_SDPA, mask)
+    AttentionInterface.register(STATIC_SDPA, _static_sdpa_attention)
+    AttentionMaskInterface.register(STATIC_SDPA, _static_sdpa_mask)
 
 
 def new_cache(model: nn.Module) -> Any:

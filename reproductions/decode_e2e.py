@@ -26,10 +26,10 @@ token reads (every weight but the input embedding, plus the KV cache at the run'
 copy rate.
 
 Compilation: the decode step is compiled with static shapes (dynamic=False), so each prompt length gets its own graph
-(as gpt-fast's decode step), not a dynamic-shape recompilation after the first length. GatedLinear's call counters are
-left uncounted while dynamo traces (`count_gates_eagerly`): a Python int that changes at every call would otherwise
-recompile the step at every call. The HF peer compiles its own forward (inductor, HF's defaults) on CUDA; off CUDA it is
-told to compile with --compile-backend, and its row says whether HF did (`hf_compiled`).
+(as gpt-fast's decode step), not a dynamic-shape recompilation after the first length (GatedLinear leaves its call
+counters alone while dynamo traces, so a gated step compiles once). The HF peer compiles its own forward (inductor,
+HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and its row says whether HF did
+(`hf_compiled`).
 
 Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--prompt-lens ...] [--variants ...]
            [--max-seconds S]
@@ -168,23 +168,6 @@ def _tinygemm_pack_cpu(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes().to(torch.int32).contiguous(), 8)
     offsets = (8.0 - w.zeros.float()) * w.scales.float()
     return packed, torch.stack([w.scales.to(dtype), offsets.to(dtype)], dim=-1).contiguous()  # [G, N, 2]
-
-
-class _TracedGatedLinear(GatedLinear):
-    """A GatedLinear that skips its call counters while dynamo traces it: they are Python ints, and dynamo guards on
-    their value, so each call of a compiled step would compile it again (and a CUDA graph capture would compile
-    inside the capture). Eager calls count as before; graph replays never count."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self.quantized(x) if self.state.int4 else self.full(x)
-        return super().forward(x)
-
-
-def count_gates_eagerly(model: nn.Module) -> None:
-    for module in model.modules():
-        if type(module) is GatedLinear:
-            module.__class__ = _TracedGatedLinear
 
 
 class DecodeCompiled(nn.Module):
@@ -470,7 +453,6 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
         return
     torch._dynamo.reset()
     state = gate_model(model, LINEARS, QuantConfig(group_size=GROUP_SIZE))
-    count_gates_eagerly(model)
 
     def not_int4(n: str) -> bool:
         return ".quantized." in n

@@ -99,6 +99,11 @@ def test_a_compiled_gated_llama_follows_the_gear(kernel_device):
         before = kernel_calls()
         assert _same_logits(_logits(compiled), expected), gear
         assert kernel_calls() - before == (N_LINEARS if gear else 0)
+    # one graph per gear, compiled once: the layers' call counters are not traced (each call would recompile)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for gear in (False, True, False, True):
+            state.int4 = gear
+            _logits(compiled)
     torch._dynamo.reset()
 
 

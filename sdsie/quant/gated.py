@@ -49,6 +49,11 @@ class GatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        if torch.compiler.is_compiling():
+            # The counters are Python ints dynamo would guard on: counted while tracing, a compiled step would be
+            # compiled again at every call (and, past dynamo's limit, silently run eagerly). Compiled calls, like
+            # graph replays, go uncounted; the gear still acts (kernel_calls counts the INT4 launches).
+            return self.quantized(x) if self.state.int4 else self.full(x)
         if self.state.int4:
             self.state.int4_calls += 1
             return self.quantized(x)

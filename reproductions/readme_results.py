@@ -721,6 +721,21 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
     return rows
 
 
+def serve_rows(records: list[RunRecord]) -> list[str]:
+    """The server against direct generate(): the newest complete serve_overhead record measured on a GPU."""
+    rec = newest(records, "serve_overhead", lambda r: r.config.get("device") == "cuda" and r.complete)
+    if rec is None:
+        return []
+    m, target = rec.metrics, rec.config.get("target_ratio", 0.95)
+    ratio = m["serve.tok_s_ratio_median"]
+    energy = "with" if rec.config.get("server_energy") else "without"
+    return [f"| `sdsie serve` over direct `generate()` ({rec.conditions.get('hardware')}, stand-in pair, streamed, "
+            f"{rec.config.get('max_tokens')} tokens, both under CUDA graphs, server {energy} energy windows) | "
+            f"{ratio:.3f}x tok/s ({m['serve.tok_s_ratio_ci_low']:.3f}-{m['serve.tok_s_ratio_ci_high']:.3f}), time to "
+            f"first token {1e3 * m['serve.ttft_s_median']:.1f} ms; target {target:.2f}x "
+            f"{'met' if ratio >= target else 'not met'} | `{_rid(rec)}` |"]
+
+
 def claims_gate_row(records: list[RunRecord], registry_path: Path = Path("reproductions/claims.toml")) -> list[str]:
     """The headline's claims rows: the gate against our own references, and the quotable judgment against the seed."""
     from sdsie.claims import evaluate, load_registry, summary
@@ -784,6 +799,7 @@ def headline(records: list[RunRecord]) -> str:
             rows.append(f"| Clutch-gated chain (production clutch) over plain decoding on the highest-entropy family "
                         f"({high}) | {_cell(got)}: {bound} the 1% bound | `{_rid(gated)}` |")
     rows += e2e_rows(records)
+    rows += serve_rows(records)
     real = newest(records, "real_decode")
     if real is not None:
         m = real.metrics

@@ -92,3 +92,20 @@ def test_e2e_row_reads_int4_against_bf16_of_the_newest_compiled_record():
     rows = e2e_rows(load_records(TELEMETRY))
     assert rows and all("target 2.5x" in r for r in rows)
     assert any("qwen2.5-7b" in r and "2.04x tok/s" in r and "`681f4aec`" in r for r in rows)
+
+
+def test_serve_row_reads_the_newest_complete_gpu_record_and_judges_the_target():
+    import dataclasses
+
+    from reproductions.readme_results import serve_rows
+    from sdsie.telemetry.records import load_records
+
+    records = load_records(TELEMETRY)
+    (row,) = serve_rows(records)
+    assert "`a47eb366`" in row and "0.898x tok/s" in row and "target 0.95x not met" in row and "without energy" in row
+    newest = next(r for r in records if r.source.name.startswith("20261203T203028517271Z-a47eb366"))
+    cut = dataclasses.replace(newest, complete=False)  # a cut run does not replace a complete one
+    others = [r for r in records if r is not newest]
+    (row,) = serve_rows([*others, cut])
+    assert "`733a6743`" in row and "with energy" in row
+    assert serve_rows([r for r in records if r.suite != "serve_overhead"]) == []

@@ -1,0 +1,145 @@
+"""Is the server's engine slower than a direct generate() without a GPU in the loop? A synthetic engine on the real
+server stack (the process and thread arrangement, the streaming) separates that from CUDA.
+
+The H200 serve runs (docs/serving.md) put the server's engine at 0.92-0.94 of a direct generate() with everything
+but the streaming the same. Here `generate` is replaced by a loop that, per token, holds the interpreter lock for
+--hold-us of Python (the host's share of a graphed step: clutch, launch, bookkeeping) and then waits --step-ms with
+the lock released (the GPU's share), calling on_tokens as the engine does. Direct: that loop alone in this process.
+Server: `sdsie serve`'s app (uvicorn, one engine thread) in this process, streamed requests from a client in a child
+process (so the client does not take this process's lock); the engine's own time comes from usage.sdsie.seconds.
+
+    python -m research.serve_contention [--hold-us 100 --step-ms 1.7 --tokens 128 --requests 12 --repeats 3]
+
+Answer so far (docs/log.md, 2026-12-03): on a shared 2-core CPU the synthetic engine ran at 0.88-0.95 of direct in the
+server, the H200's 0.92-0.94 with no GPU involved; sending the text 8 times less often did not move it beyond that
+machine's spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+CLIENT = r"""
+import json, sys, time, httpx
+url, n, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out = []
+with httpx.Client(timeout=120) as c:
+    for i in range(n):
+        body = {"model": "standin", "prompt": "hello", "max_tokens": tokens, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        t0, first, usage, chunks = time.perf_counter(), None, None, 0
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                if d.get("usage"):
+                    usage = d["usage"]
+                elif d["choices"] and d["choices"][0].get("text"):
+                    chunks += 1
+                    first = first or time.perf_counter()
+        out.append({"wall_s": time.perf_counter() - t0, "ttft_s": first - t0, "chunks": chunks,
+                    "engine_s": usage["sdsie"]["seconds"], "tokens": usage["completion_tokens"]})
+print(json.dumps(out))
+"""
+
+
+def fake_generate(hold_us: float, step_s: float, vocab: int):
+    """A stand-in for sdsie.decoding.generate with the host/device split of a graphed decode step."""
+    from sdsie.decoding.engine import CycleRecord, DecodeStats, GenerationResult
+
+    def generate(model, prompt_ids, config, scout=None, clutch=None, gear=None, on_tokens=None):
+        tokens: list[int] = []
+        stop = "max_new_tokens"
+        for i in range(config.max_new_tokens):
+            t_end = time.perf_counter() + hold_us * 1e-6
+            while time.perf_counter() < t_end:  # Python holding the lock, as the host's launch work does
+                pass
+            time.sleep(step_s)  # the device's share: the lock is released, as in a CUDA synchronize
+            tok = 3 + (7 * i) % (vocab - 3)
+            tokens.append(tok)
+            if on_tokens is not None and on_tokens([tok]):
+                stop = "stopped"
+                break
+        n = len(tokens)
+        stats = DecodeStats(new_tokens=n, cycles=n, target_forwards=n + 1)
+        cycles = [CycleRecord(None, 0, 0, 1, 0.0, None, None, 0.0)] * n
+        return GenerationResult(tokens, stop, stats, cycles)
+
+    return generate
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hold-us", type=float, default=100.0, help="Python per token holding the lock")
+    p.add_argument("--step-ms", type=float, default=1.7, help="wait per token with the lock released")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3, help="server runs, each between direct runs")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+
+    import uvicorn
+
+    from sdsie.decoding import DecodeConfig
+    from sdsie.serve import worker
+    from sdsie.serve.app import create_app
+    from sdsie.serve.config import ServeConfig
+    from sdsie.standin import COMMITTED_CPU_DIR, load_standin_pair
+
+    target, _, tokenizer = load_standin_pair(COMMITTED_CPU_DIR)
+    gen = fake_generate(a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)
+    worker.generate = gen
+
+    def direct() -> float:
+        t0 = time.perf_counter()
+        gen(target, [1], DecodeConfig(max_new_tokens=a.tokens))
+        return a.tokens / (time.perf_counter() - t0)
+
+    results: dict = {"hold_us": a.hold_us, "step_ms": a.step_ms, "tokens": a.tokens, "requests": a.requests,
+                     "runs": []}
+    for repeat in range(a.repeats):
+        config = ServeConfig(target="standin", model_name="standin", energy=False, context=100_000,
+                             max_tokens=max(a.tokens, 512))
+        engine = worker.Engine(target, tokenizer, config)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        try:
+            direct_before = [direct() for _ in range(a.requests // 2)]
+            client = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(a.requests),
+                                     str(a.tokens)], capture_output=True, text=True, check=True)
+            direct_after = [direct() for _ in range(a.requests - a.requests // 2)]
+        finally:
+            server.should_exit = True
+            thread.join(10)
+        runs = json.loads(client.stdout)
+        d = statistics.median(direct_before + direct_after)
+        engine_tok_s = statistics.median(r["tokens"] / r["engine_s"] for r in runs)
+        server_tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+        row = {"repeat": repeat, "direct_tok_s": d, "server_engine_tok_s": engine_tok_s,
+               "server_tok_s": server_tok_s, "engine_over_direct": engine_tok_s / d, "server_over_direct":
+               server_tok_s / d, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+               "chunks_per_request": statistics.median(r["chunks"] for r in runs)}
+        results["runs"].append(row)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if a.out is not None:
+        a.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Is the server's engine slower than a direct generate() without a GPU in the loop? A synthetic engine on the real
 server stack (the process and thread arrangement, the streaming) separates that from CUDA.
 
-The H200 serve runs (docs/serving.md) put the server's engine at 0.92-0.94 of a direct generate() with everything
+The H200 serve runs (docs/serving.md) put the server's engine at 0.91-0.94 of a direct generate() with everything
 but the streaming the same. Here `generate` is replaced by a loop that, per token, holds the interpreter lock for
 --hold-us of Python (the host's share of a graphed step: clutch, launch, bookkeeping) and then waits --step-ms with
 the lock released (the GPU's share), calling on_tokens as the engine does. Direct: that loop alone in this process.
@@ -11,7 +11,7 @@ process (so the client does not take this process's lock); the engine's own time
     python -m research.serve_contention [--hold-us 100 --step-ms 1.7 --tokens 128 --requests 12 --repeats 3]
 
 Answer so far (docs/log.md, 2026-12-03): on a shared 2-core CPU the synthetic engine ran at 0.88-0.95 of direct in the
-server, the H200's 0.92-0.94 with no GPU involved; sending the text 8 times less often did not move it beyond that
+server, the H200's 0.91-0.94 with no GPU involved; sending the text 8 times less often did not move it beyond that
 machine's spread.
 """
 

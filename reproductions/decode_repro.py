@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from reproductions.args import non_negative_float, positive_int
 from sdsie.claims import load_registry, missing_inputs
 from sdsie.clutch import PRODUCTION, SEED_CLUTCHES, TUNED, ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, near_tie_report
@@ -1005,20 +1006,6 @@ def gpu_decode_record(out: str = "telemetry") -> RunRecord:
     return rec
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
 def _tree_widths(text: str) -> tuple[int, ...]:
     try:
         return check_widths(tuple(int(w) for w in text.split(",")))
@@ -1028,20 +1015,20 @@ def _tree_widths(text: str) -> tuple[int, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=_positive_int, default=5)
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--trials", type=positive_int, default=5)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--out", type=Path, default=Path("telemetry"))
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["grid", "fidelity", "gear", "near_ties", "entropy_sync"])
     p.add_argument("--preset", default="gpu", help="stand-in preset; 'cpu' with --device cpu is a dry run")
     p.add_argument("--device", default="cuda")
     p.add_argument("--one-per-family", action="store_true", help="first prompt of each family only")
-    p.add_argument("--grid-trials", type=_positive_int, default=3, help="trials per grid cell (the seed's N=3)")
-    p.add_argument("--grid-tokens", type=_positive_int, default=None,
+    p.add_argument("--grid-trials", type=positive_int, default=3, help="trials per grid cell (the seed's N=3)")
+    p.add_argument("--grid-tokens", type=positive_int, default=None,
                    help="tokens per grid run (default: --max-new-tokens, at most 96)")
     p.add_argument("--grid-graphs", action="store_true",
                    help="run the threshold grid's loops on a static cache with replayed CUDA graphs")
-    p.add_argument("--fidelity-tokens", type=_positive_int, default=SEED_FIDELITY_TOKENS,
+    p.add_argument("--fidelity-tokens", type=positive_int, default=SEED_FIDELITY_TOKENS,
                    help="tokens per fidelity run")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="add plain_graphs, fixed-K (K = 5 and SHORTER_K), the two gated loops, the tuned one with an "
@@ -1052,7 +1039,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode only these variants (with their baselines: plain, and plain_graphs for graphed "
                         "loops), e.g. a quick K sweep: plain plain_graphs fixed_k2_graphs fixed_k3_graphs "
                         "fixed_k5_graphs")
-    p.add_argument("--gear-trials", type=_positive_int, default=None,
+    p.add_argument("--gear-trials", type=positive_int, default=None,
                    help="trials of the gear suite (default: --trials)")
     p.add_argument("--tree-widths", type=_tree_widths, default=DEFAULT_TREE_WIDTHS, metavar="W1,W2,...",
                    help=f"the {TREE} variant's static tree: the scout's top-w tokens per node at each depth "
@@ -1060,7 +1047,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wide-tree-widths", type=_tree_widths, default=DEFAULT_WIDE_TREE_WIDTHS, metavar="W1,W2,...",
                    help=f"the {TREE_WIDE} variant's static tree, a second tree beside {TREE} "
                         f"(default {','.join(map(str, DEFAULT_WIDE_TREE_WIDTHS))})")
-    p.add_argument("--energy-window-s", type=_non_negative_float, default=ENERGY_WINDOW_S,
+    p.add_argument("--energy-window-s", type=non_negative_float, default=ENERGY_WINDOW_S,
                    help="after the trials, the graphed loops' J/token over windows of back-to-back runs this long "
                         "(0: none)")
     return p

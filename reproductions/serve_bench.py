@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from reproductions.args import positive_float, positive_int
 from sdsie.clutch import EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import sync_device
@@ -437,20 +438,6 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
 # Command line
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpu", help="stand-in preset (cpu: the committed pair, for a dry run)")
@@ -459,11 +446,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
     p.add_argument("--cuda-graphs", action="store_true", help="on both sides")
     p.add_argument("--clutch", default="production", help="production, tuned, off or LOW,HIGH[,ALPHA]")
-    p.add_argument("--max-tokens", type=_positive, default=128, help="tokens per request (eos ignored)")
-    p.add_argument("--trials", type=_positive, default=5)
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (eos ignored)")
+    p.add_argument("--trials", type=positive_int, default=5)
     p.add_argument("--one-per-family", action="store_true", help="the first prompt of each family only")
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads, here and in the server")
-    p.add_argument("--max-seconds", type=_seconds, default=None,
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads, here and in the server")
+    p.add_argument("--max-seconds", type=positive_float, default=None,
                    help="wall-clock budget of the whole run, pair build included; cut runs write an incomplete record")
     p.add_argument("--no-energy", action="store_true", help="the server does not measure energy with NVML")
     p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")

@@ -249,3 +249,12 @@ def test_dry_run_writes_one_record_with_identical_tokens_without_openai(tmp_path
         assert metrics[f"serve.{key}"] > 0
     assert "serve.server_j_per_token_median" not in metrics  # no NVML here: no energy figure, never 0
     assert config["graphs"] == {"direct": False, "server": False}
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [("--max-seconds", "0", "must be a number > 0, got 0"),
+                                                         ("--max-seconds", "nan", "must be a number > 0, got nan"),
+                                                         ("--trials", "0", "must be an integer >= 1, got 0")])
+def test_bad_budgets_and_counts_are_refused_naming_the_rule(flag, value, message, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--preset", "cpu", flag, value])
+    assert message in capsys.readouterr().err

@@ -62,7 +62,11 @@ def test_a_compiled_decode_step_attends_over_the_cache_without_copying_it(device
     eager_choice = torch._fused_sdp_choice(packed, keys, keys, torch.zeros(1, 1, 1, CACHE, device=device, dtype=dtype))
     sdpa = [n.target for n in calls if "scaled_dot_product" in str(n.target)]
     assert sdpa == [FUSED_SDPA[device, eager_choice]] * LAYERS, (sdpa, eager_choice)
-    assert not [n for n in calls if n.target in (aten._softmax.default, aten.bmm.default)]
+    # No softmax, and no batched matmul over the cache's positions (the rotary table's outer product is a bmm on
+    # CUDA, where inductor does not decompose it; it does not touch the cache).
+    over_positions = [n for n in calls if n.target == aten.bmm.default
+                      and any(CACHE in a.meta["val"].shape for a in n.args if isinstance(a, torch.fx.Node))]
+    assert not [n for n in calls if n.target == aten._softmax.default] and not over_positions, over_positions
     layer_keys = kv_heads * CACHE * dim
     over_cache = {n.name: tuple(n.meta["val"].shape) for n in calls
                   if isinstance(n.meta.get("val"), torch.Tensor) and CACHE in n.meta["val"].shape}

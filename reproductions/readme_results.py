@@ -703,14 +703,19 @@ def _families(rec: RunRecord, cell: Callable[[str], str | None]) -> str:
 
 
 def e2e_rows(records: list[RunRecord]) -> list[str]:
-    """INT4 end to end: per model of the newest decode_e2e record that compiled both, INT4 against bf16 with the same
-    engine, compilation and graphs, in tok/s and J/token."""
-    rec = newest(records, "decode_e2e", lambda r: any(k.endswith(".int4_compiled.speedup_vs_baseline")
-                                                       for k in r.metrics))
-    if rec is None:
-        return []
-    mt, rows = rec.metrics, []
-    for key in sorted(k for k in mt if k.endswith(".int4_compiled.speedup_vs_baseline")):
+    """INT4 end to end: per model and prompt length, from the newest decode_e2e record that compiled both (runs split
+    by model or prompt each keep their rows), INT4 against bf16 with the same engine, compilation and graphs, in
+    tok/s and J/token."""
+    suffix = ".int4_compiled.speedup_vs_baseline"
+    newest_of: dict[str, RunRecord] = {}
+    for rec in sorted((r for r in records if r.suite == "decode_e2e"), key=lambda r: r.created):
+        for key in rec.metrics:
+            if key.endswith(suffix):
+                newest_of[key] = rec
+    rows = []
+    for key in sorted(newest_of):
+        rec = newest_of[key]
+        mt = rec.metrics
         base = key.removesuffix(".speedup_vs_baseline")  # model names hold dots: qwen2.5-7b.p32.int4_compiled
         model, prompt = base.removesuffix(".int4_compiled").rsplit(".", 1)
         rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt[1:]}, 128 new tokens): "

@@ -85,13 +85,18 @@ def test_claims_rows_keep_the_two_judgments_apart():
     assert "reproduced" not in gate + seed  # a match with our own record is never called a reproduction
 
 
-def test_e2e_row_reads_int4_against_bf16_of_the_newest_compiled_record():
+def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     from reproductions.readme_results import e2e_rows
     from sdsie.telemetry.records import load_records
 
-    rows = e2e_rows(load_records(TELEMETRY))
-    assert rows and all("target 2.5x" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "2.04x tok/s" in r and "`681f4aec`" in r for r in rows)
+    records = load_records(TELEMETRY)
+    rows = e2e_rows(records)
+    assert len(rows) == 3 and all("target 2.5x not met" in r for r in rows)
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "`83ded201`" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`de0f90d6`" in r for r in rows)
+    assert any("llama3.1-8b" in r and "prompt 2048," in r and "`b97aac82`" in r for r in rows)
+    older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in ("83ded201", "de0f90d6", "b97aac82")]
+    assert any("qwen2.5-7b" in r and "2.04x tok/s" in r and "`681f4aec`" in r for r in e2e_rows(older))
 
 
 def test_serve_row_reads_the_newest_complete_gpu_record_and_judges_the_target():

@@ -153,3 +153,24 @@ def test_shape_bench_can_time_the_rule_alone_and_names_its_output_apart():
     assert auto_config(Case(shape, 16, "128"), "cpu")[1] == "rule"  # no table off a GPU
     assert output_name(False, [1, 16], (1, 1), "rule") == "shape_bench.rule.m1-16.json"
     assert output_name(False, [1, 16], (1, 1)) == "shape_bench.m1-16.json"
+
+
+def test_prefill_bench_dry_run_times_every_path_and_checks_the_int4_ones(tmp_path):
+    """The CPU dry run (interpreter, one tiny shape) times bf16, the fused kernel, unpack + matmul and the unpack
+    alone at M below and at DEQUANT_MIN_M, and each INT4 path's output agrees with bf16 over the same weights."""
+    import json
+    import os
+
+    from reproductions.kernels.prefill_bench import main
+    from sdsie.kernels.int4_gemm import DEQUANT_MIN_M
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the dry run needs the Triton interpreter (TRITON_INTERPRET=1, set on CPU-only machines)")
+    out = tmp_path / "prefill.json"
+    assert main(["--out", str(out), "--device", "cpu", "--tiny", "--m", "17", str(DEQUANT_MIN_M)]) == 0
+    data = json.loads(out.read_text())
+    assert data["dequant_min_m"] == DEQUANT_MIN_M and [r["m"] for r in data["rows"]] == [17, DEQUANT_MIN_M]
+    for row in data["rows"]:
+        assert set(row["us"]) == {"bf16", "fused", "unpack_mm", "unpack_only"}
+        assert all(v["median"] > 0 for v in row["us"].values())
+        assert set(row["rel_err"]) == {"fused", "unpack_mm"} and max(row["rel_err"].values()) < 2e-2

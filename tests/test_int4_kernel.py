@@ -29,8 +29,25 @@ from hypothesis import strategies as st
 
 from reproductions.kernels.int4_bench import WIDE_PROGRAMS
 from sdsie.int4_format import Int4Weight, pack_int4
-from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, kernel_calls
-from sdsie.kernels.int4_gemm import CODE_HI, CODE_LO, CODE_MAGIC, _code_pair_f32, _plans_of, tuned_key, tuned_lookup
+from sdsie.kernels import (
+    Int4KernelConfig,
+    candidate_configs,
+    int4_gemm,
+    int4_matmul,
+    int4_matmul_reference,
+    kernel_calls,
+)
+from sdsie.kernels.int4_gemm import (
+    CODE_HI,
+    CODE_LO,
+    CODE_MAGIC,
+    DEQUANT_MIN_M,
+    _code_pair_f32,
+    _plans_of,
+    int4_dequantize,
+    tuned_key,
+    tuned_lookup,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -69,13 +86,15 @@ def tolerance(x: torch.Tensor, w: Int4Weight, ref: torch.Tensor, dtype: torch.dt
     return EPS[dtype] * ref.abs() + TINY[dtype] + 2.0**-20 * math.sqrt(k) * mag
 
 
-def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, w: Int4Weight) -> None:
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, w: Int4Weight, unpacked: bool = False) -> None:
+    """y within `tolerance` of the reference; `unpacked`: within `dequant_tolerance` (the M > 16 path rounds each
+    weight to x's dtype before the matmul)."""
     ref = int4_matmul_reference(x, w)
     assert y.dtype == x.dtype, f"output dtype {y.dtype} != activation dtype {x.dtype}"
     assert y.shape == ref.shape
     assert torch.isfinite(y).all(), "non-finite output for finite inputs"
     err = (y.double() - ref).abs()
-    tol = tolerance(x, w, ref, x.dtype)
+    tol = dequant_tolerance(x, w, ref) if unpacked else tolerance(x, w, ref, x.dtype)
     worst = (err - tol).max().item() if err.numel() else -1.0
     assert worst <= 0, f"max err {err.max().item():.3e} exceeds tolerance (worst excess {worst:.3e})"
 
@@ -95,7 +114,7 @@ def test_kernel_matches_reference(kernel_device, m, n, k, group, symmetric, dtyp
     out = torch.full((m, n), float("nan"), dtype=dtype, device=kernel_device)
     y = int4_matmul(x, w, out=out)
     assert y.data_ptr() == out.data_ptr()
-    assert_close_to_reference(y, x, w)
+    assert_close_to_reference(y, x, w, unpacked=m >= DEQUANT_MIN_M)
 
 
 GATHER = Int4KernelConfig(1, 64, 256, split_k=2, num_warps=2, x_tile=False)  # the sweep's x-gather variant
@@ -784,3 +803,56 @@ def test_sdsie_tuned_configs_points_the_selector_at_another_table(tmp_path, monk
         assert int4_gemm.tuned_path() == int4_gemm.SHIPPED_TUNED_PATH
     finally:
         int4_gemm._tuned_table.cache_clear()  # the next caller reads the shipped table again
+
+
+def dequant_tolerance(x: torch.Tensor, w: Int4Weight, ref: torch.Tensor) -> torch.Tensor:
+    """The prompt path's bound: each weight rounded once to x's dtype (one ulp: the interpreter's cast truncates),
+    then the matmul's own rounding, as `tolerance` states it."""
+    wd = w.dequantize(torch.float64).to(x.device)
+    return 2 * EPS[x.dtype] * (x.double().abs() @ wd.abs().T) + tolerance(x, w, ref, x.dtype)
+
+
+@given(m=st.sampled_from([DEQUANT_MIN_M, DEQUANT_MIN_M + 1, 64, 100]), n=DIM_SIZES, k=K_SIZES, group=GROUPS,
+       symmetric=st.booleans(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+@example(m=DEQUANT_MIN_M, n=33, k=255, group=32, symmetric=False, dtype=torch.bfloat16, seed=0)  # odd K: a pad column
+def test_prompt_rows_unpack_the_weight_and_match_the_reference(kernel_device, m, n, k, group, symmetric, dtype, seed):
+    """M >= DEQUANT_MIN_M unpacks the weight (one launch counted) and multiplies through torch."""
+    gen = torch.Generator().manual_seed(seed)
+    w = make_weight(n, k, group, symmetric, 1.0 / math.sqrt(k), kernel_device, gen, scale_dtype=dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(kernel_device)
+    calls = kernel_calls()
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=kernel_device)
+    y = int4_matmul(x, w, out=out)
+    assert kernel_calls() == calls + 1 and y.data_ptr() == out.data_ptr()
+    ref = int4_matmul_reference(x, w)
+    assert torch.isfinite(y).all()
+    excess = ((y.double() - ref).abs() - dequant_tolerance(x, w, ref)).max().item()
+    assert excess <= 0, f"worst excess over the tolerance {excess:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "group", "symmetric"), [(64, 32, True), (255, None, False), (256, 128, False)])
+def test_dequantize_gives_each_weight_rounded_once(kernel_device, dtype, k, group, symmetric):
+    """int4_dequantize equals (code - zero) * scale within one ulp of the dtype, for every row slice."""
+    gen = torch.Generator().manual_seed(k)
+    w = make_weight(37, k, group, symmetric, 0.3, kernel_device, gen, scale_dtype=dtype)
+    ref = w.dequantize(torch.float64)
+    for rows in (slice(None), slice(5, 30), slice(36, 37), slice(10, 10)):
+        got = int4_dequantize(w, dtype, rows)
+        assert got.shape == ref[rows].shape and got.dtype == dtype
+        assert ((got.double() - ref[rows]).abs() <= 2 * EPS[dtype] * ref[rows].abs() + TINY[dtype]).all()
+    with pytest.raises(ValueError, match="contiguous slice"):
+        int4_dequantize(w, dtype, slice(0, 10, 2))
+    with pytest.raises(ValueError, match="dtype"):
+        int4_dequantize(w, torch.int8)
+
+
+def test_prompt_rows_unpack_a_large_weight_in_slices(kernel_device, monkeypatch):
+    """A weight over DEQUANT_CHUNK weights is unpacked a slice of rows at a time; every output column is written."""
+    monkeypatch.setattr(int4_gemm, "DEQUANT_CHUNK", 300 * 64)  # slices of 256 rows at K = 64: N = 600 takes 3
+    gen = torch.Generator().manual_seed(3)
+    w = make_weight(600, 64, 32, False, 0.1, kernel_device, gen)
+    x = torch.randn(DEQUANT_MIN_M, 64, generator=gen).to(kernel_device)
+    y = int4_matmul(x, w, out=torch.full((DEQUANT_MIN_M, 600), float("nan"), device=kernel_device))
+    ref = int4_matmul_reference(x, w)
+    assert ((y.double() - ref).abs() <= dequant_tolerance(x, w, ref)).all()

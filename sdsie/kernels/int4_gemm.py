@@ -19,6 +19,10 @@ Three kernels, one launcher (`int4_matmul`):
   two dots, dequantized in the wgmma's registers by inline PTX on a GPU and by the same bit operations in Triton
   ops under the interpreter. (A kernel whose codes went through shared memory ran slower: docs/kernel-log.md.)
 
+* `_int4_dequant_kernel` (M >= DEQUANT_MIN_M, i.e. M > 16: prompts): unpacks the weight to x's dtype for one
+  cuBLAS matmul. At that many rows the matmul leans on arithmetic, where cuBLAS's tensor-core GEMM leads, and the
+  unpack costs 2.5 bytes a weight once per call.
+
 `int4_matmul` keeps a launch plan per (weight object, M, x layout, config) and, after the first
 call, hands arguments straight to Triton's compiled kernel (host time before a launch is latency
 at batch 1).
@@ -46,8 +50,8 @@ import triton.language as tl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
 
-__all__ = ["Int4KernelConfig", "int4_matmul", "select_config", "select_config_with_source", "rule_config",
-           "candidate_configs", "kernel_calls"]
+__all__ = ["Int4KernelConfig", "int4_matmul", "int4_dequantize", "select_config", "select_config_with_source",
+           "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -567,6 +571,38 @@ def _int4_gemm_kernel(
                      pid_m, pid_n, pid_k, tl.num_programs(0), SPLIT_K)
 
 
+@triton.jit
+def _int4_dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, w_ptr,
+    N, KB, stride_qn, stride_sg, stride_wn,
+    GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    """W[n, k] = (code - zero) * scale, computed in fp32, into w [N, 2 * KB] of w's dtype (a pad column past an odd
+    K). grid: (cdiv(N, BLOCK_N), cdiv(KB, BLOCK_KB)); a tile's 2 * BLOCK_KB codes lie in one group."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_b = pid_b * BLOCK_KB + tl.arange(0, BLOCK_KB)  # [BKB] byte columns
+    n_mask = offs_n < N
+    b = _load_bytes(qw_ptr, offs_n, offs_b, N, KB, stride_qn, False).to(tl.int32)  # [BN, BKB]
+    if PER_CHANNEL:
+        g = 0
+    else:
+        g = (pid_b * 2 * BLOCK_KB) // GROUP
+    s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    else:
+        z = 8.0  # SYMMETRIC_ZERO
+    lo = ((b & 0xF).to(tl.float32) - z) * s
+    hi = ((b >> 4).to(tl.float32) - z) * s
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * BLOCK_KB))  # codes 2j, 2j + 1 side by side, as in the bytes
+    offs_k = pid_b * 2 * BLOCK_KB + tl.arange(0, 2 * BLOCK_KB)
+    mask = n_mask[:, None] & (offs_k[None, :] < 2 * KB)
+    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
 def _byte_planes_ptx(magic: int) -> str:
     """Two bytes (one 16-bit operand) -> their low and high nibbles ORed into the mantissa of `magic`'s two halves."""
     # PRMT spreads the two bytes into the halves of a register; one LOP3 per pair ORs each half's low nibble into
@@ -765,8 +801,14 @@ class Int4KernelConfig:
         return self.block_m in GEMV_ROWS
 
 
-# M > 16 runs the bytes tl.dot kernel with this tile; M <= 16 a configuration the rule (`rule_config`) or the tuned
-# table picks.
+# M >= DEQUANT_MIN_M (a prompt's rows) unpacks the weight and runs one cuBLAS matmul (`_dequant_matmul`): on the H200
+# at M = 17-2048 it beats the bytes tl.dot kernel below 1.7-27x on the 7-8B shapes (telemetry/raw/
+# prefill_paths_h200.json, docs/kernel-log.md). That kernel, with this tile, runs only when a call names it; M <= 16
+# takes a configuration the rule (`rule_config`) or the tuned table picks.
+DEQUANT_MIN_M = 17
+# Weights unpacked at a time (512 MiB in bf16: every 7-8B decoder linear in one piece); a larger weight (an LM head)
+# goes in slices of a multiple of 256 rows, so each slice's matmul keeps cuBLAS's aligned kernels (an odd N does not).
+DEQUANT_CHUNK = 1 << 28
 _LARGE_M_CONFIG = Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4)
 
 
@@ -1154,12 +1196,50 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
         plan.compiled = result
 
 
+def int4_dequantize(w: Int4Weight, dtype: torch.dtype, rows: slice = slice(None)) -> torch.Tensor:
+    """The weight's rows `rows` (step 1) unpacked to `dtype`: [n, K], computed on the weight's device by
+    `_int4_dequant_kernel` (the fp32 (code - zero) * scale, rounded once to `dtype`)."""
+    if dtype not in _ACT_DTYPES:
+        raise ValueError(f"int4_dequantize: dtype must be fp16, bf16 or fp32, got {dtype}")
+    r0, r1, step = rows.indices(w.out_features)
+    if step != 1:
+        raise ValueError(f"int4_dequantize: rows must be a contiguous slice, got step {step}")
+    n, k, kb = max(r1 - r0, 0), w.in_features, w.qweight.shape[1]
+    out = torch.empty((n, 2 * kb), dtype=dtype, device=w.qweight.device)  # a pad column past an odd K
+    if n == 0 or k == 0:
+        return out[:, :k]
+    per_channel = w.group_size >= k
+    block_kb = 64 if per_channel else min(64, w.group_size // 2)  # a tile's codes within one group
+    block_n = 32
+    scales = w.scales[:, r0:r1]
+    zeros = scales if w.zeros is None else w.zeros[:, r0:r1]
+    grid = (triton.cdiv(n, block_n), triton.cdiv(kb, block_kb))
+    _int4_dequant_kernel[grid](w.qweight[r0:r1], scales, zeros, out, n, kb, w.qweight.stride(0), scales.stride(0),
+                               out.stride(0), GROUP=1 if per_channel else w.group_size, PER_CHANNEL=per_channel,
+                               HAS_ZEROS=w.zeros is not None, BLOCK_N=block_n, BLOCK_KB=block_kb)
+    return out[:, :k]
+
+
+def _dequant_matmul(x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
+    """y [M, N] = x2 [M, K] @ dequant(W).T through cuBLAS, unpacking at most DEQUANT_CHUNK weights at a time."""
+    n, k = w.out_features, w.in_features
+    rows = max(256, DEQUANT_CHUNK // max(k, 1) // 256 * 256)
+    if rows >= n:
+        torch.mm(x2, int4_dequantize(w, x2.dtype).T, out=y)
+        return
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        y[:, r0:r1] = x2 @ int4_dequantize(w, x2.dtype, slice(r0, r1)).T
+
+
 def int4_matmul(
     x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for x [..., K]; returns [..., N] in x's dtype (fp32 accumulation).
 
-    `config` overrides the automatic choice (tests use it to cover every candidate).
+    `config` overrides the automatic choice (tests use it to cover every candidate). Without one, M >= DEQUANT_MIN_M
+    unpacks the weight to x's dtype (at most DEQUANT_CHUNK weights at a time, a temporary of that size) and runs
+    one cuBLAS matmul.
     `out`, if given, is a contiguous [M, N] (M = prod of leading dims) tensor of x's dtype to write.
     Empty inputs (any leading dim 0) return an empty [..., N] without launching.
     Launches on one weight are meant for one stream at a time (split K reuses a semaphore buffer).
@@ -1180,6 +1260,10 @@ def int4_matmul(
     # Everything Triton specializes on: M (value), x's dtype, strides and 16-byte alignment, the config (None:
     # the one select_config picks, fixed for M on this weight); the weight's tensors, N, K and the group are
     # fixed for the object the plans live on.
+    if config is None and m >= DEQUANT_MIN_M:
+        _dequant_matmul(x2, w, y)
+        _CALLS["n"] += 1
+        return y if flat else y.reshape(*x.shape[:-1], n)
     key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config)
     plans = _plans_of(w)
     plan = plans.get(key)

@@ -235,7 +235,12 @@ def copy_rate_gbs(device: torch.device) -> float | None:
 
 
 def kernel_category(name: str) -> str:
+    """GEMV/GEMM, attention or other. Inductor's generated kernels (triton_poi_/triton_red_/triton_per_ fused ...) are
+    named after every op they fuse, the GEMMs and attention whose inputs or outputs they touch included, but compute
+    elementwise ops and reductions only: other."""
     low = name.lower()
+    if low.startswith(("triton_poi_", "triton_red_", "triton_per_")):
+        return "other"
     if any(s in low for s in ("flash", "fmha", "attention", "attn", "sdpa")):
         return "attention"
     if any(s in low for s in ("int4", "gemv", "gemm", "xmma", "cutlass", "nvjet", "tinygemm", "matmul", "splitk",

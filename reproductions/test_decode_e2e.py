@@ -124,6 +124,9 @@ def test_the_tiny_models_are_built_in_the_asked_dtype_and_compiled_wrappers_keep
     ("_int4_gemv_kernel", "gemv_gemm"), ("void tinygemm_m16n8k16_chunk_kernel<...>", "gemv_gemm"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemv_gemm"), ("pytorch_flash::flash_fwd_splitkv_kernel", "attention"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "other"),
+    ("triton_red_fused__to_copy_add_int4_mm_mean_mul_pow_rsqrt_14", "other"),  # RMSNorm after an INT4 GEMV
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_add_arange_bmm_cat_cos_6", "other"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128", "attention"),
 ])
 def test_kernels_are_sorted_into_the_three_categories(name: str, category: str):
     assert kernel_category(name) == category

@@ -5,7 +5,7 @@ GPU, and runs one job at a time through `Engine.run`, so its decode loop has an 
 process (event loop, HTTP, streaming) never loads the weights. One Pipe joins them:
 
     parent -> child   ("job", id, GenerationRequest, cancelled)   ("cancel", id)   ("stop",)
-    child -> parent   ("ready", Limits, energy) or ("error", text)  ("event", Delta | Done | Failed)
+    child -> parent   ("ready", Limits, energy) or ("error", "Type: message")  ("event", Delta | Done | Failed)
                       ("add", RequestStats, outcome)  ("count", outcome)   (the parent's Metrics)
 
 The parent keeps the bounded FIFO queue, busy, Retry-After and the metrics, and sends the next job when the child
@@ -109,7 +109,7 @@ class EngineProcess(Front):
         if message[0] != "ready":
             _end(process, 10)
             conn.close()
-            raise EngineStartError(f"the engine process failed to load the models:\n{message[1]}")
+            raise EngineStartError(f"the engine process failed to load the models: {message[1]}")
         _, self.limits, self.metrics.energy = message
         self._process, self._conn, self._failure = process, conn, None
         self._stopping.clear()
@@ -274,8 +274,9 @@ def _child_main(conn: Connection, config: ServeConfig, threads: int | None,
         if child_init is not None:
             child_init()
         engine = Engine.load(config)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as err:
+        traceback.print_exc()  # the whole story to the server's log; the parent's error gets the last line
+        conn.send(("error", f"{type(err).__name__}: {err}"))
         return
     engine.metrics = _MetricsRelay(conn)  # type: ignore[assignment]
     conn.send(("ready", engine.limits, engine.meter is not None))

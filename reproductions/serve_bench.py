@@ -276,7 +276,8 @@ def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any]
         failed=m.failed, mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
         graphs={"direct": a.cuda_graphs, "server": a.cuda_graphs},  # one decoding configuration on both sides
         server_energy=not a.no_energy,
-        transport="HTTP/1.1 SSE, server in a child process, client httpx in this process",
+        transport="HTTP/1.1 SSE, server in a child process, its engine in a process of its own, client httpx in "
+                  "this process",
         order="warm-up per prompt on both sides; then interleaved per prompt, the order alternating per trial",
         cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))  # the child inherits it
     return RunRecord(claim_ids=[], suite=SUITE, config=config, samples=samples, metrics=metrics,

@@ -18,6 +18,7 @@ machine's spread.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import statistics
@@ -77,15 +78,31 @@ def fake_generate(hold_us: float, step_s: float, vocab: int):
     return generate
 
 
+def install_fake(hold_us: float, step_s: float, vocab: int) -> None:
+    """The engine process's child_init: the server's engine calls the synthetic generate."""
+    from sdsie.serve import worker
+
+    worker.generate = fake_generate(hold_us, step_s, vocab)
+
+
+def _spread(rows: list[dict], key: str) -> dict[str, float]:
+    values = [r[key] for r in rows]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hold-us", type=float, default=100.0, help="Python per token holding the lock")
     p.add_argument("--step-ms", type=float, default=1.7, help="wait per token with the lock released")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--repeats", type=int, default=3, help="server runs, each between direct runs")
+    p.add_argument("--repeats", type=int, default=3, help="server runs per engine, each between direct runs")
+    p.add_argument("--engines", default="thread,process", help="thread (in this process), process (its own), or both")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    engines = a.engines.split(",")
+    if not engines or any(e not in ("thread", "process") for e in engines):
+        p.error(f"--engines takes thread, process or both, got {a.engines!r}")
 
     import uvicorn
 
@@ -93,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     from sdsie.serve import worker
     from sdsie.serve.app import create_app
     from sdsie.serve.config import ServeConfig
+    from sdsie.serve.process import EngineProcess
     from sdsie.standin import COMMITTED_CPU_DIR, load_standin_pair
 
     target, _, tokenizer = load_standin_pair(COMMITTED_CPU_DIR)
     gen = fake_generate(a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)
-    worker.generate = gen
+    worker.generate = gen  # the thread engine's; the process engine's child installs its own (install_fake)
+    child_init = functools.partial(install_fake, a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)
+    config = ServeConfig(target=str(COMMITTED_CPU_DIR / "target"), tokenizer=str(COMMITTED_CPU_DIR / "tokenizer"),
+                         model_name="standin", energy=False, context=100_000, max_tokens=max(a.tokens, 512))
 
     def direct() -> float:
         t0 = time.perf_counter()
@@ -107,35 +128,44 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"hold_us": a.hold_us, "step_ms": a.step_ms, "tokens": a.tokens, "requests": a.requests,
                      "runs": []}
     for repeat in range(a.repeats):
-        config = ServeConfig(target="standin", model_name="standin", energy=False, context=100_000,
-                             max_tokens=max(a.tokens, 512))
-        engine = worker.Engine(target, tokenizer, config)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        try:
-            direct_before = [direct() for _ in range(a.requests // 2)]
-            client = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(a.requests),
-                                     str(a.tokens)], capture_output=True, text=True, check=True)
-            direct_after = [direct() for _ in range(a.requests - a.requests // 2)]
-        finally:
-            server.should_exit = True
-            thread.join(10)
-        runs = json.loads(client.stdout)
-        d = statistics.median(direct_before + direct_after)
-        engine_tok_s = statistics.median(r["tokens"] / r["engine_s"] for r in runs)
-        server_tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
-        row = {"repeat": repeat, "direct_tok_s": d, "server_engine_tok_s": engine_tok_s,
-               "server_tok_s": server_tok_s, "engine_over_direct": engine_tok_s / d, "server_over_direct":
-               server_tok_s / d, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
-               "chunks_per_request": statistics.median(r["chunks"] for r in runs)}
-        results["runs"].append(row)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        for kind in engines if repeat % 2 == 0 else engines[::-1]:  # the order alternates between repeats
+            if kind == "thread":
+                engine: worker.Front = worker.Engine(target, tokenizer, config)
+            else:
+                engine = EngineProcess(config, child_init=child_init)
+                engine.start()  # before the server: its load is not in the timed runs
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port,
+                                                   log_level="warning"))
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            while not server.started:
+                time.sleep(0.05)
+            try:
+                direct_before = [direct() for _ in range(a.requests // 2)]
+                client = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(a.requests),
+                                         str(a.tokens)], capture_output=True, text=True, check=True)
+                direct_after = [direct() for _ in range(a.requests - a.requests // 2)]
+            finally:
+                server.should_exit = True
+                thread.join(10)
+                engine.stop()
+            runs = json.loads(client.stdout)
+            d = statistics.median(direct_before + direct_after)
+            engine_tok_s = statistics.median(r["tokens"] / r["engine_s"] for r in runs)
+            server_tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+            row = {"engine": kind, "repeat": repeat, "direct_tok_s": d, "server_engine_tok_s": engine_tok_s,
+                   "server_tok_s": server_tok_s, "engine_over_direct": engine_tok_s / d, "server_over_direct":
+                   server_tok_s / d, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+                   "chunks_per_request": statistics.median(r["chunks"] for r in runs)}
+            results["runs"].append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    results["summary"] = {kind: {key: _spread([r for r in results["runs"] if r["engine"] == kind], key)
+                                 for key in ("engine_over_direct", "server_over_direct", "ttft_ms")}
+                          for kind in engines}
+    print(json.dumps(results["summary"]), flush=True)
     if a.out is not None:
         a.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -51,8 +51,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-energy", action="store_true", help="do not measure energy with NVML")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's choice)")
     p.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine on a thread of the server's process instead of its own process (debugging: "
-                        "one process to trace; the decode then shares the interpreter with the HTTP work)")
+                   help="run the engine on a thread of the server's process instead of its own process (one process "
+                        "to debug or profile, or to compare the layouts; the decode then shares the interpreter with "
+                        "the HTTP work)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -1,23 +1,32 @@
-"""Is the server's engine slower than a direct generate() without a GPU in the loop? A synthetic engine on the real
-server stack (the process and thread arrangement, the streaming) separates that from CUDA.
+"""Is the server's engine slower than a direct generate() without a GPU in the loop, and does running the engine in
+a process of its own remove that? A synthetic engine on the real server stack separates it from CUDA.
 
-The H200 serve runs (docs/serving.md) put the server's engine at 0.91-0.94 of a direct generate() with everything
-but the streaming the same. Here `generate` is replaced by a loop that, per token, holds the interpreter lock for
---hold-us of Python (the host's share of a graphed step: clutch, launch, bookkeeping) and then waits --step-ms with
-the lock released (the GPU's share), calling on_tokens as the engine does. Direct: that loop alone in this process.
-Server: `sdsie serve`'s app (uvicorn, one engine thread) in this process, streamed requests from a client in a child
-process (so the client does not take this process's lock); the engine's own time comes from usage.sdsie.seconds.
+The H200 serve runs (docs/serving.md) put the server's engine, on a thread beside the event loop, at 0.91-0.94 of a
+direct generate() with everything but the streaming the same. Here `generate` is replaced by a loop that, per token,
+holds the interpreter lock for --hold-us of Python (the host's share of a graphed step: clutch, launch, bookkeeping)
+and then waits --step-ms with the lock released (the GPU's share), calling on_tokens as the engine does. Direct: that
+loop alone in this process. Server: `sdsie serve`'s app (uvicorn) in this process over either engine (--engines):
+`thread`, the in-process Engine on a thread beside the event loop; `process`, EngineProcess, whose spawned child
+installs the same loop through `child_init` (install_fake) before it loads the committed stand-in. Streamed requests
+come from a client in a child process (so the client does not take this process's lock); the engine's own time comes
+from usage.sdsie.seconds. Each repeat starts a server per engine, in alternating order, between direct runs.
 
-    python -m research.serve_contention [--hold-us 100 --step-ms 1.7 --tokens 128 --requests 12 --repeats 3]
+    python -m research.serve_contention [--hold-us 100 --step-ms 1.7 --tokens 128 --requests 12 --repeats 5]
 
-Answer so far (docs/log.md, 2026-12-03): on a shared 2-core CPU the synthetic engine ran at 0.88-0.95 of direct in the
-server, the H200's 0.91-0.94 with no GPU involved; sending the text 8 times less often did not move it beyond that
-machine's spread.
+Answer (2026-12-03, this project's shared 2-core CPU, load average 0.5-1.8 from other work during the runs): the
+engine in its own process is not faster here. Two runs of 5 repeats, engine tokens/s over direct, median (min-max):
+thread 0.926 (0.915-0.932) and 0.933 (0.919-0.939); process 0.898 (0.878-0.947) and 0.898 (0.890-0.934); server
+tokens/s over direct 0.917 and 0.922 against 0.886 and 0.886. With two cores shared by the engine's process, the
+server's process and the client (and other work), the likely cost is that each token's message over the pipe wakes
+another process that competes with the engine for a core; this machine cannot show what the interpreter lock costs
+the thread engine on a host with idle cores. The H200 comparison is reproductions/serve_bench.py with and without
+--engine-in-process.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import statistics
@@ -77,15 +86,31 @@ def fake_generate(hold_us: float, step_s: float, vocab: int):
     return generate
 
 
+def install_fake(hold_us: float, step_s: float, vocab: int) -> None:
+    """The engine process's child_init: the server's engine calls the synthetic generate."""
+    from sdsie.serve import worker
+
+    worker.generate = fake_generate(hold_us, step_s, vocab)
+
+
+def _spread(rows: list[dict], key: str) -> dict[str, float]:
+    values = [r[key] for r in rows]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hold-us", type=float, default=100.0, help="Python per token holding the lock")
     p.add_argument("--step-ms", type=float, default=1.7, help="wait per token with the lock released")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--repeats", type=int, default=3, help="server runs, each between direct runs")
+    p.add_argument("--repeats", type=int, default=3, help="server runs per engine, each between direct runs")
+    p.add_argument("--engines", default="thread,process", help="thread (in this process), process (its own), or both")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    engines = a.engines.split(",")
+    if not engines or any(e not in ("thread", "process") for e in engines):
+        p.error(f"--engines takes thread, process or both, got {a.engines!r}")
 
     import uvicorn
 
@@ -93,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     from sdsie.serve import worker
     from sdsie.serve.app import create_app
     from sdsie.serve.config import ServeConfig
+    from sdsie.serve.process import EngineProcess
     from sdsie.standin import COMMITTED_CPU_DIR, load_standin_pair
 
     target, _, tokenizer = load_standin_pair(COMMITTED_CPU_DIR)
     gen = fake_generate(a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)
-    worker.generate = gen
+    worker.generate = gen  # the thread engine's; the process engine's child installs its own (install_fake)
+    child_init = functools.partial(install_fake, a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)
+    config = ServeConfig(target=str(COMMITTED_CPU_DIR / "target"), tokenizer=str(COMMITTED_CPU_DIR / "tokenizer"),
+                         model_name="standin", energy=False, context=100_000, max_tokens=max(a.tokens, 512))
 
     def direct() -> float:
         t0 = time.perf_counter()
@@ -107,35 +136,44 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"hold_us": a.hold_us, "step_ms": a.step_ms, "tokens": a.tokens, "requests": a.requests,
                      "runs": []}
     for repeat in range(a.repeats):
-        config = ServeConfig(target="standin", model_name="standin", energy=False, context=100_000,
-                             max_tokens=max(a.tokens, 512))
-        engine = worker.Engine(target, tokenizer, config)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        try:
-            direct_before = [direct() for _ in range(a.requests // 2)]
-            client = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(a.requests),
-                                     str(a.tokens)], capture_output=True, text=True, check=True)
-            direct_after = [direct() for _ in range(a.requests - a.requests // 2)]
-        finally:
-            server.should_exit = True
-            thread.join(10)
-        runs = json.loads(client.stdout)
-        d = statistics.median(direct_before + direct_after)
-        engine_tok_s = statistics.median(r["tokens"] / r["engine_s"] for r in runs)
-        server_tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
-        row = {"repeat": repeat, "direct_tok_s": d, "server_engine_tok_s": engine_tok_s,
-               "server_tok_s": server_tok_s, "engine_over_direct": engine_tok_s / d, "server_over_direct":
-               server_tok_s / d, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
-               "chunks_per_request": statistics.median(r["chunks"] for r in runs)}
-        results["runs"].append(row)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        for kind in engines if repeat % 2 == 0 else engines[::-1]:  # the order alternates between repeats
+            if kind == "thread":
+                engine: worker.Front = worker.Engine(target, tokenizer, config)
+            else:
+                engine = EngineProcess(config, child_init=child_init)
+                engine.start()  # before the server: its load is not in the timed runs
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port,
+                                                   log_level="warning"))
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            while not server.started:
+                time.sleep(0.05)
+            try:
+                direct_before = [direct() for _ in range(a.requests // 2)]
+                client = subprocess.run([sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(a.requests),
+                                         str(a.tokens)], capture_output=True, text=True, check=True)
+                direct_after = [direct() for _ in range(a.requests - a.requests // 2)]
+            finally:
+                server.should_exit = True
+                thread.join(10)
+                engine.stop()
+            runs = json.loads(client.stdout)
+            d = statistics.median(direct_before + direct_after)
+            engine_tok_s = statistics.median(r["tokens"] / r["engine_s"] for r in runs)
+            server_tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+            row = {"engine": kind, "repeat": repeat, "direct_tok_s": d, "server_engine_tok_s": engine_tok_s,
+                   "server_tok_s": server_tok_s, "engine_over_direct": engine_tok_s / d, "server_over_direct":
+                   server_tok_s / d, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+                   "chunks_per_request": statistics.median(r["chunks"] for r in runs)}
+            results["runs"].append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    results["summary"] = {kind: {key: _spread([r for r in results["runs"] if r["engine"] == kind], key)
+                                 for key in ("engine_over_direct", "server_over_direct", "ttft_ms")}
+                          for kind in engines}
+    print(json.dumps(results["summary"]), flush=True)
     if a.out is not None:
         a.out.write_text(json.dumps(results, indent=1))
     return 0

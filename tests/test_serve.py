@@ -1,5 +1,7 @@
 """`sdsie serve` on the committed CPU stand-in pair: a live uvicorn server on 127.0.0.1 driven by the official
-openai client and by httpx, checked against direct `generate()` calls on the same models."""
+openai client and by httpx, checked against direct `generate()` calls on the same models. Most tests drive the
+in-process Engine (the models in this process); the `process_*` tests drive `sdsie serve`'s EngineProcess, one child
+process shared by the module (spawning one costs seconds of imports and loading)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ from fastapi.testclient import TestClient  # noqa: E402
 from sdsie.clutch import ClutchConfig, EntropyClutch  # noqa: E402
 from sdsie.decoding import DecodeConfig, SamplingConfig, generate  # noqa: E402
 from sdsie.models import load_pair, render_chat  # noqa: E402
-from sdsie.serve import ServeConfig, parse_clutch  # noqa: E402
+from sdsie.serve import ServeConfig, parse_clutch, protocol  # noqa: E402
 from sdsie.serve.app import create_app  # noqa: E402
 from sdsie.serve.cli import config_from_args, configure  # noqa: E402
+from sdsie.serve.process import EngineProcess, EngineStartError  # noqa: E402
 from sdsie.serve.text import TextStream  # noqa: E402
-from sdsie.serve.worker import Engine  # noqa: E402
+from sdsie.serve.worker import Delta, Done, Engine, Failed, Job  # noqa: E402
 
 PAIR = Path(__file__).resolve().parents[1] / "reproductions" / "standin" / "cpu"
 MODEL = "standin"
@@ -82,6 +85,11 @@ def engine(pair, tokenizer):
 
 @pytest.fixture(scope="module")
 def url(engine):
+    yield from _serve(engine)
+
+
+def _serve(engine):
+    """A live uvicorn server over `engine` on a free port of 127.0.0.1: yields its URL, stops it after."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with other processes
     port = sock.getsockname()[1]
@@ -507,3 +515,116 @@ def test_cli_options_become_the_server_config(tmp_path) -> None:
         config_from_args(p.parse_args(["--target", "t", "--cuda-graphs"]))
     with pytest.raises(ValueError, match="gear needs a clutch"):
         ServeConfig(target="t", gear=("down_proj",))
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine in its own process (`sdsie serve`'s default): the same answers, cancellation over the pipe
+
+
+@pytest.fixture(scope="module")
+def process_engine():
+    return EngineProcess(_config(tokenizer=str(PAIR / "tokenizer"), chat_template=TEMPLATE), threads=1)
+
+
+@pytest.fixture(scope="module")
+def process_url(process_engine):
+    yield from _serve(process_engine)
+    assert process_engine._process is None  # stopped with the server
+
+
+@pytest.fixture(scope="module")
+def process_client(process_url):
+    return openai.OpenAI(base_url=f"{process_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_process_engine_answers_as_generate_streamed_or_not(pair, tokenizer, process_client) -> None:
+    ids = tokenizer.encode(PROMPT)
+    ref = direct(pair, ids, 22)
+    assert "S" in ref.decisions and "F" in ref.decisions  # the clutch gates within the request
+    resp = completion(process_client, max_tokens=22)
+    assert resp.choices[0].token_ids == ref.tokens and resp.choices[0].finish_reason == "length"
+    s = resp.usage.sdsie
+    assert (s["decisions"], s["cycles"], s["speculate_cycles"], s["drafted"], s["accepted"]) == (
+        ref.decisions, ref.stats.cycles, ref.stats.speculate_cycles, ref.stats.drafted, ref.stats.accepted)
+    chunks = list(completion(process_client, max_tokens=22, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == tokenizer.decode(ref.tokens, skip_special_tokens=True) and len(chunks) > 4
+    assert chunks[-1].usage.completion_tokens == 22 and chunks[-1].usage.sdsie["decisions"] == ref.decisions
+    messages = [{"role": "user", "content": "import os"}]  # the chat template renders in the server's process
+    chat = process_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                  extra_body={"return_token_ids": True})
+    assert chat.choices[0].token_ids == direct(pair, render_chat(tokenizer, messages), 8).tokens
+
+
+def test_process_engine_disconnect_frees_the_engine(process_url) -> None:
+    url = process_url
+    wait_idle(url)
+    cancelled, tokens = metric(url, 'requests_total{outcome="cancelled"}'), metric(url, "completion_tokens_total")
+    body = {"prompt": PROMPT, "max_tokens": LIMIT, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        assert next(line for line in response.iter_lines() if line.startswith("data: "))
+    wait_idle(url)
+    assert metric(url, 'requests_total{outcome="cancelled"}') == cancelled + 1
+    assert metric(url, "completion_tokens_total") - tokens < LIMIT  # the child stopped early
+    after = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).json()
+    assert after["usage"]["completion_tokens"] == 2
+
+
+def test_process_engine_full_queue_is_503_with_retry_after(process_engine, process_url) -> None:
+    """While the child runs a long request, QUEUE jobs fill the server process's queue; the next request is refused
+    with 503 and Retry-After, and the queued jobs, cancelled, end as cancelled without generating."""
+    url = process_url
+    wait_idle(url)
+    body = {"prompt": PROMPT, "max_tokens": LIMIT, "temperature": 0, "ignore_eos": True, "stream": True}
+    ended: list = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()  # held: a collected iterator closes the stream
+        assert next(line for line in lines if line.startswith("data: "))
+        request = protocol.parse_completion({"prompt": "x", "max_tokens": 2}, process_engine.limits,
+                                            process_engine.tokenizer)
+        jobs = [Job(request, ended.append) for _ in range(QUEUE)]
+        for job in jobs:
+            process_engine.submit(job)
+        health = httpx.get(f"{url}/health").json()
+        assert health["queued"] == QUEUE, (health, ended)
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        for job in jobs:
+            job.cancel()
+    assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "queue_full"
+    wait_idle(url)
+    assert [(type(e), e.finish_reason, e.token_ids) for e in ended] == [(Done, "cancelled", [])] * QUEUE
+
+
+def test_process_engine_that_fails_to_load_says_why(tmp_path) -> None:
+    engine = EngineProcess(_config(target=str(tmp_path / "no-model"), tokenizer=str(PAIR / "tokenizer")), threads=1)
+    with pytest.raises(EngineStartError, match="failed to load the models: FileNotFoundError: model path .*no-model"):
+        engine.start()
+    assert not engine.running
+
+
+def test_process_engine_whose_child_dies_fails_the_request_and_health() -> None:
+    engine = EngineProcess(_config(tokenizer=str(PAIR / "tokenizer"), chat_template=TEMPLATE), threads=1)
+    engine.start()
+    events: list = []
+    first, ended = threading.Event(), threading.Event()
+
+    def emit(event) -> None:
+        events.append(event)
+        first.set()
+        if not isinstance(event, Delta):
+            ended.set()
+
+    request = protocol.parse_completion({"prompt": PROMPT, "max_tokens": LIMIT, "ignore_eos": True}, engine.limits,
+                                        engine.tokenizer)
+    engine.submit(Job(request, emit))
+    assert first.wait(30)
+    engine._process.kill()
+    assert ended.wait(30)
+    assert isinstance(events[-1], Failed) and "engine process exited (exit code -9)" in events[-1].message
+    with TestClient(create_app(engine)) as http:
+        health = http.get("/health")
+        assert health.status_code == 503 and "exit code -9" in health.json()["error"]
+        refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+    assert not engine.running  # the app's lifespan stopped it

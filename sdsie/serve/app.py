@@ -3,7 +3,8 @@
     POST /v1/completions        POST /v1/chat/completions     (stream: server-sent events, data: [DONE] last)
     GET  /v1/models             GET  /health                  GET /metrics (Prometheus text)
 
-Requests are parsed by sdsie.serve.protocol, queued on the Engine and answered as its worker emits. A
+Requests are parsed by sdsie.serve.protocol, queued on the engine (an EngineProcess, whose decode runs in a child
+process, or an in-process Engine) and answered as it emits. A
 streaming client that disconnects cancels its job (the generation ends at the next cycle); a waiting
 non-streaming client is polled for a disconnect every DISCONNECT_POLL_S.
 """
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sdsie.serve import protocol
 from sdsie.serve.protocol import APIError, GenerationRequest
-from sdsie.serve.worker import Delta, Done, Engine, Event, Failed, Job
+from sdsie.serve.worker import Delta, Done, Event, Failed, Front, Job
 
 __all__ = ["create_app", "run_server"]
 
@@ -33,7 +34,7 @@ DISCONNECT_POLL_S = 0.1
 
 
 class _Channel:
-    """Events from the worker thread into the request's event loop."""
+    """Events from the engine's thread into the request's event loop."""
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -44,12 +45,13 @@ class _Channel:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The app over a loaded Engine; the app's lifespan starts and stops the engine's worker."""
+def create_app(engine: Front) -> FastAPI:
+    """The app over an Engine or EngineProcess; the app's lifespan starts it (unless it runs already) and stops it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        if not engine.running:
+            engine.start()
         try:
             yield
         finally:
@@ -81,8 +83,12 @@ def create_app(engine: Engine) -> FastAPI:
                            code="invalid_api_key")
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": engine.limits.model, "busy": engine.busy, "queued": engine.queued}
+    async def health() -> JSONResponse:
+        failure = engine.failure
+        if failure is not None:
+            return JSONResponse({"status": "error", "error": failure, "model": engine.limits.model}, status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.limits.model, "busy": engine.busy,
+                             "queued": engine.queued})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -118,7 +124,7 @@ async def _json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
 
 
-async def _answer(engine: Engine, request: Request, req: GenerationRequest) -> Response:
+async def _answer(engine: Front, request: Request, req: GenerationRequest) -> Response:
     channel = _Channel()
     job = Job(req, channel.emit)
     engine.submit(job)  # APIError 503 when the queue is full, before any byte of the answer
@@ -128,7 +134,7 @@ async def _answer(engine: Engine, request: Request, req: GenerationRequest) -> R
     return await _whole(engine, request, job, channel)
 
 
-async def _whole(engine: Engine, request: Request, job: Job, channel: _Channel) -> Response:
+async def _whole(engine: Front, request: Request, job: Job, channel: _Channel) -> Response:
     pieces: list[str] = []
     getter: asyncio.Future[Event] | None = None
     loop = asyncio.get_running_loop()
@@ -158,7 +164,7 @@ async def _whole(engine: Engine, request: Request, job: Job, channel: _Channel) 
             getter.cancel()
 
 
-async def _stream(engine: Engine, job: Job, channel: _Channel) -> AsyncIterator[str]:
+async def _stream(engine: Front, job: Job, channel: _Channel) -> AsyncIterator[str]:
     req, model = job.request, engine.limits.model
     finished = False
     try:
@@ -202,7 +208,7 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def run_server(engine: Engine, sock: socket.socket | None = None, log_level: str = "info") -> None:
+def run_server(engine: Front, sock: socket.socket | None = None, log_level: str = "info") -> None:
     """Serve until interrupted, on engine.config's host and port (or on an already bound `sock`)."""
     import uvicorn
 

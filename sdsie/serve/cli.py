@@ -1,4 +1,5 @@
-"""`sdsie serve ...`: the options, and the run that loads the models and serves until interrupted.
+"""`sdsie serve ...`: the options, and the run that starts the engine (its own process, which loads the models) and
+serves until interrupted.
 
 Importing this module needs no serving packages; running it needs the `serve` extra (fastapi, uvicorn).
 """
@@ -49,6 +50,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="Jinja chat template replacing the tokenizer's (for tokenizers without one)")
     p.add_argument("--no-energy", action="store_true", help="do not measure energy with NVML")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's choice)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the server's process instead of its own process (one process "
+                        "to debug or profile, or to compare the layouts; the decode then shares the interpreter with "
+                        "the HTTP work)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -72,18 +77,26 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         from sdsie.serve.app import run_server
+        from sdsie.serve.process import EngineProcess, EngineStartError
         from sdsie.serve.worker import Engine
     except ImportError as err:
         print(f"sdsie serve needs the serve extra (pip install 'sdsie[serve]'): {err}", file=sys.stderr)
         return 1
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
-        engine = Engine.load(config)
-    except (ValueError, OSError) as err:
+        if args.engine_in_process:
+            if args.threads:
+                import torch
+
+                torch.set_num_threads(args.threads)
+            engine: Engine | EngineProcess = Engine.load(config)
+        else:
+            engine = EngineProcess(config, threads=args.threads)
+            engine.start()  # the models load in the engine's process; a failure ends here, before the port opens
+    except (ValueError, OSError, EngineStartError) as err:
         print(f"sdsie serve: {err}", file=sys.stderr)
         return 1
-    run_server(engine)
+    try:
+        run_server(engine)
+    finally:
+        engine.stop()
     return 0

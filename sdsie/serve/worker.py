@@ -1,6 +1,7 @@
 """The batch-1 engine behind the server: a bounded FIFO queue and one worker thread that runs each request
 through `sdsie.decoding.generate`, where the clutch decides per cycle whether the scout drafts and which
-gear the target runs in.
+gear the target runs in. `sdsie serve` runs this Engine inside a child process (sdsie.serve.process); in this
+process it serves tests and callers that hold the models in memory.
 
 Per request: a fresh clutch (generate also resets it), the gear's counters zeroed, caches new (dynamic) or
 emptied (static: generate crops a reused cache to 0). Tokens reach the request's `emit` after every step
@@ -17,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -29,7 +30,7 @@ from sdsie.serve.metrics import Metrics, RequestStats
 from sdsie.serve.protocol import APIError, GenerationRequest, Limits
 from sdsie.serve.text import TextStream
 
-__all__ = ["Delta", "Done", "Engine", "Failed", "Job"]
+__all__ = ["Delta", "Done", "Engine", "Failed", "Flag", "Front", "Job"]
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +61,98 @@ class Failed:
 Event = Delta | Done | Failed
 
 
+class Flag(Protocol):
+    """What a Job's `cancelled` is: a threading.Event, or in the engine's process a flag fed by its pipe."""
+
+    def is_set(self) -> bool: ...
+
+    def set(self) -> None: ...
+
+
 @dataclass
 class Job:
-    """A request in the queue. emit is called from the worker thread with each Event."""
+    """A request in the queue. emit is called from the worker thread with each Event; on_cancel (set by the engine
+    that runs it elsewhere) is told when the job is cancelled."""
 
     request: GenerationRequest
     emit: Callable[[Event], None]
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: Flag = field(default_factory=threading.Event)
+    on_cancel: Callable[[], None] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
 
-class Engine:
+class Front:
+    """The side of an engine the app talks to: the bounded FIFO queue, busy, Retry-After, the metrics, the tokenizer
+    (prompts and chat templates). Engine runs the queue on a thread; EngineProcess in a child process."""
+
+    config: ServeConfig
+    limits: Limits
+
+    def __init__(self, tokenizer: Any, config: ServeConfig, metrics: Metrics) -> None:
+        self.tokenizer, self.config, self.metrics = tokenizer, config, metrics
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=config.queue_size)
+        self._busy = threading.Event()
+        self._stopping = threading.Event()
+        self._mean_seconds = 1.0  # running mean of a request's engine time, for Retry-After
+
+    @property
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy.is_set()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve (GET /health answers 503 with it), or None."""
+        return None
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.metrics.count("queue_full")
+            raise APIError(503, f"the server is busy: {self.config.queue_size} requests are already waiting; "
+                                "retry after the time in Retry-After", type="server_overloaded", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after())}) from None
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely drained one place: a running request's mean time, 1 to 60."""
+        return max(1, min(60, math.ceil(self._mean_seconds)))
+
+    def _timed(self, seconds: float) -> None:
+        self._mean_seconds += 0.2 * (seconds - self._mean_seconds)
+
+    def _refuse_waiting(self, message: str) -> None:
+        """Answer every job still in the queue with Failed(message)."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            job.cancel()
+            job.emit(Failed(message))
+
+
+class Engine(Front):
     """Holds the models; `submit` queues a Job (APIError 503 when the queue is full); `start` runs the worker."""
 
     def __init__(self, target: nn.Module, tokenizer: Any, config: ServeConfig, scout: nn.Module | None = None,
@@ -81,20 +161,15 @@ class Engine:
             raise ValueError("config.scout and the scout model must be given together")
         if bool(config.gear) != (gear is not None):
             raise ValueError("config.gear and the gear state must be given together")
-        self.target, self.scout, self.tokenizer, self.config = target, scout, tokenizer, config
-        self.gear, self.meter = gear, meter
+        self.target, self.scout, self.gear, self.meter = target, scout, gear, meter
         context = config.context or int(getattr(target.config, "max_position_embeddings", 0) or 0)
         if context < 2:
             raise ValueError("the target's config has no max_position_embeddings: set context")
         self.limits = Limits(config.served_name, config.max_tokens, context, vocab_size(target))
         self.eos = eos_ids(tokenizer, target)
-        self.metrics = Metrics(gear=gear is not None, energy=meter is not None)
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=config.queue_size)
-        self._busy = threading.Event()
-        self._stopping = threading.Event()
+        super().__init__(tokenizer, config, Metrics(gear=gear is not None, energy=meter is not None))
         self._thread: threading.Thread | None = None
         self._current: Job | None = None
-        self._mean_seconds = 1.0  # running mean of a request's engine time, for Retry-After
 
     @classmethod
     def load(cls, config: ServeConfig) -> Engine:
@@ -119,30 +194,10 @@ class Engine:
             gear = gate_model(target, list(config.gear), layers=config.gear_layers)
         return cls(target, tokenizer, config, scout=scout, gear=gear, meter=_meter(config))
 
-    # -- the queue -------------------------------------------------------------------------------
+    # -- the worker ------------------------------------------------------------------------------
     @property
-    def queued(self) -> int:
-        return self._queue.qsize()
-
-    @property
-    def busy(self) -> bool:
-        return self._busy.is_set()
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return render_chat(self.tokenizer, messages, add_generation_prompt=True)
-
-    def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            self.metrics.count("queue_full")
-            raise APIError(503, f"the server is busy: {self.config.queue_size} requests are already waiting; "
-                                "retry after the time in Retry-After", type="server_overloaded", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after())}) from None
-
-    def retry_after(self) -> int:
-        """Seconds until the queue has likely drained one place: a running request's mean time, 1 to 60."""
-        return max(1, min(60, math.ceil(self._mean_seconds)))
+    def running(self) -> bool:
+        return self._thread is not None
 
     def start(self) -> None:
         if self._thread is not None:
@@ -157,13 +212,7 @@ class Engine:
         current = self._current
         if current is not None:
             current.cancel()
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            job.cancel()
-            job.emit(Failed("the server is shutting down"))
+        self._refuse_waiting("the server is shutting down")
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -218,7 +267,7 @@ class Engine:
             job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
             return
         seconds = time.perf_counter() - t0
-        self._mean_seconds += 0.2 * (seconds - self._mean_seconds)
+        self._timed(seconds)
         energy = self._close_energy(window, len(result.tokens))
         cancelled = result.stop_reason == "stopped" and not text.stopped
         finish = "cancelled" if cancelled else "stop" if text.stopped or result.stop_reason == "eos" else "length"

@@ -277,7 +277,7 @@ def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any]
         graphs={"direct": a.cuda_graphs, "server": a.cuda_graphs},  # one decoding configuration on both sides
         server_energy=not a.no_energy,
         transport="HTTP/1.1 SSE, server in a child process, its engine "
-                  f"{'on a thread of the server' if a.engine_in_process else 'in a process of its own'}, client httpx "
+                  f"{'in a process of its own' if a.engine_process else 'on a thread of the server'}, client httpx "
                   "in this process",
         order="warm-up per prompt on both sides; then interleaved per prompt, the order alternating per trial",
         cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))  # the child inherits it
@@ -315,7 +315,7 @@ class Server:
         cmd += ["--cuda-graphs"] if a.cuda_graphs else []
         cmd += ["--threads", str(a.threads)] if a.threads else []
         cmd += ["--no-energy"] if a.no_energy else []
-        cmd += ["--engine-in-process"] if a.engine_in_process else []
+        cmd += ["--engine-process"] if a.engine_process else []
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -456,8 +456,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=positive_float, default=None,
                    help="wall-clock budget of the whole run, pair build included; cut runs write an incomplete record")
     p.add_argument("--no-energy", action="store_true", help="the server does not measure energy with NVML")
-    p.add_argument("--engine-in-process", action="store_true",
-                   help="the server runs its engine on a thread of its own process (default: a process of its own)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the server runs its engine in a process of its own (default: on a thread of its process)")
     p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
     p.add_argument("--out", type=Path, default=Path("telemetry"))
     return p

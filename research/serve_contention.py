@@ -20,7 +20,7 @@ tokens/s over direct 0.917 and 0.922 against 0.886 and 0.886. With two cores sha
 server's process and the client (and other work), the likely cost is that each token's message over the pipe wakes
 another process that competes with the engine for a core; this machine cannot show what the interpreter lock costs
 the thread engine on a host with idle cores. The H200 comparison is reproductions/serve_bench.py with and without
---engine-in-process.
+--engine-process.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`sdsie serve` on the committed CPU stand-in pair: a live uvicorn server on 127.0.0.1 driven by the official
 openai client and by httpx, checked against direct `generate()` calls on the same models. Most tests drive the
-in-process Engine (the models in this process); the `process_*` tests drive `sdsie serve`'s EngineProcess, one child
-process shared by the module (spawning one costs seconds of imports and loading)."""
+in-process Engine (the models in this process); the `process_*` tests drive the EngineProcess of
+`sdsie serve --engine-process`, one child process shared by the module (spawning one costs seconds of imports and
+loading)."""
 
 from __future__ import annotations
 

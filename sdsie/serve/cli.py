@@ -1,5 +1,5 @@
-"""`sdsie serve ...`: the options, and the run that starts the engine (its own process, which loads the models) and
-serves until interrupted.
+"""`sdsie serve ...`: the options, and the run that starts the engine (on a thread of this process, or with
+--engine-process in a process of its own, which loads the models) and serves until interrupted.
 
 Importing this module needs no serving packages; running it needs the `serve` extra (fastapi, uvicorn).
 """
@@ -50,10 +50,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="Jinja chat template replacing the tokenizer's (for tokenizers without one)")
     p.add_argument("--no-energy", action="store_true", help="do not measure energy with NVML")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's choice)")
-    p.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine on a thread of the server's process instead of its own process (one process "
-                        "to debug or profile, or to compare the layouts; the decode then shares the interpreter with "
-                        "the HTTP work)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own instead of on a thread of the server's process (the "
+                        "decode then has an interpreter to itself; slower on a 2-core CPU, not yet measured on a GPU: "
+                        "docs/serving.md)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -83,15 +83,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"sdsie serve needs the serve extra (pip install 'sdsie[serve]'): {err}", file=sys.stderr)
         return 1
     try:
-        if args.engine_in_process:
+        if args.engine_process:
+            engine: Engine | EngineProcess = EngineProcess(config, threads=args.threads)
+            engine.start()  # the models load in the engine's process; a failure ends here, before the port opens
+        else:
             if args.threads:
                 import torch
 
                 torch.set_num_threads(args.threads)
-            engine: Engine | EngineProcess = Engine.load(config)
-        else:
-            engine = EngineProcess(config, threads=args.threads)
-            engine.start()  # the models load in the engine's process; a failure ends here, before the port opens
+            engine = Engine.load(config)
     except (ValueError, OSError, EngineStartError) as err:
         print(f"sdsie serve: {err}", file=sys.stderr)
         return 1

@@ -1243,6 +1243,10 @@ def int4_matmul(
     `out`, if given, is a contiguous [M, N] (M = prod of leading dims) tensor of x's dtype to write.
     Empty inputs (any leading dim 0) return an empty [..., N] without launching.
     Launches on one weight are meant for one stream at a time (split K reuses a semaphore buffer).
+    First-use cost: choosing a configuration is arithmetic, memoized per shape; the first launch of each
+    configuration (and of the unpack kernel, per group layout and dtype) compiles it with Triton's JIT, which takes
+    seconds on a cold Triton cache and is read back from that disk cache in later processes. A decode pays it in its
+    first steps, or during CUDA-graph capture; warm up once per shape and M to keep it out of timed or served tokens.
     """
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features

@@ -1,4 +1,4 @@
-"""The engine in its own process: `sdsie serve`'s default.
+"""The engine in its own process: `sdsie serve --engine-process`.
 
 The child (multiprocessing's spawn context) loads the models from the config's paths with `Engine.load`, owns the
 GPU, and runs one job at a time through `Engine.run`, so its decode loop has an interpreter to itself; the server's

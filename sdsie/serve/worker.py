@@ -1,7 +1,7 @@
 """The batch-1 engine behind the server: a bounded FIFO queue and one worker thread that runs each request
 through `sdsie.decoding.generate`, where the clutch decides per cycle whether the scout drafts and which
-gear the target runs in. `sdsie serve` runs this Engine inside a child process (sdsie.serve.process); in this
-process it serves tests and callers that hold the models in memory.
+gear the target runs in. `sdsie serve` runs this Engine on a thread of its own process; with --engine-process the
+same Engine runs inside a child process (sdsie.serve.process).
 
 Per request: a fresh clutch (generate also resets it), the gear's counters zeroed, caches new (dynamic) or
 emptied (static: generate crops a reused cache to 0). Tokens reach the request's `emit` after every step

@@ -847,6 +847,20 @@ def test_dequantize_gives_each_weight_rounded_once(kernel_device, dtype, k, grou
         int4_dequantize(w, torch.int8)
 
 
+def test_the_unpack_path_takes_m_from_dequant_min_m_and_only_without_a_named_config(kernel_device, monkeypatch):
+    """M = DEQUANT_MIN_M - 1 runs a kernel configuration, M = DEQUANT_MIN_M unpacks, and a named config always runs
+    that configuration."""
+    unpacked: list[int] = []
+    real = int4_gemm._dequant_matmul
+    monkeypatch.setattr(int4_gemm, "_dequant_matmul", lambda x2, w, y: (unpacked.append(x2.shape[0]), real(x2, w, y)))
+    gen = torch.Generator().manual_seed(5)
+    w = make_weight(40, 64, 32, False, 0.1, kernel_device, gen)
+    for m in (DEQUANT_MIN_M - 1, DEQUANT_MIN_M):
+        int4_matmul(torch.randn(m, 64, generator=gen).to(kernel_device), w)
+    int4_matmul(torch.randn(DEQUANT_MIN_M, 64, generator=gen).to(kernel_device), w, Int4KernelConfig(16, 32, 64))
+    assert unpacked == [DEQUANT_MIN_M]
+
+
 def test_prompt_rows_unpack_a_large_weight_in_slices(kernel_device, monkeypatch):
     """A weight over DEQUANT_CHUNK weights is unpacked a slice of rows at a time; every output column is written."""
     monkeypatch.setattr(int4_gemm, "DEQUANT_CHUNK", 300 * 64)  # slices of 256 rows at K = 64: N = 600 takes 3

@@ -518,6 +518,39 @@ def test_cli_options_become_the_server_config(tmp_path) -> None:
         ServeConfig(target="t", gear=("down_proj",))
 
 
+@pytest.mark.parametrize(("flag", "layout"), [([], "thread"), (["--engine-process"], "process")])
+def test_sdsie_serve_runs_the_engine_in_the_layout_its_flag_names(monkeypatch, flag, layout) -> None:
+    """Without --engine-process the models load in the server's process (Engine.load); with it, an EngineProcess
+    starts and the server's process loads none. Either engine is the one served, and stopped afterwards."""
+    import sdsie.serve.app as app_module
+    import sdsie.serve.process as process_module
+    from sdsie.serve import cli
+
+    made: list[tuple[str, object]] = []
+
+    class Stub:
+        def __init__(self, kind: str) -> None:
+            self.kind, self.stopped = kind, False
+            made.append((kind, self))
+
+        def start(self) -> None:
+            self.started = True
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    served: list[object] = []
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, config: Stub("thread")))
+    monkeypatch.setattr(process_module, "EngineProcess", lambda config, threads=None: Stub("process"))
+    monkeypatch.setattr(app_module, "run_server", served.append)
+    p = argparse.ArgumentParser()
+    configure(p)
+    assert cli.run(p.parse_args(["--target", "t", *flag])) == 0
+    ((kind, engine),) = made
+    assert kind == layout and served == [engine] and engine.stopped
+    assert getattr(engine, "started", False) == (layout == "process")  # a process engine starts before serving
+
+
 # ------------------------------------------------------------------------------------------------
 # The engine in its own process (`sdsie serve`'s default): the same answers, cancellation over the pipe
 

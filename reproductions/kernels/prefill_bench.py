@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +45,6 @@ def time_us(fn: Callable[[], object], device: str) -> dict:
     if device == "cuda":
         samples = bench(fn, rep_ms=100)
     else:
-        import time
         t0 = time.perf_counter()
         fn()
         samples = [(time.perf_counter() - t0) * 1e6]

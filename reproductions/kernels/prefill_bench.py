@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from reproductions.args import positive_int
 from reproductions.kernels.int4_bench import bench, random_int4, rel_error, spread, tinygemm_pack
 from sdsie.kernels import int4_gemm
 from sdsie.kernels.int4_gemm import _LARGE_M_CONFIG, int4_dequantize, int4_matmul
@@ -94,7 +95,7 @@ def run(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], device: str, gr
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="raw JSON file to write")
-    p.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
+    p.add_argument("--m", type=positive_int, nargs="+", default=list(M_VALUES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="one small shape (CPU dry run)")
     args = p.parse_args(argv)

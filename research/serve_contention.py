@@ -61,23 +61,32 @@ print(json.dumps(out))
 """
 
 
-def fake_generate(hold_us: float, step_s: float, vocab: int):
-    """A stand-in for sdsie.decoding.generate with the host/device split of a graphed decode step."""
+def fake_generate(hold_us: float, step_s: float, vocab: int, send_at: str = "wait"):
+    """A stand-in for sdsie.decoding.generate with the host/device split of a graphed decode step: the host launches
+    (hold_us of Python holding the lock), the device then computes for step_s while the host may go on, and the host
+    waits for it with the lock released (a CUDA synchronize). send_at "wait" calls on_wait where generate does,
+    after the launch and before the wait; "cycle-end" calls it straight after on_tokens, as if the server emitted
+    each step's text from on_tokens."""
     from sdsie.decoding.engine import CycleRecord, DecodeStats, GenerationResult
 
-    def generate(model, prompt_ids, config, scout=None, clutch=None, gear=None, on_tokens=None):
+    def generate(model, prompt_ids, config, scout=None, clutch=None, gear=None, on_tokens=None, on_wait=None):
         tokens: list[int] = []
         stop = "max_new_tokens"
         for i in range(config.max_new_tokens):
             t_end = time.perf_counter() + hold_us * 1e-6
             while time.perf_counter() < t_end:  # Python holding the lock, as the host's launch work does
                 pass
-            time.sleep(step_s)  # the device's share: the lock is released, as in a CUDA synchronize
+            device_done = time.perf_counter() + step_s  # the device computes from the launch on
+            if on_wait is not None and send_at == "wait":
+                on_wait()
+            time.sleep(max(0.0, device_done - time.perf_counter()))  # the host waits, the lock released
             tok = 3 + (7 * i) % (vocab - 3)
             tokens.append(tok)
             if on_tokens is not None and on_tokens([tok]):
                 stop = "stopped"
                 break
+            if on_wait is not None and send_at == "cycle-end":
+                on_wait()
         n = len(tokens)
         stats = DecodeStats(new_tokens=n, cycles=n, target_forwards=n + 1)
         cycles = [CycleRecord(None, 0, 0, 1, 0.0, None, None, 0.0)] * n
@@ -86,11 +95,11 @@ def fake_generate(hold_us: float, step_s: float, vocab: int):
     return generate
 
 
-def install_fake(hold_us: float, step_s: float, vocab: int) -> None:
+def install_fake(hold_us: float, step_s: float, vocab: int, send_at: str = "wait") -> None:
     """The engine process's child_init: the server's engine calls the synthetic generate."""
     from sdsie.serve import worker
 
-    worker.generate = fake_generate(hold_us, step_s, vocab)
+    worker.generate = fake_generate(hold_us, step_s, vocab, send_at)
 
 
 def _spread(rows: list[dict], key: str) -> dict[str, float]:
@@ -106,11 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3, help="server runs per engine, each between direct runs")
     p.add_argument("--engines", default="thread,process", help="thread (in this process), process (its own), or both")
+    p.add_argument("--send-at", default="wait", help="where the engine sends each step's text: wait (generate's "
+                   "on_wait, as Engine.run does), cycle-end (straight after on_tokens), or both")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     engines = a.engines.split(",")
     if not engines or any(e not in ("thread", "process") for e in engines):
         p.error(f"--engines takes thread, process or both, got {a.engines!r}")
+    sends = a.send_at.split(",")
+    if not sends or any(x not in ("wait", "cycle-end") for x in sends):
+        p.error(f"--send-at takes wait, cycle-end or both, got {a.send_at!r}")
+    variants = [(e, x) for e in engines for x in sends]
 
     import uvicorn
 
@@ -122,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from sdsie.standin import COMMITTED_CPU_DIR, load_standin_pair
 
     target, _, tokenizer = load_standin_pair(COMMITTED_CPU_DIR)
-    gen = fake_generate(a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)
-    worker.generate = gen  # the thread engine's; the process engine's child installs its own (install_fake)
-    child_init = functools.partial(install_fake, a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)
+    gen = fake_generate(a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size)  # direct: no hooks, send_at moot
     config = ServeConfig(target=str(COMMITTED_CPU_DIR / "target"), tokenizer=str(COMMITTED_CPU_DIR / "tokenizer"),
                          model_name="standin", energy=False, context=100_000, max_tokens=max(a.tokens, 512))
 
@@ -136,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"hold_us": a.hold_us, "step_ms": a.step_ms, "tokens": a.tokens, "requests": a.requests,
                      "runs": []}
     for repeat in range(a.repeats):
-        for kind in engines if repeat % 2 == 0 else engines[::-1]:  # the order alternates between repeats
+        for kind, send_at in variants if repeat % 2 == 0 else variants[::-1]:  # the order alternates
             if kind == "thread":
+                worker.generate = fake_generate(a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size, send_at)
                 engine: worker.Front = worker.Engine(target, tokenizer, config)
-            else:
-                engine = EngineProcess(config, child_init=child_init)
+            else:  # the child installs its own generate
+                init = functools.partial(install_fake, a.hold_us, a.step_ms * 1e-3, tokenizer.vocab_size, send_at)
+                engine = EngineProcess(config, child_init=init)
                 engine.start()  # before the server: its load is not in the timed runs
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -164,15 +179,16 @@ def main(argv: list[str] | None = None) -> int:
             d = statistics.median(direct_before + direct_after)
             engine_tok_s = statistics.median(r["tokens"] / r["engine_s"] for r in runs)
             server_tok_s = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
-            row = {"engine": kind, "repeat": repeat, "direct_tok_s": d, "server_engine_tok_s": engine_tok_s,
-                   "server_tok_s": server_tok_s, "engine_over_direct": engine_tok_s / d, "server_over_direct":
-                   server_tok_s / d, "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+            row = {"engine": f"{kind}/{send_at}", "repeat": repeat, "direct_tok_s": d,
+                   "server_engine_tok_s": engine_tok_s, "server_tok_s": server_tok_s,
+                   "engine_over_direct": engine_tok_s / d, "server_over_direct": server_tok_s / d,
+                   "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
                    "chunks_per_request": statistics.median(r["chunks"] for r in runs)}
             results["runs"].append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     results["summary"] = {kind: {key: _spread([r for r in results["runs"] if r["engine"] == kind], key)
                                  for key in ("engine_over_direct", "server_over_direct", "ttft_ms")}
-                          for kind in engines}
+                          for kind in (f"{e}/{x}" for e, x in variants)}
     print(json.dumps(results["summary"]), flush=True)
     if a.out is not None:
         a.out.write_text(json.dumps(results, indent=1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import re
 import socket
 import threading
@@ -164,6 +165,56 @@ def test_on_tokens_sees_every_token_and_can_stop_the_run(pair) -> None:
     assert stopped.tokens == [t for s in calls for t in s] and len(stopped.tokens) < 20
     assert stopped.tokens == generate(pair.target, ids, DecodeConfig(max_new_tokens=20), scout=pair.scout
                                       ).tokens[: len(stopped.tokens)]
+
+
+@pytest.mark.parametrize("tree", [None, (2, 2)], ids=["chain", "tree"])
+def test_on_wait_comes_once_per_cycle_after_its_launch_and_before_its_read(pair, monkeypatch, tree) -> None:
+    """generate calls on_wait in every cycle (the prefill's too) just before the one host read, after on_tokens of
+    the cycle before: the slot where a server's streaming work overlaps the device."""
+    from sdsie.decoding import engine
+
+    events: list[str] = []
+    real = engine.to_host
+    monkeypatch.setattr(engine, "to_host", lambda ints, floats: events.append("read") or real(ints, floats))
+    ids = pair.tokenizer.encode(PROMPT)
+    config = DecodeConfig(max_new_tokens=20, tree_widths=tree)
+    clutch = MIXED if tree is None else dataclasses.replace(MIXED, k_draft=len(tree))
+    result = generate(pair.target, ids, config, scout=pair.scout, clutch=EntropyClutch(clutch),
+                      on_tokens=lambda _: events.append("tokens"), on_wait=lambda: events.append("wait"))
+    assert 0 < result.stats.speculate_cycles < result.stats.cycles  # speculate cycles and plain steps
+    assert events == ["wait", "read", "tokens"] * (1 + result.stats.cycles)
+    assert result.tokens == generate(pair.target, ids, config, scout=pair.scout, clutch=EntropyClutch(clutch)).tokens
+
+
+def test_the_engine_emits_text_from_on_wait_or_after_the_run(pair, monkeypatch) -> None:
+    """Engine.run sends each step's text from the next cycle's on_wait (and what is left after generate returns),
+    never from on_tokens, where the event loop it wakes would take the lock during the next launch."""
+    from sdsie.serve import worker
+
+    state = {"in_wait": False, "running": False}
+    seen: list[tuple[str, bool, bool]] = []
+
+    def watched(*args, on_wait, **kwargs):
+        def wait() -> None:
+            state["in_wait"] = True
+            on_wait()
+            state["in_wait"] = False
+
+        state["running"] = True
+        try:
+            return generate(*args, on_wait=wait, **kwargs)
+        finally:
+            state["running"] = False
+
+    monkeypatch.setattr(worker, "generate", watched)
+    engine = Engine(pair.target, pair.tokenizer, _config(), scout=pair.scout)
+    request = protocol.parse_completion({"prompt": PROMPT, "max_tokens": 20, "ignore_eos": True, "temperature": 0},
+                                        engine.limits, pair.tokenizer)
+    engine.run(Job(request, lambda e: seen.append((type(e).__name__, state["running"], state["in_wait"]))))
+    deltas = [s for s in seen if s[0] == "Delta"]
+    assert seen[-1][0] == "Done" and len(deltas) >= 10
+    assert all(in_wait for _, running, in_wait in deltas if running)  # during the run: only from on_wait
+    assert sum(running for _, running, _ in deltas) >= len(deltas) - 1  # at most the last step's text comes after
 
 
 # ------------------------------------------------------------------------------------------------

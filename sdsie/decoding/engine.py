@@ -24,7 +24,7 @@ again holds exactly the kept tokens. The scout's tree positions are dropped: its
 After the scout's catch-up forward, a cycle's device work is one function (TreeStep), replayed as one CUDA graph
 under cuda_graphs.
 
-Each cycle reads the device once (`_to_host`): accepted count, emitted tokens and the entropy of
+Each cycle reads the device once (`_read`): accepted count, emitted tokens and the entropy of
 every verification row come back together. The clutch reads those entropies (target logits that
 were computed anyway): no extra forward and no extra synchronization.
 """
@@ -295,6 +295,7 @@ class _Run:
     stats: DecodeStats = field(default_factory=DecodeStats)
     k_next: int = 0  # drafts for the next speculate cycle (K; the adaptive schedule moves it)
     trees: dict[int, TreeStep] = field(default_factory=dict)  # tree_widths cut to each depth, built on first use
+    on_wait: Callable[[], None] | None = None  # generate's on_wait: called before each cycle's host read
 
     @property
     def last(self) -> torch.Tensor:  # [1]
@@ -357,7 +358,7 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
     run.stats.target_forwards += 1
     n_acc, next_token = _verify(run, logits, drafts, q)
     bits = entropy(logits)  # [k+1]
-    ints, floats = to_host(torch.cat([n_acc[None], drafts, next_token[None]]), bits)
+    ints, floats = _read(run, torch.cat([n_acc[None], drafts, next_token[None]]), bits)
     n = ints[0]
     emitted = ints[1 : 1 + n] + [ints[-1]]
     crop_cache(run.target_cache, run.length + n)
@@ -409,7 +410,7 @@ def _tree_cycle(run: _Run, step: TreeStep) -> tuple[list[int], list[float], int,
     run.stats.scout_forwards += step.layout.max_depth
     run.stats.target_forwards += 1
     run.stats.tree_nodes += step.layout.nodes
-    ints, floats = to_host(ints_d, bits_d)
+    ints, floats = _read(run, ints_d, bits_d)
     n = ints[0]
     crop_cache(run.target_cache, root + 1 + n)
     crop_cache(run.scout_cache, root + 1)
@@ -431,6 +432,7 @@ def generate(
     gear: Gear | None = None,
     on_cycle: Callable[[CycleRecord], None] | None = None,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
+    on_wait: Callable[[], None] | None = None,
 ) -> GenerationResult:
     """Generate up to config.max_new_tokens after prompt_ids (batch 1).
 
@@ -443,12 +445,17 @@ def generate(
     gear comes from `initial_engaged`). on_cycle, if given, is called with each CycleRecord.
     on_tokens, if given, is called with the tokens the prefill and then each cycle appended (a streaming
     server's hook); a true return ends the run after that step, stop_reason "stopped" (unless it ended anyway).
+    on_wait, if given, is called in each cycle (the prefill's too) once its work is launched, just before the host
+    waits for the device's answer: work that need not lengthen the cycle goes there. A server sends the text of the
+    previous cycle from it, so that the event loop it wakes takes the interpreter lock while the device computes
+    rather than while the host launches (docs/serving.md).
     """
     config = config if config is not None else DecodeConfig()
     device = model_device(target)
     prompt = check_prompt(prompt_ids, vocab_size(target), device)  # [P]
     k_engaged = _check_setup(target, scout, clutch, gear, config, device)
     run = _start(target, scout, prompt, config, k_engaged, gear)
+    run.on_wait = on_wait
     if clutch is not None:
         clutch.reset()
 
@@ -543,13 +550,21 @@ def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
     return min(k + 2, k_max) if accepted == drafted else max(1, k - 1)
 
 
+def _read(run: _Run, ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The cycle's one host read (to_host), with run.on_wait called first: the cycle's work is launched, so on a GPU
+    what on_wait does overlaps the device's work instead of lengthening the cycle."""
+    if run.on_wait is not None:
+        run.on_wait()
+    return to_host(ints, floats)
+
+
 def _prefill(run: _Run, prompt_len: int) -> tuple[int, float]:
     """Target reads the prompt; the first new token is a plain step from its last logits."""
     prompt = run.ids[:prompt_len]
     logits = forward(run.target, prompt, run.target_cache, last_only=True)  # [1, V]
     run.stats.target_forwards += 1
     _, token = _verify(run, logits, prompt[:0], None)
-    ints, floats = to_host(token[None], entropy(logits))
+    ints, floats = _read(run, token[None], entropy(logits))
     run.ids[prompt_len] = token
     run.length = prompt_len + 1
     return ints[0], floats[0]

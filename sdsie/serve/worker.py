@@ -4,9 +4,10 @@ gear the target runs in. `sdsie serve` runs this Engine on a thread of its own p
 same Engine runs inside a child process (sdsie.serve.process).
 
 Per request: a fresh clutch (generate also resets it), the gear's counters zeroed, caches new (dynamic) or
-emptied (static: generate crops a reused cache to 0). Tokens reach the request's `emit` after every step
-through generate's on_tokens hook, which also ends the run at the next cycle boundary when the request is
-cancelled (its client went away) or a stop string appeared.
+emptied (static: generate crops a reused cache to 0). Each step's tokens reach generate's on_tokens hook,
+which turns them into text and ends the run at the next cycle boundary when the request is cancelled (its client
+went away) or a stop string appeared; the text reaches the request's `emit` from the on_wait hook of the cycle after,
+once that cycle's work is launched (and at the end).
 """
 
 from __future__ import annotations
@@ -245,12 +246,21 @@ class Engine(Front):
             job.emit(Done("", "cancelled", {}, []))
             return
         text = TextStream(self.tokenizer, req.stop)
+        held: list[Delta] = []  # released text waits for the next cycle's launch (send_held)
 
         def on_tokens(tokens: list[int]) -> bool:
             piece = text.feed(tokens)
-            if piece:  # an empty piece (text held back) would wake the event loop for nothing, between cycles
-                job.emit(Delta(piece, tokens))
+            if piece:  # an empty piece (text held back) would wake the event loop for nothing
+                held.append(Delta(piece, tokens))
             return text.stopped or job.cancelled.is_set()
+
+        def send_held() -> None:
+            # Emitting wakes the event loop, which takes the interpreter lock at this thread's next release (any
+            # torch call) for its whole step of streaming work: from generate's on_wait, while the device computes;
+            # emitted straight from on_tokens, it would stretch the next cycle's launch (docs/serving.md).
+            for delta in held:
+                job.emit(delta)
+            held.clear()
 
         clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
         if self.gear is not None:
@@ -259,7 +269,7 @@ class Engine(Front):
         t0 = time.perf_counter()
         try:
             result = generate(self.target, list(req.prompt_ids), self.decode_config(req), scout=self.scout,
-                              clutch=clutch, gear=self.gear, on_tokens=on_tokens)
+                              clutch=clutch, gear=self.gear, on_tokens=on_tokens, on_wait=send_held)
         except Exception as err:  # the engine keeps serving; the client gets a 500 naming the cause
             log.exception("generation failed")
             _abort(window)
@@ -267,6 +277,7 @@ class Engine(Front):
             job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
             return
         seconds = time.perf_counter() - t0
+        send_held()
         self._timed(seconds)
         energy = self._close_energy(window, len(result.tokens))
         cancelled = result.stop_reason == "stopped" and not text.stopped

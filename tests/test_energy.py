@@ -116,6 +116,15 @@ def test_a_window_without_snapshots_reads_energy_alone() -> None:
     assert queried
 
 
+def test_a_window_opened_without_sync_reads_at_once_and_closes_synchronized() -> None:
+    meter, clock, _, nvml = counter_meter(watts=100.0)
+    window = meter.start(snapshot=False, sync=False)
+    assert "sync" not in nvml.events
+    clock.advance(1.0)
+    assert meter.stop(window, tokens=10, snapshot=False).energy_j == pytest.approx(100.0)
+    assert nvml.events.count("sync") == 1
+
+
 def test_state_field_nvml_refuses_is_none_with_reason_not_a_failed_window() -> None:
     refusal = FakeNvmlError(3, "Not Supported")
     meter, clock, _, _ = counter_meter(fail={"nvmlDeviceGetTemperature": refusal})

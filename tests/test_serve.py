@@ -217,6 +217,36 @@ def test_the_engine_emits_text_from_on_wait_or_after_the_run(pair, monkeypatch) 
     assert sum(running for _, running, _ in deltas) >= len(deltas) - 1  # at most the last step's text comes after
 
 
+def test_the_energy_window_opens_off_the_engine_thread_and_gives_the_request_its_joules(pair) -> None:
+    """The window's first NVML read runs on the energy thread, unsynchronized, while the prefill is launched; the
+    request's usage carries the window's energy; a reading that fails is no reading (None), not a failed request."""
+    from sdsie.telemetry.energy import EnergyMeter
+    from sdsie.telemetry.fake_nvml import FakeNvml, FakeNvmlError
+
+    t0, reads = time.perf_counter(), []
+
+    def counter() -> float:  # a 100 W device, its counter in mJ
+        reads.append(threading.current_thread().name)
+        return 1e6 + 100.0 * (time.perf_counter() - t0) * 1e3
+
+    nvml = FakeNvml(energy_mj=counter)
+    meter = EnergyMeter(nvml=nvml, sync=lambda: nvml.events.append("sync"), min_window_s=1e-3)
+    engine = Engine(pair.target, pair.tokenizer, _config(), scout=pair.scout, meter=meter)
+    request = protocol.parse_completion({"prompt": PROMPT, "max_tokens": 20, "ignore_eos": True, "temperature": 0},
+                                        engine.limits, pair.tokenizer)
+    reads.clear()  # the meter's backend check read the counter
+    nvml.events.clear()
+    done: list[Done] = []
+    engine.run(Job(request, lambda e: isinstance(e, Done) and done.append(e)))
+    sdsie = done[0].usage["sdsie"]
+    assert reads[0].startswith("sdsie-energy") and reads[1] == threading.current_thread().name
+    assert nvml.events == ["energy", "sync", "energy"]  # opened at once, closed after a sync
+    assert sdsie["energy_j"] == pytest.approx(100.0 * sdsie["seconds"], rel=0.5)  # the window spans the run
+    nvml.fail["nvmlDeviceGetTotalEnergyConsumption"] = FakeNvmlError(999, "Unknown Error")
+    engine.run(Job(request, lambda e: isinstance(e, Done) and done.append(e)))
+    assert done[1].usage["sdsie"]["energy_j"] is None and done[1].usage["completion_tokens"] == 20
+
+
 # ------------------------------------------------------------------------------------------------
 # Completions, chat, streaming
 

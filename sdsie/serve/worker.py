@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -171,6 +172,7 @@ class Engine(Front):
         super().__init__(tokenizer, config, Metrics(gear=gear is not None, energy=meter is not None))
         self._thread: threading.Thread | None = None
         self._current: Job | None = None
+        self._energy_thread: ThreadPoolExecutor | None = None  # opens energy windows (_open_energy)
 
     @classmethod
     def load(cls, config: ServeConfig) -> Engine:
@@ -265,21 +267,21 @@ class Engine(Front):
         clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
         if self.gear is not None:
             self.gear.reset_counters()
-        window = self._open_energy()
+        opening = self._open_energy()
         t0 = time.perf_counter()
         try:
             result = generate(self.target, list(req.prompt_ids), self.decode_config(req), scout=self.scout,
                               clutch=clutch, gear=self.gear, on_tokens=on_tokens, on_wait=send_held)
         except Exception as err:  # the engine keeps serving; the client gets a 500 naming the cause
             log.exception("generation failed")
-            _abort(window)
+            _abort(_opened(opening))
             self.metrics.count("failed")
             job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
             return
         seconds = time.perf_counter() - t0
         send_held()
         self._timed(seconds)
-        energy = self._close_energy(window, len(result.tokens))
+        energy = self._close_energy(opening, len(result.tokens))
         cancelled = result.stop_reason == "stopped" and not text.stopped
         finish = "cancelled" if cancelled else "stop" if text.stopped or result.stop_reason == "eos" else "length"
         stats = request_stats(result, len(req.prompt_ids), seconds, energy)
@@ -287,16 +289,18 @@ class Engine(Front):
         job.emit(Done(text.finish(), finish, usage(result, stats), list(result.tokens)))
 
     # -- energy ------------------------------------------------------------------------------------
-    def _open_energy(self) -> Any:
+    def _open_energy(self) -> Future | None:
+        """Open the request's window on the energy thread: an NVML counter read takes milliseconds (2.5 ms median on
+        the H200, docs/serving.md), which then overlap the prefill instead of delaying it. No sync: the device is
+        idle between requests."""
         if self.meter is None:
             return None
-        try:
-            return self.meter.start(snapshot=False)
-        except Exception as err:  # a failed reading is "no reading", never a failed request
-            log.warning("energy window not opened: %s", err)
-            return None
+        if self._energy_thread is None:
+            self._energy_thread = ThreadPoolExecutor(1, thread_name_prefix="sdsie-energy")
+        return self._energy_thread.submit(self.meter.start, snapshot=False, sync=False)
 
-    def _close_energy(self, window: Any, tokens: int) -> float | None:
+    def _close_energy(self, opening: Future | None, tokens: int) -> float | None:
+        window = _opened(opening)
         if window is None:
             return None
         try:
@@ -341,6 +345,17 @@ def usage(result: GenerationResult, stats: RequestStats) -> dict[str, Any]:
             "stop_reason": result.stop_reason,
         },
     }
+
+
+def _opened(opening: Future | None) -> Any:
+    """The window an _open_energy future opened, or None where none was (no meter, or the reading failed)."""
+    if opening is None:
+        return None
+    try:
+        return opening.result()
+    except Exception as err:  # a failed reading is "no reading", never a failed request
+        log.warning("energy window not opened: %s", err)
+        return None
 
 
 def _abort(window: Any) -> None:

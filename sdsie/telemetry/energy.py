@@ -264,10 +264,13 @@ class EnergyMeter:
         return True, f"{backend}: {reason}"
 
     # -- windows -------------------------------------------------------------------------------
-    def start(self, snapshot: bool = True) -> OpenWindow:
+    def start(self, snapshot: bool = True, sync: bool = True) -> OpenWindow:
         """Synchronize the device and open a window at this edge. snapshot=False skips the GPU state read (clocks,
-        temperature: several NVML queries) where a window's energy is all that is wanted, as per server request."""
-        self._sync()
+        temperature: several NVML queries) where a window's energy is all that is wanted, as per server request.
+        sync=False reads at once, for a caller that knows no earlier work is in flight (a server between requests)
+        and opens the window from another thread while the window's work is being launched."""
+        if sync:
+            self._sync()
         state = self._state() if snapshot else {}
         if self.backend == BACKEND_COUNTER:
             energy = self._counter_mj()

@@ -276,6 +276,7 @@ def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any]
         failed=m.failed, mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
         graphs={"direct": a.cuda_graphs, "server": a.cuda_graphs},  # one decoding configuration on both sides
         server_energy=not a.no_energy,
+        engine="process" if a.engine_process else "thread",
         transport="HTTP/1.1 SSE, server in a child process, its engine "
                   f"{'in a process of its own' if a.engine_process else 'on a thread of the server'}, client httpx "
                   "in this process",

@@ -91,27 +91,32 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
 
     records = load_records(TELEMETRY)
     rows = e2e_rows(records)
-    assert len(rows) == 3 and all("target 2.5x not met" in r for r in rows)
+    assert len(rows) == 4 and all("target 2.5x not met" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "1.71x tok/s" in r and "`f6a1ee8b`" in r for r in rows)
     assert any("llama3.1-8b" in r and "prompt 32," in r and "`83ded201`" in r for r in rows)
     assert any("qwen2.5-7b" in r and "prompt 32," in r and "`de0f90d6`" in r for r in rows)
     assert any("llama3.1-8b" in r and "prompt 2048," in r and "`3a9f146e`" in r for r in rows)
-    newer = ("83ded201", "de0f90d6", "b97aac82", "3a9f146e")
+    newer = ("83ded201", "de0f90d6", "b97aac82", "3a9f146e", "f6a1ee8b", "8d7b32b0")
     older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in newer]
     assert any("qwen2.5-7b" in r and "2.04x tok/s" in r and "`681f4aec`" in r for r in e2e_rows(older))
 
 
-def test_serve_row_reads_the_newest_complete_gpu_record_and_judges_the_target():
+def test_serve_rows_read_the_newest_complete_thread_layout_gpu_records_and_judge_the_target():
     import dataclasses
 
-    from reproductions.readme_results import serve_rows
+    from reproductions.readme_results import serve_layout, serve_rows
     from sdsie.telemetry.records import load_records
 
     records = load_records(TELEMETRY)
-    (row,) = serve_rows(records)
-    assert "`a47eb366`" in row and "0.898x tok/s" in row and "target 0.95x not met" in row and "without energy" in row
-    newest = next(r for r in records if r.source.name.startswith("20261203T203028517271Z-a47eb366"))
-    cut = dataclasses.replace(newest, complete=False)  # a cut run does not replace a complete one
-    others = [r for r in records if r is not newest]
-    (row,) = serve_rows([*others, cut])
-    assert "`733a6743`" in row and "with energy" in row
+    with_energy, without = serve_rows(records)
+    assert "`147d6d6b`" in with_energy and "0.949x tok/s" in with_energy and "target 0.95x not met" in with_energy
+    assert "with energy windows (the default)" in with_energy
+    assert "`464f3684`" in without and "0.975x tok/s" in without and "target 0.95x met" in without
+    by_id = {r.source.name.split("_")[0].split("-")[-1]: r for r in records if r.suite == "serve_overhead"}
+    assert serve_layout(by_id["0a44eaab"]) == "process" and serve_layout(by_id["a47eb366"]) == "thread"
+    cut = dataclasses.replace(by_id["464f3684"], complete=False)  # a cut run does not replace a complete one
+    (_, without) = serve_rows([*(r for r in records if r is not by_id["464f3684"]), cut])
+    assert "`bd0400fc`" in without and "0.970x tok/s" in without
     assert serve_rows([r for r in records if r.suite != "serve_overhead"]) == []
+
+

@@ -1,26 +1,23 @@
 """Is the server's engine slower than a direct generate() without a GPU in the loop, and does running the engine in
 a process of its own remove that? A synthetic engine on the real server stack separates it from CUDA.
 
-The H200 serve runs (docs/serving.md) put the server's engine, on a thread beside the event loop, at 0.91-0.94 of a
-direct generate() with everything but the streaming the same. Here `generate` is replaced by a loop that, per token,
-holds the interpreter lock for --hold-us of Python (the host's share of a graphed step: clutch, launch, bookkeeping)
-and then waits --step-ms with the lock released (the GPU's share), calling on_tokens as the engine does. Direct: that
+Here `generate` is replaced by a loop that, per token, holds the interpreter lock for --hold-us of Python (the host's
+share of a graphed step: clutch, launch, bookkeeping) while the device's --step-ms start, then waits for them with the
+lock released, calling on_tokens and on_wait as the engine does (--send-at: where on_wait comes). Direct: that
 loop alone in this process. Server: `sdsie serve`'s app (uvicorn) in this process over either engine (--engines):
 `thread`, the in-process Engine on a thread beside the event loop; `process`, EngineProcess, whose spawned child
 installs the same loop through `child_init` (install_fake) before it loads the committed stand-in. Streamed requests
 come from a client in a child process (so the client does not take this process's lock); the engine's own time comes
 from usage.sdsie.seconds. Each repeat starts a server per engine, in alternating order, between direct runs.
 
-    python -m research.serve_contention [--hold-us 100 --step-ms 1.7 --tokens 128 --requests 12 --repeats 5]
+    python -m research.serve_contention [--hold-us 100 --step-ms 1.7 --tokens 128 --requests 12 --repeats 5 \
+        --send-at wait,cycle-end]
 
-Answer (2026-12-03, this project's shared 2-core CPU, load average 0.5-1.8 from other work during the runs): the
-engine in its own process is not faster here. Two runs of 5 repeats, engine tokens/s over direct, median (min-max):
-thread 0.926 (0.915-0.932) and 0.933 (0.919-0.939); process 0.898 (0.878-0.947) and 0.898 (0.890-0.934); server
-tokens/s over direct 0.917 and 0.922 against 0.886 and 0.886. With two cores shared by the engine's process, the
-server's process and the client (and other work), the likely cost is that each token's message over the pipe wakes
-another process that competes with the engine for a core; this machine cannot show what the interpreter lock costs
-the thread engine on a host with idle cores. The H200 comparison is reproductions/serve_bench.py with and without
---engine-process.
+Answer (this project's shared 2-core CPU; telemetry/raw/serve_contention_onwait_cpu.json, 5 repeats, engine tokens/s
+over direct, median (min-max)): where the engine sends each step's text matters more than where it runs. Sent from
+generate's on_wait (after the next launch, while the device computes): thread 0.973 (0.965-0.984), process 0.958
+(0.923-0.970). Sent straight after each step: thread 0.945 (0.910-0.984), process 0.906 (0.797-0.932). The H200
+records (docs/serving.md) agree: the thread engine with on_wait runs at 0.98-0.99 of direct, the process one lower.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Does split-KV attention (`sdsie.kernels.decode_attention`) take a one-token decode step's attention near the time
 its keys and values take to read, where SDPA on the packed query does not?
 
-A graphed, compiled batch-1 decode of a Llama-3.1-8B-shaped model after a 2,048-token prompt spends 51 us of GPU time
-per layer in attention whose K and V are 8 MB (about 2 us at the copy rate): `model_io._static_sdpa_attention` packs
-the step's query heads onto their key/value head and calls SDPA with an additive mask over the whole static cache,
-whose fused kernel runs B * H_kv programs (8 for Llama, 4 for Qwen2.5-7B) on a 132-SM GPU.
+A graphed, compiled batch-1 decode of a Llama-3.1-8B-shaped model after a 2,048-token prompt spends 1,633 us of GPU
+time per token in attention (docs/log.md, GPU time per decode token by category): 51 us per layer, where the
+layer's K and V in a 2,304-position static cache are 9.4 MB, 2.2 us at the 4.25 TB/s copy rate.
+`model_io._static_sdpa_attention` packs the step's query heads onto their key/value head and calls SDPA with an
+additive mask over the whole static cache, whose fused kernel runs B * H_kv programs (8 for Llama, 4 for
+Qwen2.5-7B) on a 132-SM GPU.
 
 Per model shape (Llama-3.1-8B: H_kv 8, G 4, D 128; Qwen2.5-7B: H_kv 4, G 7, D 128), batch 1, bf16, at S in
 {256, 2304, 8448} cache positions with the last 100 masked (a static cache's unfilled slots), each arm is timed
@@ -17,7 +19,7 @@ and checked against a float64 reference (max abs error). Arms:
                 _double half and twice the rule's split count (the rule's alternatives, for tuning it)
 K and V bytes read per call and the rate they imply (TB/s) sit beside each time.
 
-Run on the H200 (one call, about two minutes):
+Run on the H200:
     python -m research.kernels.decode_attention_bench --out $OUT/decode_attention_h200.json
 CPU dry run (the Triton interpreter, tiny shapes, no timing), which tests/test_decode_attention.py runs:
     TRITON_INTERPRET=1 python -m research.kernels.decode_attention_bench --tiny --device cpu --out /tmp/da.json

@@ -132,7 +132,7 @@ def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden:
             row["max_abs_err"] = float((y.double() - ref).abs().max())
             if timed:
                 row |= time_arm(fn, q, kvs, mask, scale, kv_bytes, device)
-        except (RuntimeError, ValueError) as err:  # an arm this torch/device does not run is recorded, not fatal
+        except (RuntimeError, TypeError, ValueError) as err:  # an arm this torch or device lacks: recorded
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         out["arms"][name] = row
         times = "" if "graph_us" not in row else f" do_bench {row['do_bench_us']:.1f} us graph {row['graph_us']:.1f} us"

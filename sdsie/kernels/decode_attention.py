@@ -109,6 +109,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
         n_ok = offs_n < end
         kv_ok = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, D]
+        # V's load issued beside K's: a chunk of one tile (the common case at 2-4 programs per SM) then waits on
+        # memory once, not twice
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -127,7 +130,6 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
         alpha = tl.exp(m_i - base)
         p = tl.exp(s - base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
         p = p.to(v.dtype)  # the tensor cores' operand; under DOT_FP32 the same rounded values, in fp32
         if DOT_FP32:
             pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -255,7 +257,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         DOT_FP32=dot_fp32, num_warps=4)
     _reduce_kernel[(batch * heads, groups)](
         acc, m, l_sum, out, groups, plan.num_splits,
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(plan.num_splits), num_warps=4)
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(plan.num_splits)), num_warps=4)
     return out
 
 

@@ -220,10 +220,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
             num_splits: int | None = None, block_n: int = BLOCK_N) -> torch.Tensor:
     check_inputs(q, k, v, mask)
-    if not _kernel_runs_on(q.device):
-        raise RuntimeError(f"decode_attention runs on CUDA, or on a CPU under TRITON_INTERPRET=1; got {q.device}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n}")
+    if not _kernel_runs_on(q.device):
+        raise RuntimeError(f"decode_attention runs on CUDA, or on a CPU under TRITON_INTERPRET=1; got {q.device}")
     batch, heads, groups, dim = q.shape
     seq_len = k.shape[2]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else DEFAULT_SMS

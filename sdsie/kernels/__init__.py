@@ -1,6 +1,8 @@
 """Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls (`int4_mm`: the same as a torch.library
-op, which torch.compile traces); `fuse_rmsnorm` swaps a model's RMSNorms for one kernel each (`rms_norm`)."""
+op, which torch.compile traces); `fuse_rmsnorm` swaps a model's RMSNorms for one kernel each (`rms_norm`);
+`decode_attention` is split-KV attention for a one-token step (`sdsie::decode_attention` as an op)."""
 
+from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_gemm import Int4KernelConfig, candidate_configs, int4_matmul, kernel_calls, select_config
 from sdsie.kernels.ops import int4_mm, register_weight
 from sdsie.kernels.reference import int4_matmul_reference
@@ -10,6 +12,7 @@ __all__ = [
     "FusedRMSNorm",
     "Int4KernelConfig",
     "candidate_configs",
+    "decode_attention",
     "fuse_rmsnorm",
     "int4_matmul",
     "int4_mm",
@@ -18,4 +21,5 @@ __all__ = [
     "register_weight",
     "rms_norm",
     "select_config",
+    "split_rule",
 ]

@@ -31,12 +31,13 @@ RuntimeError and a caller keeps SDPA.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from sdsie.kernels.device import interpreting, kernel_runs_on
 
 __all__ = ["DEFAULT_SMS", "MAX_SPLITS", "PROGRAMS_PER_SM", "SplitPlan", "decode_attention", "split_rule"]
 
@@ -166,14 +167,6 @@ def _reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, G, NUM_SPLITS,
     tl.store(out_ptr + (bh * G + g).to(tl.int64) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _kernel_runs_on(device: torch.device) -> bool:
-    return device.type == "cuda" or _interpreting()
-
-
 def _mask_4d(mask: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     """`mask` as a [B, 1, 1, S] view (broadcast dims at stride 0); a per-head or per-row mask is refused."""
     if mask.dim() > 4:
@@ -222,7 +215,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     check_inputs(q, k, v, mask)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n}")
-    if not _kernel_runs_on(q.device):
+    if not kernel_runs_on(q.device):
         raise RuntimeError(f"decode_attention runs on CUDA, or on a CPU under TRITON_INTERPRET=1; got {q.device}")
     batch, heads, groups, dim = q.shape
     seq_len = k.shape[2]
@@ -244,7 +237,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     block_d = max(16, triton.next_power_of_2(dim))
     # fp32 dots in IEEE for fp32 inputs (no tf32 rounding), and under the interpreter, whose bf16 dot is wrong in
     # Triton 3.6 (the operands are the same rounded values)
-    dot_fp32 = q.dtype == torch.float32 or _interpreting()
+    dot_fp32 = q.dtype == torch.float32 or interpreting()
     _split_kernel[(batch * heads, plan.num_splits)](
         q, k, v, mask_arg, acc, m, l_sum,
         q.stride(0), q.stride(1), q.stride(2),

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
+from sdsie.kernels.device import interpreting
 
 __all__ = ["Int4KernelConfig", "int4_matmul", "int4_dequantize", "select_config", "select_config_with_source",
            "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M"]
@@ -1018,8 +1019,7 @@ _SCRATCH = _Scratch()
 _CALLS = {"n": 0}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+_interpreting = interpreting  # a module attribute: a test sets it to keep the compiled kernel, as on a GPU
 
 
 def kernel_calls() -> int:

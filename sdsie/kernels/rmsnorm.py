@@ -10,12 +10,12 @@ dtype; only the mean's summation order differs from torch's.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import nn
+
+from sdsie.kernels.device import kernel_runs_on
 
 __all__ = ["FusedRMSNorm", "fuse_rmsnorm", "rms_norm", "rms_norm_reference"]
 
@@ -58,10 +58,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def _kernel_runs_on(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 class FusedRMSNorm(nn.Module):
     """An RMSNorm module (HF's LlamaRMSNorm and its kin: `weight`, `variance_epsilon`) as one kernel where Triton runs;
     elsewhere (a CPU without the interpreter) HF's formula. Holds the same weight Parameter."""
@@ -72,7 +68,7 @@ class FusedRMSNorm(nn.Module):
         self.variance_epsilon = float(norm.variance_epsilon)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if _kernel_runs_on(hidden_states.device):
+        if kernel_runs_on(hidden_states.device):
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return rms_norm_reference(hidden_states, self.weight, self.variance_epsilon)
 

@@ -5,6 +5,8 @@ repeated keys and values."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -105,3 +107,33 @@ def test_static_decoding_with_packed_heads_keeps_the_dynamic_caches_tokens():
     finally:
         torch._dynamo.reset()
     assert static == dynamic == compiled
+
+
+def test_split_kv_attention_decodes_the_tokens_of_sdpa_and_runs_the_kernel_once_per_layer_and_step(monkeypatch):
+    """DecodeConfig(attention="split_kv") sends each one-token step's attention through the split-KV kernel (here
+    under the Triton interpreter), one call per layer and step, and the multi-token forwards to sdpa: greedy tokens
+    equal sdpa's, eagerly and traced by dynamo (the kernel as one custom op); the two choices keep separate caches."""
+    module = importlib.import_module("sdsie.kernels.decode_attention")  # the package exports its function by that name
+    calls = []
+    real = module._launch
+    monkeypatch.setattr(module, "_launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    model = tiny_llama(vocab_size=64, num_layers=LAYERS, seed=0)
+    prompt, n = [1, 5, 9, 4, 7], 6
+    sdpa = generate(model, prompt, DecodeConfig(max_new_tokens=n, kv_cache="static")).tokens
+    split = generate(model, prompt, DecodeConfig(max_new_tokens=n, kv_cache="static", attention="split_kv")).tokens
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    assert calls and len(calls) == LAYERS * (n - 1)  # the prefill's forward is sdpa's; every decode step the kernel's
+    assert all(tuple(c) == (1, kv_heads, heads // kv_heads, model.config.head_dim) for c in calls)
+    traced = compiled_copy(model, backend="eager")
+    try:
+        compiled = generate(traced, prompt, DecodeConfig(max_new_tokens=n, kv_cache="static", attention="split_kv"))
+    finally:
+        torch._dynamo.reset()
+    assert split == sdpa == compiled.tokens
+
+
+def test_attention_choice_is_checked():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        DecodeConfig(attention="flash")
+    with pytest.raises(ValueError, match="needs kv_cache='static'"):
+        DecodeConfig(attention="split_kv")

@@ -42,6 +42,7 @@ from torch import nn
 
 from sdsie.clutch import EntropyClutch
 from sdsie.decoding.model_io import (
+    DECODE_ATTENTIONS,
     StaticKV,
     cache_length,
     check_prompt,
@@ -104,6 +105,9 @@ class DecodeConfig:
     k_draft, and a clutch's k_draft, must be None or equal it, and CycleRecord.k counts depths, not nodes. Near the
     end of a run the tree is cut to the depths the budget leaves. Under cuda_graphs a tree cycle is one graph replay
     after the scout's catch-up forward (sdsie.decoding.tree.TreeStep).
+    attention: a one-token step's attention over a static cache: "sdpa" (torch's fused kernel, one program per
+    key/value head over the whole cache) or "split_kv" (sdsie.kernels.decode_attention: the cache's positions split
+    across programs, for long contexts; CUDA, or the Triton interpreter). Needs kv_cache="static".
     """
 
     max_new_tokens: int = 64
@@ -118,6 +122,7 @@ class DecodeConfig:
     k_schedule: str = "constant"
     draft_stop_prob: float | None = None
     tree_widths: tuple[int, ...] | None = None
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.tree_widths is not None:
@@ -137,6 +142,10 @@ class DecodeConfig:
             or not 0.0 < self.draft_stop_prob <= 1.0
         ):
             raise ValueError(f"draft_stop_prob must be a probability in (0, 1], got {self.draft_stop_prob!r}")
+        if self.attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"attention must be one of {DECODE_ATTENTIONS}, got {self.attention!r}")
+        if self.attention != "sdpa" and self.kv_cache != "static":
+            raise ValueError(f"attention={self.attention!r} needs kv_cache='static' (it attends over a static cache)")
         if self.cuda_graphs and self.kv_cache != "static":
             raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
         if self.k_draft is not None and (
@@ -666,7 +675,7 @@ def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_s
         return new_cache(model)
     max_len = -(-max_len // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET
     key = (role, max_len, config.cuda_graphs, graph_sizes, pad_sizes, model_device(model),
-           next(model.parameters()).dtype)
+           next(model.parameters()).dtype, config.attention)
     fingerprint = module_fingerprint(model)
     if _FINGERPRINTS.get(model) != fingerprint:
         # modules or storages were swapped since the caches' graphs were captured (e.g. quantize_model in place):
@@ -677,7 +686,7 @@ def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_s
     kv = caches.get(key)
     if kv is None:
         kv = caches[key] = StaticKV(model, max_len, cuda_graphs=config.cuda_graphs, graph_sizes=graph_sizes,
-                                    pad_sizes=pad_sizes)
+                                    pad_sizes=pad_sizes, attention=config.attention)
     else:
         kv.crop(0)
     return kv

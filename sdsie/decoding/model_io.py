@@ -63,13 +63,15 @@ class StaticKV:
     """
 
     def __init__(self, model: nn.Module, max_len: int, cuda_graphs: bool = False,
-                 graph_sizes: Sequence[int] = (), pad_sizes: Sequence[int] = ()) -> None:
+                 graph_sizes: Sequence[int] = (), pad_sizes: Sequence[int] = (), attention: str = "sdpa") -> None:
         from transformers import StaticCache
 
         if max_len < 1:
             raise ValueError(f"StaticKV: max_len must be >= 1, got {max_len}")
         if any(not isinstance(s, int) or s < 2 for s in pad_sizes):
             raise ValueError(f"StaticKV: pad_sizes must be integers >= 2, got {list(pad_sizes)}")
+        if attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"StaticKV: attention must be one of {DECODE_ATTENTIONS}, got {attention!r}")
         device = model_device(model)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, got {device}")
@@ -77,6 +79,7 @@ class StaticKV:
         self.max_len = max_len
         self.length = 0
         self.cuda_graphs = cuda_graphs
+        self.attention = attention  # a one-token forward's attention (_static_attention)
         self.graph_sizes = frozenset(graph_sizes)
         self.pad_sizes = tuple(sorted(set(pad_sizes)))
         self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
@@ -136,7 +139,7 @@ class StaticKV:
             g.ids.copy_(ids[None])
             g.graph.replay()
             return g.logits
-        with _static_attention(model):
+        with _static_attention(model, self.attention):
             return _hf_forward(model, ids[None], self.cache, last_only)
 
     def crop(self, length: int) -> None:
@@ -172,7 +175,7 @@ class StaticKV:
         ids = torch.zeros((1, n), dtype=torch.long, device=model_device(model))
 
         def run() -> torch.Tensor:
-            with _static_attention(model):
+            with _static_attention(model, self.attention):
                 return _hf_forward(model, ids, self.cache, last_only)
 
         graph, logits = capture_graph(run, [self], f"a {n}-token forward of {type(model).__name__}")
@@ -234,10 +237,12 @@ def _attention_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
 
 
 STATIC_SDPA = "sdsie_static_sdpa"
+STATIC_SPLIT_KV = "sdsie_static_split_kv"
+DECODE_ATTENTIONS = ("sdpa", "split_kv")  # DecodeConfig.attention: a one-token step's attention over a static cache
 
 
 @contextmanager
-def _static_attention(model: nn.Module) -> Iterator[None]:
+def _static_attention(model: nn.Module, attention: str = "sdpa") -> Iterator[None]:
     """HF's sdpa over the static cache, with three changes that leave every attention score as it was:
 
     - The causal mask is always built on the device. For a multi-token forward over a static cache, HF's sdpa mask
@@ -248,14 +253,17 @@ def _static_attention(model: nn.Module) -> Iterator[None]:
     - A one-token forward of a grouped-query model packs its query heads onto their key/value heads
       (`_static_sdpa_attention`), so attention reads the cache as it is instead of a copy of it per query head.
 
-    Models on another attention implementation are left as they are.
+    attention="split_kv" sends a one-token forward's attention to `sdsie.kernels.decode_attention` instead of torch's
+    sdpa (`_static_split_kv_attention`): the cache's positions split across many programs, where sdpa's fused kernel
+    runs one program per key/value head over the whole cache. Models on another attention implementation are left as
+    they are.
     """
     config = model.config
     if config._attn_implementation != "sdpa":
         yield
         return
     _register_static_sdpa()
-    config._attn_implementation = STATIC_SDPA
+    config._attn_implementation = STATIC_SPLIT_KV if attention == "split_kv" else STATIC_SDPA
     try:
         yield
     finally:
@@ -290,11 +298,9 @@ def _static_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     versions may not at all), so a compiled decode step copies the cache. Other forwards go to HF's sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    batch, heads, q_len, dim = query.shape
+    batch, heads, _, dim = query.shape
     groups = heads // key.shape[1]
-    plain = (q_len != 1 or groups == 1 or key.shape[1] * groups != heads or kwargs.get("position_bias") is not None
-             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False))
-    if plain:
+    if not _one_token_step(query, key, dropout, kwargs) or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     packed = query.reshape(batch, heads // groups, groups, dim)
@@ -306,12 +312,42 @@ def _static_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     return out.reshape(batch, 1, heads, value.shape[-1]), None  # HF's layout: [B, S, H, Dv]
 
 
+def _one_token_step(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]) -> bool:
+    """A one-token forward whose query heads group evenly onto the key/value heads, with nothing but a mask added to
+    the scores: the step both static attentions pack."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    return (query.shape[2] == 1 and heads % kv_heads == 0 and not dropout and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
+
+
+def _static_split_kv_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                               is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`_static_sdpa_attention`, with a one-token step's packed query ([B, H_kv, H / H_kv, D]) attending through
+    `decode_attention`, the split-KV kernel; its mask must be one row shared by every head ([B or 1, 1, 1, S]). Any
+    other forward, or a device the kernel does not run on, goes to `_static_sdpa_attention`."""
+    from sdsie.kernels.decode_attention import decode_attention
+    from sdsie.kernels.device import kernel_runs_on
+
+    batch, heads, _, dim = query.shape
+    mask = attention_mask
+    shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1)
+    if not (_one_token_step(query, key, dropout, kwargs) and shared_mask and kernel_runs_on(query.device)):
+        return _static_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    packed = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
+    out = decode_attention(packed, key, value, mask, scaling)  # [B, H_kv, H / H_kv, Dv]
+    return out.reshape(batch, 1, heads, value.shape[-1]), None  # HF's layout: [B, S, H, Dv]
+
+
 @functools.cache
 def _register_static_sdpa() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(STATIC_SDPA, _static_sdpa_attention)
     AttentionMaskInterface.register(STATIC_SDPA, _static_sdpa_mask)
+    AttentionInterface.register(STATIC_SPLIT_KV, _static_split_kv_attention)
+    AttentionMaskInterface.register(STATIC_SPLIT_KV, _static_sdpa_mask)
 
 
 def new_cache(model: nn.Module) -> Any:

@@ -185,7 +185,7 @@ def tree_forward(model: nn.Module, cache: Any, ids: torch.Tensor, start: torch.T
         raise ValueError(f"tree_forward: {n} tokens need visible [{n}, L] bool and positions [{n}], got "
                          f"{visible.dtype} {tuple(visible.shape)} and {tuple(positions.shape)}")
     if isinstance(cache, StaticKV):
-        width, hf_cache, ctx = cache.max_len, cache.cache, _static_attention(model)
+        width, hf_cache, ctx = cache.max_len, cache.cache, _static_attention(model, cache.attention)
     else:
         width, hf_cache, ctx = cache.get_seq_length() + n, cache, contextlib.nullcontext()
     with ctx:

@@ -31,8 +31,11 @@ counters alone while dynamo traces, so a gated step compiles once). The HF peer 
 HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and its row says whether HF did
 (`hf_compiled`).
 
+Attention: --attention split_kv runs the engine's one-token steps through the split-KV decode kernel
+(DecodeConfig.attention; the HF peer keeps its own); the record's config names it.
+
 Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--prompt-lens ...] [--variants ...]
-           [--max-seconds S]
+           [--max-seconds S] [--attention split_kv]
 Dry run (CPU, tiny configuration): python -m reproductions.decode_e2e --device cpu --tiny --out DIR
 Off CUDA the INT4 layers run the kernel's float64 reference (Triton's interpreter takes seconds per GEMV; the dry run
 checks the suite's plumbing, the kernel has its own tests), tinygemm runs torch's CPU kernel, and dynamo traces with
@@ -49,6 +52,7 @@ record written); 3 it ran to the end but some row raised (its error is in its ro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import signal
@@ -68,7 +72,7 @@ import sdsie.kernels
 import sdsie.kernels.ops
 from sdsie.clutch import ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
-from sdsie.decoding.model_io import sync_device
+from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
 from sdsie.kernels import int4_matmul_reference
 from sdsie.quant import GatedLinear, Int4Linear, QuantConfig, fuse_projections, gate_model
 from sdsie.quant.linear import replace_module
@@ -294,13 +298,14 @@ class Variant:
     hf: bool = False  # HF generate() instead of the engine
     hf_compile: Any = None  # HF's CompileConfig for its generate (None: HF's default, which compiles on CUDA)
     read_skip: Callable[[str], bool] = field(default=lambda name: False)
+    attention: str = "sdpa"  # DecodeConfig.attention of the engine's runs (--attention)
 
 
 def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -> tuple[int, float, float]:
     """One decode -> (new tokens, prefill seconds, decode seconds)."""
     if v.hf:
         return _hf_run(v.model, prompt, new_tokens, v.hf_compile)
-    cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs)
+    cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs, attention=v.attention)
     clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
     r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
     return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds
@@ -574,7 +579,8 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "dtype": str(dtype), "group_size": GROUP_SIZE, "linears": LINEARS, "cuda_graphs": args.graphs,
                    "compile_backend": args.compile_backend or "inductor", "compile_dynamic": False,
                    "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
-                   "energy": energy_reason or "nvml", "max_seconds": args.max_seconds},
+                   "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
+                   "attention": args.attention},
         "results": [],
         "complete": False,
     }
@@ -627,7 +633,8 @@ def _model_rows(name: str, args: argparse.Namespace, device: torch.device, dtype
                 row: dict[str, Any] = {"model": name, "prompt_len": p, "variant": variant}
                 t0 = time.monotonic()
                 try:
-                    row.update(measure(make(), prompt, new_tokens, args.trials, args.graphs, meter,
+                    v = dataclasses.replace(make(), attention=args.attention)
+                    row.update(measure(v, prompt, new_tokens, args.trials, args.graphs, meter,
                                        args.energy_window_s, copy_gbs, args.profile))
                 except Exception as err:  # a variant that cannot run is reported, the others still run
                     row["error"] = f"{type(err).__name__}: {err}"[:500]
@@ -687,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-energy", dest="energy", action="store_false")
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
+    p.add_argument("--attention", choices=DECODE_ATTENTIONS, default="sdpa",
+                   help="the engine's one-token attention over its static cache (DecodeConfig.attention)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")

@@ -705,10 +705,14 @@ def _families(rec: RunRecord, cell: Callable[[str], str | None]) -> str:
 def e2e_rows(records: list[RunRecord]) -> list[str]:
     """INT4 end to end: per model and prompt length, from the newest decode_e2e record that compiled both (runs split
     by model or prompt each keep their rows), INT4 against bf16 with the same engine, compilation and graphs, in
-    tok/s and J/token."""
+    tok/s and J/token. Only records of the engine's default one-token attention (DecodeConfig.attention) count."""
+    from sdsie.decoding import DecodeConfig
+
     suffix = ".int4_compiled.speedup_vs_baseline"
+    default = DecodeConfig().attention
     newest_of: dict[str, RunRecord] = {}
-    for rec in sorted((r for r in records if r.suite == "decode_e2e"), key=lambda r: r.created):
+    e2e = (r for r in records if r.suite == "decode_e2e" and r.config.get("attention", "sdpa") == default)
+    for rec in sorted(e2e, key=lambda r: r.created):
         for key in rec.metrics:
             if key.endswith(suffix):
                 newest_of[key] = rec

@@ -62,6 +62,22 @@ def test_a_2048_token_prompt_decodes_eagerly_compiled_and_through_hf(tmp_path: P
     assert all("error" not in r and r["new_tokens"] == 3 for r in rows), rows
 
 
+@CPU_ONLY
+def test_attention_split_kv_runs_the_engines_variants_through_the_split_kv_kernel(tmp_path: Path, monkeypatch):
+    """--attention split_kv reaches the engine's decode steps (the kernel under the interpreter) and the record."""
+    import importlib
+
+    module = importlib.import_module("sdsie.kernels.decode_attention")
+    calls = []
+    real = module._launch
+    monkeypatch.setattr(module, "_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16", "--attention", "split_kv", "--no-record",
+                      "--no-profile", "--no-energy")) == 0
+    doc = json.loads((tmp_path / "decode_e2e.json").read_text())
+    assert doc["config"]["attention"] == "split_kv" and "error" not in doc["results"][0]
+    assert calls
+
+
 def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
     assert main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--max-seconds", "0"]) == 2
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())

@@ -86,6 +86,8 @@ def test_claims_rows_keep_the_two_judgments_apart():
 
 
 def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
+    import dataclasses
+
     from reproductions.readme_results import e2e_rows
     from sdsie.telemetry.records import load_records
 
@@ -96,6 +98,9 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     assert any("llama3.1-8b" in r and "prompt 32," in r and "`83ded201`" in r for r in rows)
     assert any("qwen2.5-7b" in r and "prompt 32," in r and "`de0f90d6`" in r for r in rows)
     assert any("llama3.1-8b" in r and "prompt 2048," in r and "`3a9f146e`" in r for r in rows)
+    split = [dataclasses.replace(r, config={**r.config, "attention": "split_kv"})
+             if r.source.name.split("-", 1)[1][:8] == "f6a1ee8b" else r for r in records]
+    assert not any("`f6a1ee8b`" in r for r in e2e_rows(split))  # another attention than the default: not headline
     newer = ("83ded201", "de0f90d6", "b97aac82", "3a9f146e", "f6a1ee8b", "8d7b32b0")
     older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in newer]
     assert any("qwen2.5-7b" in r and "2.04x tok/s" in r and "`681f4aec`" in r for r in e2e_rows(older))

@@ -235,3 +235,45 @@ def test_the_gpu_benchs_dry_run_writes_every_arm_with_small_errors(kernel_device
         assert c["kv_bytes"] == 2 * c["h_kv"] * c["s"] * c["d"] * 2
         for arm in c["arms"].values():
             assert 0 <= arm["max_abs_err"] < 2.0**-5, arm
+
+
+SM90_COMPILE = r"""
+import inspect, json
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from sdsie.kernels.decode_attention import _reduce_kernel, _split_kernel
+
+def build(kernel, ptrs, consts):
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n == "scale" else "i32")
+           for n in inspect.signature(kernel.fn).parameters}
+    return compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+split = build(_split_kernel, {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "mask_ptr"), "*bf16"),
+                              **dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32")},
+              {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "HAS_MASK": True, "MASK_BOOL": False,
+               "DOT_FP32": False})
+reduce = build(_reduce_kernel, {**dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32"), "out_ptr": "*bf16"},
+               {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64})
+ptx = split.asm["ptx"]
+print(json.dumps({"mma_bf16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+                  "local": ptx.count("ld.local") + ptx.count("st.local") + reduce.asm["ptx"].count("st.local"),
+                  "shared": split.metadata.shared}))
+"""
+
+
+def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_spills():
+    """The interpreter runs the products in fp32 (its bf16 dot is wrong), so the GPU's own path, bf16 operands on the
+    tensor cores, is compiled here offline (Triton's bundled ptxas; no GPU) for the Llama/Qwen decode shape (D 128,
+    G padded to 16, 64-position tiles): scores and P @ V as bf16 MMAs, nothing in local memory."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["mma_bf16"] > 0 and r["local"] == 0 and 0 < r["shared"] <= 64 * 1024, r

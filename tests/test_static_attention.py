@@ -132,8 +132,12 @@ def test_split_kv_attention_decodes_the_tokens_of_sdpa_and_runs_the_kernel_once_
     assert split == sdpa == compiled.tokens
 
 
-def test_attention_choice_is_checked():
+def test_attention_choice_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="attention must be one of"):
         DecodeConfig(attention="flash")
     with pytest.raises(ValueError, match="needs kv_cache='static'"):
         DecodeConfig(attention="split_kv")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU the kernel does not run on: refused, not a silent sdpa
+    with pytest.raises(ValueError, match="split_kv.*needs a CUDA device"):
+        generate(tiny_llama(vocab_size=64, num_layers=1, seed=0), [1, 2],
+                 DecodeConfig(max_new_tokens=2, kv_cache="static", attention="split_kv"))

@@ -58,6 +58,7 @@ from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, mak
 from sdsie.decoding.tree import TreeLayout, TreeStep, check_widths
 from sdsie.decoding.verify import greedy_verify, rejection_verify
 from sdsie.entropy import entropy
+from sdsie.kernels.device import kernel_runs_on
 from sdsie.models import check_vocab, vocab_size
 
 __all__ = ["K_SCHEDULES", "CycleRecord", "DecodeConfig", "DecodeStats", "Gear", "GenerationResult", "generate",
@@ -707,6 +708,9 @@ def _check_setup(
         raise ValueError(f"gear must have a bool attribute 'int4', got {type(gear).__name__}")
     if config.cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs needs a CUDA device, the target is on {device}")
+    if config.attention == "split_kv" and not kernel_runs_on(device):
+        raise ValueError(f"attention='split_kv' runs a Triton kernel: it needs a CUDA device (or TRITON_INTERPRET=1), "
+                         f"the target is on {device}")
     if clutch is not None and scout is None and gear is None:
         raise ValueError("a clutch with neither a scout nor a gear would gate nothing; pass scout= and/or gear=")
     if scout is None:

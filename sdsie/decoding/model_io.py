@@ -324,15 +324,14 @@ def _static_split_kv_attention(module: nn.Module, query: torch.Tensor, key: torc
                                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                                is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """`_static_sdpa_attention`, with a one-token step's packed query ([B, H_kv, H / H_kv, D]) attending through
-    `decode_attention`, the split-KV kernel; its mask must be one row shared by every head ([B or 1, 1, 1, S]). Any
-    other forward, or a device the kernel does not run on, goes to `_static_sdpa_attention`."""
+    `decode_attention`, the split-KV kernel (which refuses a device it does not run on); its mask must be one row
+    shared by every head ([B or 1, 1, 1, S]). Any other forward goes to `_static_sdpa_attention`."""
     from sdsie.kernels.decode_attention import decode_attention
-    from sdsie.kernels.device import kernel_runs_on
 
     batch, heads, _, dim = query.shape
     mask = attention_mask
     shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1)
-    if not (_one_token_step(query, key, dropout, kwargs) and shared_mask and kernel_runs_on(query.device)):
+    if not (_one_token_step(query, key, dropout, kwargs) and shared_mask):
         return _static_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     packed = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)

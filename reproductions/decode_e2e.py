@@ -31,11 +31,12 @@ counters alone while dynamo traces, so a gated step compiles once). The HF peer 
 HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and its row says whether HF did
 (`hf_compiled`).
 
-Attention: --attention split_kv runs the engine's one-token steps through the split-KV decode kernel
-(DecodeConfig.attention; the HF peer keeps its own); the record's config names it.
+Attention: --attention picks the engine's one-token attention over its static cache (DecodeConfig.attention; the
+HF peer keeps its own). The default, auto, is the split-KV kernel under graphs on CUDA and SDPA otherwise; the
+record's config names what was asked (`attention`) and what ran (`attention_run`).
 
 Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--prompt-lens ...] [--variants ...]
-           [--max-seconds S] [--attention split_kv]
+           [--max-seconds S] [--attention auto|sdpa|split_kv]
 Dry run (CPU, tiny configuration): python -m reproductions.decode_e2e --device cpu --tiny --out DIR
 Off CUDA the INT4 layers run the kernel's float64 reference (Triton's interpreter takes seconds per GEMV; the dry run
 checks the suite's plumbing, the kernel has its own tests), tinygemm runs torch's CPU kernel, and dynamo traces with
@@ -71,7 +72,7 @@ from torch import nn
 import sdsie.kernels
 import sdsie.kernels.ops
 from sdsie.clutch import ClutchConfig, EntropyClutch
-from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding import DecodeConfig, generate, run_attention
 from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
 from sdsie.kernels import int4_matmul_reference
 from sdsie.quant import GatedLinear, Int4Linear, QuantConfig, fuse_projections, gate_model
@@ -298,7 +299,7 @@ class Variant:
     hf: bool = False  # HF generate() instead of the engine
     hf_compile: Any = None  # HF's CompileConfig for its generate (None: HF's default, which compiles on CUDA)
     read_skip: Callable[[str], bool] = field(default=lambda name: False)
-    attention: str = "sdpa"  # DecodeConfig.attention of the engine's runs (--attention)
+    attention: str = "auto"  # DecodeConfig.attention of the engine's runs (--attention)
 
 
 def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -> tuple[int, float, float]:
@@ -580,7 +581,9 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "compile_backend": args.compile_backend or "inductor", "compile_dynamic": False,
                    "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
-                   "attention": args.attention},
+                   "attention": args.attention,
+                   "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
+                                                               attention=args.attention), device)},
         "results": [],
         "complete": False,
     }
@@ -694,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-energy", dest="energy", action="store_false")
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
-    p.add_argument("--attention", choices=DECODE_ATTENTIONS, default="sdpa",
+    p.add_argument("--attention", choices=("auto", *DECODE_ATTENTIONS), default="auto",
                    help="the engine's one-token attention over its static cache (DecodeConfig.attention)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
     p.add_argument("--device", default="cuda")

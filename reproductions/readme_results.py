@@ -705,13 +705,17 @@ def _families(rec: RunRecord, cell: Callable[[str], str | None]) -> str:
 def e2e_rows(records: list[RunRecord]) -> list[str]:
     """INT4 end to end: per model and prompt length, from the newest decode_e2e record that compiled both (runs split
     by model or prompt each keep their rows), INT4 against bf16 with the same engine, compilation and graphs, in
-    tok/s and J/token. Only records of the engine's default one-token attention (DecodeConfig.attention) count."""
-    from sdsie.decoding import DecodeConfig
+    tok/s and J/token. Only records whose one-token attention is the one the engine's default (DecodeConfig.attention)
+    runs under graphs on CUDA count (records before `attention_run` name what they asked, and asked for what ran)."""
+    import torch
+
+    from sdsie.decoding import DecodeConfig, run_attention
 
     suffix = ".int4_compiled.speedup_vs_baseline"
-    default = DecodeConfig().attention
+    default = run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True), torch.device("cuda"))
     newest_of: dict[str, RunRecord] = {}
-    e2e = (r for r in records if r.suite == "decode_e2e" and r.config.get("attention", "sdpa") == default)
+    e2e = (r for r in records if r.suite == "decode_e2e"
+           and r.config.get("attention_run", r.config.get("attention", "sdpa")) == default)
     for rec in sorted(e2e, key=lambda r: r.created):
         for key in rec.metrics:
             if key.endswith(suffix):

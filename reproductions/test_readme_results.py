@@ -94,16 +94,25 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     records = load_records(TELEMETRY)
     rows = e2e_rows(records)
     assert len(rows) == 4 and all("target 2.5x not met" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "1.71x tok/s" in r and "`f6a1ee8b`" in r for r in rows)
-    assert any("llama3.1-8b" in r and "prompt 32," in r and "`83ded201`" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`de0f90d6`" in r for r in rows)
-    assert any("llama3.1-8b" in r and "prompt 2048," in r and "`3a9f146e`" in r for r in rows)
-    split = [dataclasses.replace(r, config={**r.config, "attention": "split_kv"})
-             if r.source.name.split("-", 1)[1][:8] == "f6a1ee8b" else r for r in records]
-    assert not any("`f6a1ee8b`" in r for r in e2e_rows(split))  # another attention than the default: not headline
-    newer = ("83ded201", "de0f90d6", "b97aac82", "3a9f146e", "f6a1ee8b", "8d7b32b0")
+    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.08x tok/s" in r and "`823109fc`" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`823109fc`" in r for r in rows)
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "`f4467de5`" in r for r in rows)
+    assert any("llama3.1-8b" in r and "prompt 2048," in r and "`f4467de5`" in r for r in rows)
+
+    def with_config(rec_id: str, **config):
+        return [dataclasses.replace(r, config={**r.config, **config}) if r.source.name.split("-", 1)[1][:8] == rec_id
+                else r for r in records]
+
+    # a record that ran SDPA is not the default's (split-KV under graphs on CUDA): its rows leave the headline
+    sdpa = e2e_rows(with_config("823109fc", attention="auto", attention_run="sdpa"))
+    assert len(sdpa) == 2 and not any("qwen2.5-7b" in r for r in sdpa)
+    # what ran counts, not what was asked: "auto" that ran split_kv is the default's
+    auto = e2e_rows(with_config("823109fc", attention="auto", attention_run="split_kv"))
+    assert any("`823109fc`" in r for r in auto)
+    # records before attention_run name what they asked for, which is what ran: the earlier SDPA records stay out
+    newer = ("f4467de5", "823109fc")
     older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in newer]
-    assert any("qwen2.5-7b" in r and "2.04x tok/s" in r and "`681f4aec`" in r for r in e2e_rows(older))
+    assert e2e_rows(older) == []
 
 
 def test_serve_rows_read_the_newest_complete_thread_layout_gpu_records_and_judge_the_target():

@@ -241,18 +241,19 @@ SM90_COMPILE = r"""
 import inspect, json
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from sdsie.kernels.decode_attention import _reduce_kernel, _split_kernel
+from sdsie.kernels.decode_attention import _attention_reduce_kernel, _attention_split_kernel
 
 def build(kernel, ptrs, consts):
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n == "scale" else "i32")
            for n in inspect.signature(kernel.fn).parameters}
     return compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
-split = build(_split_kernel, {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "mask_ptr"), "*bf16"),
-                              **dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32")},
+split = build(_attention_split_kernel, {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "mask_ptr"), "*bf16"),
+                                        **dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32")},
               {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "HAS_MASK": True, "MASK_BOOL": False,
                "DOT_FP32": False})
-reduce = build(_reduce_kernel, {**dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32"), "out_ptr": "*bf16"},
+reduce = build(_attention_reduce_kernel,
+               {**dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32"), "out_ptr": "*bf16"},
                {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64})
 ptx = split.asm["ptx"]
 print(json.dumps({"mma_bf16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),

@@ -12,7 +12,7 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._inductor.decomposition import select_decomp_table
 
-from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding import DecodeConfig, generate, run_attention
 from sdsie.decoding.model_io import StaticKV, _static_sdpa_attention, forward
 from sdsie.models import compiled_copy, tiny_llama
 
@@ -141,3 +141,26 @@ def test_attention_choice_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="split_kv.*needs a CUDA device"):
         generate(tiny_llama(vocab_size=64, num_layers=1, seed=0), [1, 2],
                  DecodeConfig(max_new_tokens=2, kv_cache="static", attention="split_kv"))
+
+
+def test_auto_attention_is_split_kv_only_for_a_graphed_static_cache_on_cuda():
+    """The default, "auto": the split-KV kernel where its launch cost is paid once, at graph capture (a static cache
+    under cuda_graphs on CUDA), SDPA elsewhere; an explicit choice is kept as it is."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert DecodeConfig().attention == "auto"
+    assert run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True), cuda) == "split_kv"
+    assert run_attention(DecodeConfig(kv_cache="static"), cuda) == "sdpa"
+    assert run_attention(DecodeConfig(), cuda) == "sdpa"  # a dynamic cache: HF's attention
+    assert run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True), cpu) == "sdpa"
+    assert run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True, attention="sdpa"), cuda) == "sdpa"
+    assert run_attention(DecodeConfig(kv_cache="static", attention="split_kv"), cpu) == "split_kv"
+
+
+def test_auto_attention_on_a_cpu_decodes_through_sdpa(monkeypatch):
+    """A default static-cache decode on a CPU, even under the interpreter, never reaches the split-KV kernel."""
+    module = importlib.import_module("sdsie.kernels.decode_attention")
+    monkeypatch.setattr(module, "_launch", lambda *a, **k: pytest.fail("auto ran the split-KV kernel on a CPU"))
+    model = tiny_llama(vocab_size=64, num_layers=LAYERS, seed=0)
+    auto = generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=4, kv_cache="static")).tokens
+    sdpa = generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=4, kv_cache="static", attention="sdpa")).tokens
+    assert auto == sdpa

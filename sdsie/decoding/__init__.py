@@ -1,6 +1,14 @@
 """Decoding: one engine for the plain loop, fixed-K speculation, and entropy-gated speculation and precision."""
 
-from sdsie.decoding.engine import CycleRecord, DecodeConfig, DecodeStats, Gear, GenerationResult, generate
+from sdsie.decoding.engine import (
+    CycleRecord,
+    DecodeConfig,
+    DecodeStats,
+    Gear,
+    GenerationResult,
+    generate,
+    run_attention,
+)
 from sdsie.decoding.near_tie import Mismatch, NearTieReport, compare_logits, decode_logits, near_tie_report
 from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, sample, select_token
 from sdsie.decoding.sweeps import RunSummary, SweepEntry, SweepResult, clutch_grid, sweep
@@ -29,6 +37,7 @@ __all__ = [
     "logits_to_probs",
     "make_generator",
     "rejection_verify",
+    "run_attention",
     "sample",
     "select_token",
 ]

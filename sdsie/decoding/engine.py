@@ -62,7 +62,7 @@ from sdsie.kernels.device import kernel_runs_on
 from sdsie.models import check_vocab, vocab_size
 
 __all__ = ["K_SCHEDULES", "CycleRecord", "DecodeConfig", "DecodeStats", "Gear", "GenerationResult", "generate",
-           "next_draft_length"]
+           "next_draft_length", "run_attention"]
 
 DEFAULT_K = 5
 # "constant": K drafts in every speculate cycle. "adaptive": HF assisted generation's "heuristic" schedule, bounded
@@ -107,8 +107,9 @@ class DecodeConfig:
     end of a run the tree is cut to the depths the budget leaves. Under cuda_graphs a tree cycle is one graph replay
     after the scout's catch-up forward (sdsie.decoding.tree.TreeStep).
     attention: a one-token step's attention over a static cache: "sdpa" (torch's fused kernel, one program per
-    key/value head over the whole cache) or "split_kv" (sdsie.kernels.decode_attention: the cache's positions split
-    across programs, for long contexts; CUDA, or the Triton interpreter). Needs kv_cache="static".
+    key/value head over the whole cache), "split_kv" (sdsie.kernels.decode_attention: the cache's positions split
+    across programs; CUDA, or the Triton interpreter; needs kv_cache="static") or "auto" (the default): split_kv
+    for a static cache under cuda_graphs on CUDA, sdpa otherwise (`run_attention`).
     """
 
     max_new_tokens: int = 64
@@ -123,7 +124,7 @@ class DecodeConfig:
     k_schedule: str = "constant"
     draft_stop_prob: float | None = None
     tree_widths: tuple[int, ...] | None = None
-    attention: str = "sdpa"
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tree_widths is not None:
@@ -143,9 +144,9 @@ class DecodeConfig:
             or not 0.0 < self.draft_stop_prob <= 1.0
         ):
             raise ValueError(f"draft_stop_prob must be a probability in (0, 1], got {self.draft_stop_prob!r}")
-        if self.attention not in DECODE_ATTENTIONS:
-            raise ValueError(f"attention must be one of {DECODE_ATTENTIONS}, got {self.attention!r}")
-        if self.attention != "sdpa" and self.kv_cache != "static":
+        if self.attention not in ("auto", *DECODE_ATTENTIONS):
+            raise ValueError(f"attention must be one of {('auto', *DECODE_ATTENTIONS)}, got {self.attention!r}")
+        if self.attention == "split_kv" and self.kv_cache != "static":
             raise ValueError(f"attention={self.attention!r} needs kv_cache='static' (it attends over a static cache)")
         if self.cuda_graphs and self.kv_cache != "static":
             raise ValueError("cuda_graphs needs kv_cache='static' (a graph replays fixed cache addresses)")
@@ -668,6 +669,17 @@ def _scout_pad_sizes(config: DecodeConfig) -> tuple[int, ...]:
     return SCOUT_PAD_SIZES if config.cuda_graphs and config.pad_scout_catchup else ()
 
 
+def run_attention(config: DecodeConfig, device: torch.device) -> str:
+    """The one-token attention a run with `config` on `device` uses: "auto" is "split_kv" for a static cache under
+    CUDA graphs on CUDA and "sdpa" otherwise. Under graphs the split kernel's host launch cost is paid once, at
+    capture, and its graphed call is 2-13x faster than SDPA's at 256-8,448 cache positions on the H200
+    (docs/kernel-log.md, 2026-12-04); an ungraphed step pays that launch cost in every layer."""
+    if config.attention != "auto":
+        return config.attention
+    graphed = config.kv_cache == "static" and config.cuda_graphs and device.type == "cuda"
+    return "split_kv" if graphed else "sdpa"
+
+
 def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_sizes: tuple[int, ...],
         pad_sizes: tuple[int, ...] = ()) -> Any:
     """The cache config.kv_cache asks for; a static one holds every position this run can write.
@@ -675,8 +687,9 @@ def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_s
     if config.kv_cache == "dynamic":
         return new_cache(model)
     max_len = -(-max_len // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET
+    attention = run_attention(config, model_device(model))
     key = (role, max_len, config.cuda_graphs, graph_sizes, pad_sizes, model_device(model),
-           next(model.parameters()).dtype, config.attention)
+           next(model.parameters()).dtype, attention)
     fingerprint = module_fingerprint(model)
     if _FINGERPRINTS.get(model) != fingerprint:
         # modules or storages were swapped since the caches' graphs were captured (e.g. quantize_model in place):
@@ -687,7 +700,7 @@ def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_s
     kv = caches.get(key)
     if kv is None:
         kv = caches[key] = StaticKV(model, max_len, cuda_graphs=config.cuda_graphs, graph_sizes=graph_sizes,
-                                    pad_sizes=pad_sizes, attention=config.attention)
+                                    pad_sizes=pad_sizes, attention=attention)
     else:
         kv.crop(0)
     return kv

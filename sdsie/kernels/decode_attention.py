@@ -7,12 +7,15 @@ boolean, True attended) and broadcastable to [B, 1, 1, S]. SDPA's fused kernel g
 each scanning all S positions (8 programs for Llama-3.1-8B at batch 1, on a 132-SM GPU); here the S axis is cut
 into `num_splits` chunks of whole BLOCK_N tiles:
 
-  (a) `_split_kernel`, grid (B * H_kv, num_splits): one key/value head and one chunk per program; all G query rows
-      of the head at once (padded to 16 rows for tl.dot), an online softmax over the chunk's tiles (running max m,
-      sum l, accumulator acc, fp32), written to fp32 scratch. A chunk whose positions are all masked leaves m = -inf,
-      l = 0, acc = 0 (the exponent's base is taken as 0 there, so no -inf - -inf).
-  (b) `_reduce_kernel`, grid (B * H_kv, G): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s in q's dtype. A
-      row with every position masked gives 0, as SDPA does (torch's math and CPU paths return 0 for such rows).
+  (a) `_attention_split_kernel`, grid (B * H_kv, num_splits): one key/value head and one chunk per program; all G
+      query rows of the head at once (padded to 16 rows for tl.dot), an online softmax over the chunk's tiles
+      (running max m, sum l, accumulator acc, fp32), written to fp32 scratch. A chunk whose positions are all masked
+      leaves m = -inf, l = 0, acc = 0 (the exponent's base is taken as 0 there, so no -inf - -inf).
+  (b) `_attention_reduce_kernel`, grid (B * H_kv, G): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s in
+      q's dtype. A row with every position masked gives 0, as SDPA does (torch's math and CPU paths return 0 for
+      such rows).
+
+The kernels' names carry "attention" so that profiles (reproductions/decode_e2e.py) count them as attention.
 
 `split_rule` picks num_splits from the shape alone (aims at PROGRAMS_PER_SM programs per SM, a chunk of at least one
 tile, at most MAX_SPLITS), so nothing waits on the device: a call runs inside CUDA graph capture; its scratch comes
@@ -80,7 +83,7 @@ def split_rule(batch_heads: int, seq_len: int, block_n: int = BLOCK_N, sms: int 
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
                   stride_qb, stride_qh, stride_qg,
                   stride_kb, stride_kh, stride_ks,
                   stride_vb, stride_vh, stride_vs,
@@ -145,7 +148,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr,
 
 
 @triton.jit
-def _reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, G, NUM_SPLITS,
+def _attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, G, NUM_SPLITS,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
     bh = tl.program_id(0)
     g = tl.program_id(1)
@@ -238,7 +241,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # fp32 dots in IEEE for fp32 inputs (no tf32 rounding), and under the interpreter, whose bf16 dot is wrong in
     # Triton 3.6 (the operands are the same rounded values)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
-    _split_kernel[(batch * heads, plan.num_splits)](
+    _attention_split_kernel[(batch * heads, plan.num_splits)](
         q, k, v, mask_arg, acc, m, l_sum,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -248,7 +251,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=plan.block_n,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         DOT_FP32=dot_fp32, num_warps=4)
-    _reduce_kernel[(batch * heads, groups)](
+    _attention_reduce_kernel[(batch * heads, groups)](
         acc, m, l_sum, out, groups, plan.num_splits,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(plan.num_splits)), num_warps=4)
     return out

@@ -29,6 +29,7 @@ LAYERS, CACHE = 2, 48  # a cache length no other dimension of the model has
 def _decode_step_graph(device: str, dtype: torch.dtype) -> tuple[torch.fx.GraphModule, torch.nn.Module]:
     """The aten graph inductor receives for a one-token forward over a static cache (inductor's decompositions
     applied by AOT autograd; the graph then runs as it is)."""
+    torch._dynamo.reset()  # a code cache left by another test's compile would skip this capture
     model = tiny_llama(vocab_size=64, num_layers=LAYERS, seed=0, dtype=dtype).to(device)
     graphs: list[torch.fx.GraphModule] = []
 

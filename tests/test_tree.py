@@ -162,6 +162,15 @@ def test_tree_speculation_emits_the_plain_greedy_tokens(scout, widths, kind):
         assert all(c.accepted == c.k for c in r.cycles)
 
 
+def test_tree_speculation_over_a_static_cache_with_split_kv_attention_emits_the_plain_greedy_tokens():
+    """Under attention="split_kv" (the default for a graphed static cache on CUDA; here the kernel under the
+    interpreter) the tree's multi-token forwards keep their boolean tree mask and go to sdpa; the catch-up and
+    one-token steps take the kernel."""
+    cfg = DecodeConfig(max_new_tokens=12, tree_widths=(3, 2), kv_cache="static", attention="split_kv")
+    target, scout = copy.deepcopy(TARGET), copy.deepcopy(SCOUTS["perturbed"])  # their own caches, not the shared ones
+    assert generate(target, PROMPT, cfg, scout=scout).tokens == plain(12)
+
+
 def test_a_chain_shaped_tree_keeps_what_fixed_k_keeps():
     """Widths (1, 1, 1) are the K = 3 chain: the same cycles, the same kept drafts, the same tokens."""
     scout = SCOUTS["perturbed"]

@@ -228,7 +228,7 @@ def _attention_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
     """A boolean 4D mask (True: attend) in the form the model's attention takes it: HF passes a 4D mask through
     unchanged, so it must already be sdpa's boolean or eager's additive one."""
     impl = model.config._attn_implementation
-    if impl in ("sdpa", STATIC_SDPA):
+    if impl in ("sdpa", STATIC_SDPA, STATIC_SPLIT_KV):  # the split-KV one sends multi-token forwards to sdpa
         return mask
     if impl == "eager":
         dtype = next(model.parameters()).dtype

@@ -95,8 +95,8 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     rows = e2e_rows(records)
     assert len(rows) == 4 and all("target 2.5x not met" in r for r in rows)
     assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.08x tok/s" in r and "`823109fc`" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`823109fc`" in r for r in rows)
-    assert any("llama3.1-8b" in r and "prompt 32," in r and "`f4467de5`" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`0fe13641`" in r for r in rows)  # the newer of two
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "`db1a0553`" in r for r in rows)
     assert any("llama3.1-8b" in r and "prompt 2048," in r and "`f4467de5`" in r for r in rows)
 
     def with_config(rec_id: str, **config):
@@ -105,12 +105,12 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
 
     # a record that ran SDPA is not the default's (split-KV under graphs on CUDA): its rows leave the headline
     sdpa = e2e_rows(with_config("823109fc", attention="auto", attention_run="sdpa"))
-    assert len(sdpa) == 2 and not any("qwen2.5-7b" in r for r in sdpa)
+    assert len(sdpa) == 3 and not any("qwen2.5-7b" in r and "prompt 2048," in r for r in sdpa)
     # what ran counts, not what was asked: "auto" that ran split_kv is the default's
     auto = e2e_rows(with_config("823109fc", attention="auto", attention_run="split_kv"))
     assert any("`823109fc`" in r for r in auto)
     # records before attention_run name what they asked for, which is what ran: the earlier SDPA records stay out
-    newer = ("f4467de5", "823109fc")
+    newer = ("f4467de5", "823109fc", "db1a0553", "0fe13641")
     older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in newer]
     assert e2e_rows(older) == []
 

@@ -52,7 +52,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's choice)")
     p.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own instead of on a thread of the server's process (the "
-                        "decode then has an interpreter to itself; slower than the thread on a 2-core CPU and on the H200: "
+                        "decode then has an interpreter to itself; slower than the thread on a 2-core CPU and an H200: "
                         "docs/serving.md)")
 
 

@@ -672,8 +672,8 @@ def _scout_pad_sizes(config: DecodeConfig) -> tuple[int, ...]:
 def run_attention(config: DecodeConfig, device: torch.device) -> str:
     """The one-token attention a run with `config` on `device` uses: "auto" is "split_kv" for a static cache under
     CUDA graphs on CUDA and "sdpa" otherwise. Under graphs the split kernel's host launch cost is paid once, at
-    capture, and its graphed call is 2-13x faster than SDPA's at 256-8,448 cache positions on the H200
-    (docs/kernel-log.md, 2026-12-04); an ungraphed step pays that launch cost in every layer."""
+    capture, and its graphed call is 2-13x faster than the packed SDPA call at 256-8,448 cache positions on the H200
+    (docs/kernel-log.md, 2026-12-04 later); an ungraphed step pays that launch cost in every layer."""
     if config.attention != "auto":
         return config.attention
     graphed = config.kv_cache == "static" and config.cuda_graphs and device.type == "cuda"

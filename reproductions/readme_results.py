@@ -706,7 +706,7 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
     """INT4 end to end: per model and prompt length, from the newest decode_e2e record that compiled both (runs split
     by model or prompt each keep their rows), INT4 against bf16 with the same engine, compilation and graphs, in
     tok/s and J/token. Only records whose one-token attention is the one the engine's default (DecodeConfig.attention)
-    runs under graphs on CUDA count (records before `attention_run` name what they asked, and asked for what ran)."""
+    runs under graphs on CUDA count (a record without `attention_run` ran the `attention` it names)."""
     import torch
 
     from sdsie.decoding import DecodeConfig, run_attention

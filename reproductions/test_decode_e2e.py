@@ -74,8 +74,22 @@ def test_attention_split_kv_runs_the_engines_variants_through_the_split_kv_kerne
     assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16", "--attention", "split_kv", "--no-record",
                       "--no-profile", "--no-energy")) == 0
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())
-    assert doc["config"]["attention"] == "split_kv" and "error" not in doc["results"][0]
-    assert calls
+    assert doc["config"]["attention"] == doc["config"]["attention_run"] == "split_kv"
+    assert "error" not in doc["results"][0] and calls
+
+
+@CPU_ONLY
+def test_the_record_names_the_attention_that_ran_for_the_default(tmp_path: Path, monkeypatch):
+    """The default asks for "auto", which on a CPU runs SDPA: the record says both, and the kernel never runs."""
+    import importlib
+
+    module = importlib.import_module("sdsie.kernels.decode_attention")
+    monkeypatch.setattr(module, "_launch", lambda *a, **k: pytest.fail("auto ran the split-KV kernel on a CPU"))
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16", "--no-record", "--no-profile",
+                      "--no-energy")) == 0
+    doc = json.loads((tmp_path / "decode_e2e.json").read_text())
+    assert (doc["config"]["attention"], doc["config"]["attention_run"]) == ("auto", "sdpa")
+    assert "error" not in doc["results"][0]
 
 
 def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
@@ -146,3 +160,12 @@ def test_the_tiny_models_are_built_in_the_asked_dtype_and_compiled_wrappers_keep
 ])
 def test_kernels_are_sorted_into_the_three_categories(name: str, category: str):
     assert kernel_category(name) == category
+
+
+def test_the_split_kv_attention_kernels_are_profiled_as_attention():
+    """The profile names a Triton kernel by its function's name: both split-KV kernels must land in attention."""
+    import importlib
+
+    da = importlib.import_module("sdsie.kernels.decode_attention")  # the package exports its function by that name
+    names = [da._attention_split_kernel.fn.__name__, da._attention_reduce_kernel.fn.__name__]
+    assert [kernel_category(n) for n in names] == ["attention", "attention"], names

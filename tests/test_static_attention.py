@@ -165,3 +165,18 @@ def test_auto_attention_on_a_cpu_decodes_through_sdpa(monkeypatch):
     auto = generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=4, kv_cache="static")).tokens
     sdpa = generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=4, kv_cache="static", attention="sdpa")).tokens
     assert auto == sdpa
+
+
+def test_the_engine_builds_its_static_cache_with_the_attention_run_attention_resolves(monkeypatch):
+    """The resolved choice acts: with `run_attention` answering "split_kv" for the default config (as it does for a
+    graphed static cache on CUDA), the one-token steps go through the kernel (here under the interpreter)."""
+    import sdsie.decoding.engine as engine
+
+    module = importlib.import_module("sdsie.kernels.decode_attention")
+    calls = []
+    real = module._launch
+    monkeypatch.setattr(module, "_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(engine, "run_attention", lambda config, device: "split_kv")
+    model = tiny_llama(vocab_size=64, num_layers=LAYERS, seed=0)
+    generate(model, [1, 5, 9], DecodeConfig(max_new_tokens=4, kv_cache="static"))
+    assert len(calls) == LAYERS * 3

@@ -1,7 +1,9 @@
 """Shannon entropy of logits: the one signal both gates read.
 
-One function, computed on the logits' own device in fp32, with no host synchronization:
-the caller decides when (and whether) to bring the value to the host.
+One definition (`entropy`), computed on the logits' own device in fp32, with no host synchronization:
+the caller decides when (and whether) to bring the value to the host. `argmax_entropy` gives a greedy decoder's
+token beside it, in one pass of a Triton kernel on CUDA (sdsie.kernels.logit_stats: two kernels where torch
+takes nine) and from `argmax` and `entropy` elsewhere.
 """
 
 from __future__ import annotations
@@ -42,3 +44,13 @@ def entropy(logits: torch.Tensor, unit: Unit = "bits") -> torch.Tensor:
     if unit == "bits":
         return torch.addcdiv(s.log2(), elog, s, value=-1.0 / math.log(2.0))  # log2 s - elog / (s ln 2)
     return torch.addcdiv(s.log(), elog, s, value=-1.0)
+
+
+def argmax_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits.argmax(-1), entropy(logits) in bits) for logits [..., V]: on CUDA in fp16, bf16 or fp32 by
+    `sdsie.kernels.logit_stats` (the same values up to fp32 summation order), elsewhere by torch."""
+    if logits.is_cuda and logits.dtype != torch.float64:
+        from sdsie.kernels.logit_stats import logit_stats
+
+        return logit_stats(logits)
+    return logits.argmax(dim=-1), entropy(logits)

@@ -56,8 +56,8 @@ from sdsie.decoding.model_io import (
 )
 from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, select_token
 from sdsie.decoding.tree import TreeLayout, TreeStep, check_widths
-from sdsie.decoding.verify import greedy_verify, rejection_verify
-from sdsie.entropy import entropy
+from sdsie.decoding.verify import greedy_accept, rejection_verify
+from sdsie.entropy import argmax_entropy, entropy
 from sdsie.kernels.device import kernel_runs_on
 from sdsie.models import check_vocab, vocab_size
 
@@ -343,13 +343,15 @@ def _draft_prob(logits: torch.Tensor, token: torch.Tensor, prob: torch.Tensor | 
 
 
 def _verify(run: _Run, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None):
-    """logits: [K+1, V] at [last, d1..dK] -> (n_accepted, next_token), both 0-d on device."""
+    """logits: [K+1, V] at [last, d1..dK] -> (n_accepted, next_token, entropy bits [K+1]), all on device; a greedy
+    run takes its argmax and entropy in one pass (argmax_entropy)."""
     if run.config.sampling.greedy:
-        return greedy_verify(logits, drafts)
+        tokens, bits = argmax_entropy(logits)  # [K+1], [K+1]
+        return (*greedy_accept(tokens, drafts), bits)
     assert run.generator is not None
     p = logits_to_probs(logits, run.config.sampling)  # [K+1, V]
     q = q if q is not None else p[:0]
-    return rejection_verify(p, q, drafts, run.generator)
+    return (*rejection_verify(p, q, drafts, run.generator), entropy(logits))
 
 
 def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
@@ -367,8 +369,7 @@ def _cycle(run: _Run, k: int) -> tuple[list[int], list[float], int, int]:
     precision = run.gear.int4 if run.gear is not None else None  # a graphed cache keeps one graph per precision
     logits = forward(run.target, torch.cat([run.last, drafts]), run.target_cache, False, precision)  # [k+1, V]
     run.stats.target_forwards += 1
-    n_acc, next_token = _verify(run, logits, drafts, q)
-    bits = entropy(logits)  # [k+1]
+    n_acc, next_token, bits = _verify(run, logits, drafts, q)  # bits: [k+1]
     ints, floats = _read(run, torch.cat([n_acc[None], drafts, next_token[None]]), bits)
     n = ints[0]
     emitted = ints[1 : 1 + n] + [ints[-1]]
@@ -574,8 +575,8 @@ def _prefill(run: _Run, prompt_len: int) -> tuple[int, float]:
     prompt = run.ids[:prompt_len]
     logits = forward(run.target, prompt, run.target_cache, last_only=True)  # [1, V]
     run.stats.target_forwards += 1
-    _, token = _verify(run, logits, prompt[:0], None)
-    ints, floats = _read(run, token[None], entropy(logits))
+    _, token, bits = _verify(run, logits, prompt[:0], None)
+    ints, floats = _read(run, token[None], bits)
     run.ids[prompt_len] = token
     run.length = prompt_len + 1
     return ints[0], floats[0]

@@ -34,7 +34,7 @@ from sdsie.decoding.model_io import (
     compact_cache,
     model_device,
 )
-from sdsie.entropy import entropy
+from sdsie.entropy import argmax_entropy
 
 __all__ = ["MAX_TREE_NODES", "TreeLayout", "TreeStep", "TreeVerdict", "check_widths", "greedy_tree_verify",
            "level_sizes", "tree_forward", "tree_mask"]
@@ -280,7 +280,7 @@ class TreeStep:
         compact_cache(self.target_cache, r + verdict.path, r + tree.levels)
         rows = torch.cat([verdict.path.new_zeros(1), verdict.path])  # [1 + D]: the root, then the path
         ints = torch.cat([verdict.accepted[None], drafted[verdict.path], verdict.next_token[None]])  # [2 + D]
-        return ints, entropy(logits[rows])
+        return ints, argmax_entropy(logits[rows])[1]  # entropy in one pass on CUDA
 
     @property
     def catch_up_size(self) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from sdsie.decoding.sampling import sample
 
-__all__ = ["greedy_verify", "rejection_verify"]
+__all__ = ["greedy_accept", "greedy_verify", "rejection_verify"]
 
 
 def greedy_verify(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,7 +25,14 @@ def greedy_verify(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[to
     target_logits: [..., K+1, V]; drafts: [..., K] -> (n_accepted [...], next_token [...]).
     """
     _check_shapes(target_logits, drafts)
-    target_tokens = target_logits.argmax(dim=-1)  # [..., K+1]
+    return greedy_accept(target_logits.argmax(dim=-1), drafts)
+
+
+def greedy_accept(target_tokens: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_verify from the target's argmax tokens [..., K+1] (computed beside the entropy by the engine)."""
+    if target_tokens.shape[:-1] != drafts.shape[:-1] or target_tokens.shape[-1] != drafts.shape[-1] + 1:
+        raise ValueError(f"greedy_accept needs target tokens [..., K+1] and drafts [..., K]; got "
+                         f"{tuple(target_tokens.shape)} and {tuple(drafts.shape)}")
     matches = drafts == target_tokens[..., :-1]  # [..., K]
     n_accepted = _leading_true(matches)  # [...]
     next_token = target_tokens.gather(-1, n_accepted.unsqueeze(-1)).squeeze(-1)

@@ -6,6 +6,7 @@ repeated keys and values."""
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -74,7 +75,31 @@ def test_a_compiled_decode_step_attends_over_the_cache_without_copying_it(device
     over_cache = {n.name: tuple(n.meta["val"].shape) for n in calls
                   if isinstance(n.meta.get("val"), torch.Tensor) and CACHE in n.meta["val"].shape}
     assert over_cache and all(torch.Size(s).numel() <= layer_keys for s in over_cache.values()), over_cache
-    assert sum(n.target == aten.where.self for n in calls) == 1
+    # the additive mask is one op of the forward (sdsie::additive_mask), which every layer reads
+    assert sum(n.target == torch.ops.sdsie.additive_mask.default for n in calls) == 1
+    assert not [n for n in calls if n.target == aten.where.self]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "split_kv"])
+def test_inductor_builds_the_mask_in_one_kernel_for_all_layers(attention: str):
+    """Inductor inlines a pointwise mask into each kernel that feeds a layer's attention op, so without the
+    additive_mask op every layer computed the causal comparison (`le`) again, one more kernel per layer on a GPU.
+    With it, one kernel of the compiled decode step makes the comparison."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = tiny_llama(vocab_size=64, num_layers=LAYERS, seed=0, dtype=torch.float32)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    with torch.inference_mode():
+        kv = StaticKV(model, max_len=CACHE, attention=attention)
+        forward(model, torch.tensor([1, 5, 9, 4]), kv, last_only=True)
+        _, code = run_and_get_code(lambda: forward(compiled, torch.tensor([7]), kv, last_only=True))
+    torch._dynamo.reset()
+    source = "\n".join(code)
+    kernels = re.findall(r"^(\w+) = async_compile\.\w+\(", source, flags=re.MULTILINE)  # each distinct kernel once
+    comparing = [k for k in kernels if "_le_" in k]
+    launches = sum(len(re.findall(rf"^\s+{k}\(", source, flags=re.MULTILINE)) for k in comparing)  # one per call
+    assert len(comparing) == 1 and launches == 1, (comparing, launches)
 
 
 def test_packed_heads_give_the_scores_of_repeated_keys_and_values():

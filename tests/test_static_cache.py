@@ -83,6 +83,42 @@ def test_static_kv_crops_counters_created_under_inference_mode():
     assert [int(layer.cumulative_length) for layer in kv.cache.layers] == [1] * len(kv.cache.layers)
 
 
+def _counter_adds(fn) -> int:
+    """In-place adds on 0-d int64 tensors (position counters) while fn runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        adds = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            target = args[0] if args else None
+            if (func is torch.ops.aten.add_.Tensor or func is torch.ops.aten.add_.Scalar) and isinstance(
+                    target, torch.Tensor) and target.dim() == 0 and target.dtype == torch.long:
+                Count.adds += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.adds
+
+
+def test_static_kv_layers_share_one_counter_advanced_once_per_forward():
+    """HF's StaticLayer advances its own counter in each layer's update (one kernel per layer and forward); after
+    the first forward every layer holds the cache's one counter and a forward advances it once, by its token count."""
+    assert TARGET.config.num_hidden_layers > 1
+    kv = StaticKV(TARGET, max_len=16)
+    with torch.inference_mode():
+        assert _counter_adds(lambda: forward(TARGET, torch.tensor([1, 5, 9]), kv, last_only=True)) == len(
+            kv.cache.layers)  # the first forward: HF's own updates, which initialize the layers
+        assert kv.counter is not None and all(layer.cumulative_length is kv.counter for layer in kv.cache.layers)
+        assert _counter_adds(lambda: forward(TARGET, torch.tensor([4, 7]), kv, last_only=True)) == 1
+        assert int(kv.counter) == cache_length(kv) == 5
+        crop_cache(kv, 4)
+        assert int(kv.counter) == 4
+        assert _counter_adds(lambda: forward(TARGET, torch.tensor([2]), kv, last_only=True)) == 1
+    assert int(kv.counter) == cache_length(kv) == 5
+
+
 def test_static_kv_refuses_overflow_and_bad_crops():
     kv = StaticKV(TARGET, max_len=4)
     with torch.inference_mode():

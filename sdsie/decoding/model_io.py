@@ -85,6 +85,7 @@ class StaticKV:
         self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
         self._pool: Any = None
         self.kv: torch.Tensor | None = None  # [L, 2, B, H, S, D] behind every layer's keys and values (_consolidate)
+        self.counter: torch.Tensor | None = None  # every layer's position counter, one tensor (_consolidate)
         self._consolidated = False
 
     def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable = None) -> torch.Tensor:
@@ -122,6 +123,23 @@ class StaticKV:
         self.kv = torch.stack([torch.stack([layer.keys, layer.values]) for layer in layers])
         for i, layer in enumerate(layers):
             layer.keys, layer.values = self.kv[i, 0], self.kv[i, 1]
+        self._share_counter()
+
+    def _share_counter(self) -> None:
+        """Give every layer one position counter (`counter`), advanced once per forward (`model_forward`) instead of
+        by each layer's update: HF's StaticLayer adds to its own counter, one kernel per layer and forward, which
+        inductor does not fuse across layers (32 of a graphed Llama-3.1-8B token's 474 kernels on the H200). All
+        layers hold the same positions (the caller writes and crops them together), so one counter says the same.
+        Plain StaticLayers only (a sliding-window layer keeps HF's update)."""
+        from transformers.cache_utils import StaticLayer
+
+        layers = self.cache.layers
+        if not all(type(layer) is StaticLayer for layer in layers):
+            return
+        self.counter = layers[0].cumulative_length
+        for layer in layers:
+            layer.cumulative_length = self.counter
+            layer.update = functools.partial(_write_at_counter, layer)  # this layer's instance only
 
     def _padded_size(self, n: int) -> int | None:
         """The size an n-token forward is padded to, or None to run it as it is (the prefill, exact graph sizes,
@@ -140,7 +158,16 @@ class StaticKV:
             g.graph.replay()
             return g.logits
         with _static_attention(model, self.attention):
-            return _hf_forward(model, ids[None], self.cache, last_only)
+            return self.model_forward(model, ids[None], last_only)
+
+    def model_forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, mask: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`_hf_forward` over this cache (ids [1, S]; mask and positions: a tree forward's), then the shared counter
+        advanced by S once for all layers (device work; the host's `length` is the caller's to move)."""
+        logits = _hf_forward(model, ids, self.cache, last_only, mask, positions)
+        if self.counter is not None:
+            self.counter.add_(ids.shape[-1])
+        return logits
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -158,7 +185,8 @@ class StaticKV:
         # (the H200 refused the next run's crop(0) without this).
         # One multi-tensor kernel (pair) for all layers, not a fill per layer: every speculative cycle crops the
         # target, and after the cycle's host read each launch here is time the GPU sits idle.
-        counters = [layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+        counters = list({id(layer.cumulative_length): layer.cumulative_length for layer in self.cache.layers
+                         if getattr(layer, "is_initialized", False)}.values())  # one where the layers share it
         if not counters:
             return
         with torch.inference_mode():
@@ -176,11 +204,22 @@ class StaticKV:
 
         def run() -> torch.Tensor:
             with _static_attention(model, self.attention):
-                return _hf_forward(model, ids, self.cache, last_only)
+                return self.model_forward(model, ids, last_only)
 
         graph, logits = capture_graph(run, [self], f"a {n}-token forward of {type(model).__name__}")
         self._graphs[(n, last_only, variant)] = _Graph(graph, ids, logits)
         return self._graphs[(n, last_only, variant)]
+
+
+def _write_at_counter(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                      **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF StaticLayer.update (transformers 5.x) without its counter's advance: key_states and value_states
+    [B, H, S, D] written at positions counter..counter + S - 1 of an initialized layer. StaticKV.model_forward
+    advances the counter the layers share, once per forward."""
+    positions = torch.arange(key_states.shape[-2], device=layer.keys.device) + layer.cumulative_length
+    layer.keys.index_copy_(2, positions, key_states)
+    layer.values.index_copy_(2, positions, value_states)
+    return layer.keys, layer.values
 
 
 T = TypeVar("T")
@@ -281,8 +320,27 @@ def _static_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     dtype = kwargs.get("dtype")
     if mask is None or mask.dtype != torch.bool or dtype is None or not dtype.is_floating_point:
         return mask
-    # 0 where attended, -inf elsewhere: what scaled_dot_product_attention makes of a boolean mask itself
+    if torch.compiler.is_compiling():
+        return additive_mask(mask, dtype)
+    return _additive(mask, dtype)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attended, -inf elsewhere: what scaled_dot_product_attention makes of a boolean mask itself."""
     return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), float("-inf"))
+
+
+@torch.library.custom_op("sdsie::additive_mask", mutates_args=())
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_additive` as an op, for compiled forwards: inductor inlines a pointwise mask into each consumer that reads
+    it, and a layer's attention op is one, so every layer recomputed the mask in a kernel of its own (32 a Llama-3.1-8B
+    token). An op's output is one tensor, computed once per forward, that every layer reads."""
+    return _additive(mask, dtype)
+
+
+@additive_mask.register_fake
+def _(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(mask.shape, dtype=dtype, device=mask.device)
 
 
 def _static_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -15,7 +15,6 @@ fixed-K speculation.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
 from collections.abc import Hashable
@@ -185,12 +184,11 @@ def tree_forward(model: nn.Module, cache: Any, ids: torch.Tensor, start: torch.T
         raise ValueError(f"tree_forward: {n} tokens need visible [{n}, L] bool and positions [{n}], got "
                          f"{visible.dtype} {tuple(visible.shape)} and {tuple(positions.shape)}")
     if isinstance(cache, StaticKV):
-        width, hf_cache, ctx = cache.max_len, cache.cache, _static_attention(model, cache.attention)
-    else:
-        width, hf_cache, ctx = cache.get_seq_length() + n, cache, contextlib.nullcontext()
-    with ctx:
-        mask = _attention_mask(model, tree_mask(width, start, visible))
-        return _hf_forward(model, ids[None], hf_cache, False, mask, positions[None])
+        with _static_attention(model, cache.attention):
+            mask = _attention_mask(model, tree_mask(cache.max_len, start, visible))
+            return cache.model_forward(model, ids[None], False, mask, positions[None])
+    mask = _attention_mask(model, tree_mask(cache.get_seq_length() + n, start, visible))
+    return _hf_forward(model, ids[None], cache, False, mask, positions[None])
 
 
 def _alive(ref: weakref.ref, role: str) -> Any:

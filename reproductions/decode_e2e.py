@@ -33,10 +33,12 @@ HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, a
 
 Attention: --attention picks the engine's one-token attention over its static cache (DecodeConfig.attention; the
 HF peer keeps its own). The default, auto, is the split-KV kernel under graphs on CUDA and SDPA otherwise; the
-record's config names what was asked (`attention`) and what ran (`attention_run`).
+record's config names what was asked (`attention`) and what ran (`attention_run`). Steps launch ahead of the host's
+read of the step before (DecodeConfig.launch_ahead: the engine's rows have no scout); --no-launch-ahead turns that off
+for an A/B, and the record's config says which (`launch_ahead`).
 
 Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--prompt-lens ...] [--variants ...]
-           [--max-seconds S] [--attention auto|sdpa|split_kv]
+           [--max-seconds S] [--attention auto|sdpa|split_kv] [--no-launch-ahead]
 Dry run (CPU, tiny configuration): python -m reproductions.decode_e2e --device cpu --tiny --out DIR
 Off CUDA the INT4 layers run the kernel's float64 reference (Triton's interpreter takes seconds per GEMV; the dry run
 checks the suite's plumbing, the kernel has its own tests), tinygemm runs torch's CPU kernel, and dynamo traces with
@@ -300,13 +302,15 @@ class Variant:
     hf_compile: Any = None  # HF's CompileConfig for its generate (None: HF's default, which compiles on CUDA)
     read_skip: Callable[[str], bool] = field(default=lambda name: False)
     attention: str = "auto"  # DecodeConfig.attention of the engine's runs (--attention)
+    launch_ahead: bool = True  # DecodeConfig.launch_ahead of the engine's runs (--no-launch-ahead)
 
 
 def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -> tuple[int, float, float]:
     """One decode -> (new tokens, prefill seconds, decode seconds)."""
     if v.hf:
         return _hf_run(v.model, prompt, new_tokens, v.hf_compile)
-    cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs, attention=v.attention)
+    cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs, attention=v.attention,
+                       launch_ahead=v.launch_ahead)
     clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
     r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
     return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds
@@ -581,7 +585,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "compile_backend": args.compile_backend or "inductor", "compile_dynamic": False,
                    "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
-                   "attention": args.attention,
+                   "attention": args.attention, "launch_ahead": args.launch_ahead,
                    "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
                                                                attention=args.attention), device)},
         "results": [],
@@ -636,7 +640,7 @@ def _model_rows(name: str, args: argparse.Namespace, device: torch.device, dtype
                 row: dict[str, Any] = {"model": name, "prompt_len": p, "variant": variant}
                 t0 = time.monotonic()
                 try:
-                    v = dataclasses.replace(make(), attention=args.attention)
+                    v = dataclasses.replace(make(), attention=args.attention, launch_ahead=args.launch_ahead)
                     row.update(measure(v, prompt, new_tokens, args.trials, args.graphs, meter,
                                        args.energy_window_s, copy_gbs, args.profile))
                 except Exception as err:  # a variant that cannot run is reported, the others still run
@@ -699,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graphs", dest="graphs", action="store_false")
     p.add_argument("--attention", choices=("auto", *DECODE_ATTENTIONS), default="auto",
                    help="the engine's one-token attention over its static cache (DecodeConfig.attention)")
+    p.add_argument("--no-launch-ahead", dest="launch_ahead", action="store_false",
+                   help="launch each plain step after reading the previous one (DecodeConfig.launch_ahead=False)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")

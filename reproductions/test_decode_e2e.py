@@ -92,6 +92,21 @@ def test_the_record_names_the_attention_that_ran_for_the_default(tmp_path: Path,
     assert "error" not in doc["results"][0]
 
 
+@pytest.mark.parametrize("flag, expected", [((), True), (("--no-launch-ahead",), False)])
+def test_launch_ahead_reaches_the_engine_and_the_record(tmp_path: Path, monkeypatch, flag, expected):
+    """The engine's rows run with DecodeConfig.launch_ahead as asked (on by default), and the record says which."""
+    import reproductions.decode_e2e as e2e
+
+    seen = []
+    real = e2e.generate
+    monkeypatch.setattr(e2e, "generate", lambda model, prompt, cfg, **kw: seen.append(cfg.launch_ahead)
+                        or real(model, prompt, cfg, **kw))
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16", "--no-record", "--no-profile",
+                      "--no-energy", *flag)) == 0
+    doc = json.loads((tmp_path / "decode_e2e.json").read_text())
+    assert doc["config"]["launch_ahead"] is expected and seen and set(seen) == {expected}
+
+
 def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
     assert main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--max-seconds", "0"]) == 2
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())

@@ -149,13 +149,13 @@ def test_scout_work_rises_monotonically_with_engagement_across_thresholds() -> N
 
 def test_one_host_read_per_cycle_and_floats_into_the_clutch(monkeypatch: pytest.MonkeyPatch) -> None:
     reads = [0]
-    real_to_host = engine.to_host
+    real_wait = engine.HostRead.wait
 
-    def counting_to_host(ints: torch.Tensor, floats: torch.Tensor):
+    def counting_wait(self):
         reads[0] += 1
-        return real_to_host(ints, floats)
+        return real_wait(self)
 
-    monkeypatch.setattr(engine, "to_host", counting_to_host)
+    monkeypatch.setattr(engine.HostRead, "wait", counting_wait)
     clutch = EntropyClutch(MIXED)
     real_update = clutch.update
     received = []

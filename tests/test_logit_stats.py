@@ -98,12 +98,13 @@ def test_off_cuda_argmax_entropy_is_torchs():
     assert torch.equal(tokens, x.argmax(-1)) and torch.equal(bits, entropy(x))
 
 
-def test_the_engine_takes_argmax_entropys_answer(monkeypatch):
+def test_the_engine_takes_argmax_entropys_answer(kernel_device, monkeypatch):
     """Greedy cycles (plain and speculative) take their tokens and entropies from argmax_entropy: with the kernel put
     in its place (the interpreter on a CPU) a run gives the same tokens and entropies as with torch, and with a
     stand-in whose argmax is off by one the run follows the stand-in."""
     target = tiny_llama(vocab_size=64, seed=0)
-    scout = perturbed_copy(target, noise=0.02, seed=1)
+    scout = perturbed_copy(target, noise=0.02, seed=1).to(kernel_device)
+    target = target.to(kernel_device)
     config = DecodeConfig(max_new_tokens=12, k_draft=3)
     runs = {}
     for name, fn in (("torch", argmax_entropy), ("kernel", lambda x: logit_stats(x.float()))):
@@ -117,5 +118,6 @@ def test_the_engine_takes_argmax_entropys_answer(monkeypatch):
     shifted = lambda x: ((x.argmax(-1) + 1) % x.shape[-1], entropy(x))  # noqa: E731
     monkeypatch.setattr(engine, "argmax_entropy", shifted)
     first = generate(target, [5, 9, 3], DecodeConfig(max_new_tokens=1)).tokens[0]
-    expected = (int(target(torch.tensor([[5, 9, 3]])).logits[0, -1].argmax()) + 1) % 64
+    with torch.inference_mode():
+        expected = (int(target(torch.tensor([[5, 9, 3]], device=kernel_device)).logits[0, -1].argmax()) + 1) % 64
     assert first == expected

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdsie.decoding import (
+    GREEDY,
     DecodeConfig,
     SamplingConfig,
     compare_logits,
@@ -195,6 +196,64 @@ def test_bad_sampling_config(kwargs: dict, match: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# Launch-ahead: each plain step launched before the previous one is read
+
+
+def _stopper(after: int):
+    """An on_tokens hook that asks to stop once it has been called more than `after` times."""
+    calls = []
+    return lambda emitted: calls.append(emitted) or len(calls) > after
+
+
+def _outcome(result) -> tuple:
+    return result.tokens, result.stop_reason, result.prefill_entropy, [c.entropy for c in result.cycles], \
+        result.stats.cycles
+
+
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), max_new=st.integers(1, 12),
+       eos=st.sampled_from([None, 3, 11, 40]), stop_after=st.sampled_from([None, 1, 4]),
+       kv_cache=st.sampled_from(["dynamic", "static"]), greedy=st.booleans())
+def test_launch_ahead_changes_no_token_entropy_or_cache(prompt, max_new, eos, stop_after, kv_cache, greedy):
+    """The same tokens, entropies and stop reason with and without launch-ahead, including runs that EOS or
+    on_tokens end while a step is in flight; that step's position is dropped, so the cache holds what it holds
+    without launch-ahead (checked by a second run on the reused static cache). The dropped step did run: it is one
+    more target forward."""
+    sampling = GREEDY if greedy else SamplingConfig(temperature=0.9, seed=5)
+    runs = []
+    for ahead in (False, True):
+        config = DecodeConfig(max_new_tokens=max_new, eos_token_id=eos, kv_cache=kv_cache, sampling=sampling,
+                              launch_ahead=ahead)
+        stop = None if stop_after is None else _stopper(stop_after)
+        first = generate(TARGET, prompt, config, on_tokens=stop)
+        again = generate(TARGET, prompt, config)
+        runs.append((_outcome(first), _outcome(again), first.stats.target_forwards, again.stats.target_forwards))
+    (plain, plain_again, plain_fw, plain_again_fw), (ahead, ahead_again, ahead_fw, ahead_again_fw) = runs
+    assert (plain, plain_again) == (ahead, ahead_again)
+    for outcome, before, after in ((plain, plain_fw, ahead_fw), (plain_again, plain_again_fw, ahead_again_fw)):
+        # a cycle that ends the run (EOS or a stop) before the budget had launched the next step
+        dropped = outcome[1] != "max_new_tokens" and outcome[4] > 0 and len(outcome[0]) < max_new
+        assert after - before == int(dropped)
+
+
+def test_launch_ahead_launches_each_step_before_the_previous_read(monkeypatch):
+    """Without scout and gear, after the prefill's read the forwards run one step ahead of the reads: forward,
+    forward, read, forward, read, ..., read; launch_ahead=False (or a scout) alternates forward and read."""
+    import sdsie.decoding.engine as engine
+
+    events: list[str] = []
+    real_forward, real_wait = engine.forward, engine.HostRead.wait
+    monkeypatch.setattr(engine, "forward", lambda *a, **kw: events.append("F") or real_forward(*a, **kw))
+    monkeypatch.setattr(engine.HostRead, "wait", lambda self: events.append("R") or real_wait(self))
+    tokens = {}
+    for ahead in (True, False):
+        events.clear()
+        tokens[ahead] = generate(TARGET, [5, 9, 3], DecodeConfig(max_new_tokens=6, launch_ahead=ahead)).tokens
+        pattern = "".join(events)
+        assert pattern == ("FR" + "FFR" + "FR" * 3 + "R" if ahead else "FR" * 6), (ahead, pattern)
+    assert tokens[True] == tokens[False]
+
+
+# ------------------------------------------------------------------------------------------------
 # Bad input
 
 
@@ -213,7 +272,8 @@ def test_bad_prompt(prompt: object, match: str) -> None:
         generate(TARGET, prompt, DecodeConfig(max_new_tokens=2))
 
 
-@pytest.mark.parametrize("kwargs, match", [({"max_new_tokens": 0}, "max_new_tokens"), ({"k_draft": 0}, "K")])
+@pytest.mark.parametrize("kwargs, match", [({"max_new_tokens": 0}, "max_new_tokens"), ({"k_draft": 0}, "K"),
+                                           ({"launch_ahead": 1}, "launch_ahead")])
 def test_bad_decode_config(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DecodeConfig(**kwargs)

@@ -174,8 +174,8 @@ def test_on_wait_comes_once_per_cycle_after_its_launch_and_before_its_read(pair,
     from sdsie.decoding import engine
 
     events: list[str] = []
-    real = engine.to_host
-    monkeypatch.setattr(engine, "to_host", lambda ints, floats: events.append("read") or real(ints, floats))
+    real = engine.HostRead.wait
+    monkeypatch.setattr(engine.HostRead, "wait", lambda self: events.append("read") or real(self))
     ids = pair.tokenizer.encode(PROMPT)
     config = DecodeConfig(max_new_tokens=20, tree_widths=tree)
     clutch = MIXED if tree is None else dataclasses.replace(MIXED, k_draft=len(tree))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "HostRead",
     "StaticKV",
     "compact_cache",
     "cache_length",
@@ -464,10 +465,33 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class HostRead:
+    """A cycle's one device->host read of ints [A] and floats [B] in a single transfer (float64 holds both), started
+    when made and waited for by `wait`. On CUDA the copy goes to pinned host memory behind an event, so device work
+    launched between the two (the next plain step, launched ahead) runs before the host waits and does not delay it."""
+
+    def __init__(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        both = torch.cat([ints.double(), floats.double()])  # [A + B]
+        self._ints = ints.numel()
+        self._event: Any = None
+        if both.is_cuda:
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = both
+
+    def wait(self) -> tuple[list[int], list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._host.tolist()
+        return [int(x) for x in values[: self._ints]], values[self._ints :]
+
+
 def to_host(ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[int], list[float]]:
-    """A cycle's one device->host read: ints [A] and floats [B] in a single transfer (float64 holds both)."""
-    both = torch.cat([ints.double(), floats.double()]).tolist()
-    return [int(x) for x in both[: ints.numel()]], both[ints.numel() :]
+    """A device->host read of ints [A] and floats [B], waited for at once (HostRead)."""
+    return HostRead(ints, floats).wait()
 
 
 def module_fingerprint(model: nn.Module) -> tuple:

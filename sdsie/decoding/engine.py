@@ -26,7 +26,9 @@ under cuda_graphs.
 
 Each cycle reads the device once (`_wait`): accepted count, emitted tokens and the entropy of
 every verification row come back together. The clutch reads those entropies (target logits that
-were computed anyway): no extra forward and no extra synchronization.
+were computed anyway): no extra forward and no extra synchronization. In a run without scout and gear
+every cycle is a plain step whose input is already on the device, so each step is launched before the
+previous one is read (DecodeConfig.launch_ahead) and the device does not wait on the host between steps.
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ class DecodeStats:
     """Counters for one run. scout_forwards are draft forwards only (the catch-up tokens ride along in
     the first draft forward of a cycle and are counted in scout_catchup_tokens)."""
 
-    new_tokens: int = 0
+    new_tokens: int = 0  # target_forwards below counts forwards run: a launched-ahead step dropped at the end too
     cycles: int = 0
     speculate_cycles: int = 0
     engaged_cycles: int = 0

@@ -1,9 +1,11 @@
 """Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls (`int4_mm`: the same as a torch.library
 op, which torch.compile traces); `fuse_rmsnorm` swaps a model's RMSNorms for one kernel each (`rms_norm`);
-`decode_attention` is split-KV attention for a one-token step (`sdsie::decode_attention` as an op)."""
+`decode_attention` is split-KV attention for a one-token step (`sdsie::decode_attention` as an op); `logit_stats` is
+the argmax and entropy of logits in one pass."""
 
 from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_gemm import Int4KernelConfig, candidate_configs, int4_matmul, kernel_calls, select_config
+from sdsie.kernels.logit_stats import logit_stats
 from sdsie.kernels.ops import int4_mm, register_weight
 from sdsie.kernels.reference import int4_matmul_reference
 from sdsie.kernels.rmsnorm import FusedRMSNorm, fuse_rmsnorm, rms_norm
@@ -18,6 +20,7 @@ __all__ = [
     "int4_mm",
     "int4_matmul_reference",
     "kernel_calls",
+    "logit_stats",
     "register_weight",
     "rms_norm",
     "select_config",

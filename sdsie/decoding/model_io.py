@@ -131,18 +131,16 @@ class StaticKV:
         by each layer's update: HF's StaticLayer adds to its own counter, one kernel per layer and forward, which
         inductor does not fuse across layers (32 of a graphed Llama-3.1-8B token's 474 kernels on the H200). All
         layers hold the same positions (the caller writes and crops them together), so one counter says the same.
-        Each layer's update then writes its keys and values in one index_copy (`_write_at_counter`). Plain
-        StaticLayers only (a sliding-window layer keeps HF's update)."""
+        Plain StaticLayers only (a sliding-window layer keeps HF's update)."""
         from transformers.cache_utils import StaticLayer
 
         layers = self.cache.layers
         if not all(type(layer) is StaticLayer for layer in layers):
             return
         self.counter = layers[0].cumulative_length
-        for i, layer in enumerate(layers):
+        for layer in layers:
             layer.cumulative_length = self.counter
-            # this layer's instance only; its keys and values are kv[i, 0] and kv[i, 1] (_consolidate)
-            layer.update = functools.partial(_write_at_counter, layer, self.kv[i])
+            layer.update = functools.partial(_write_at_counter, layer)  # this layer's instance only
 
     def _padded_size(self, n: int) -> int | None:
         """The size an n-token forward is padded to, or None to run it as it is (the prefill, exact graph sizes,
@@ -214,14 +212,14 @@ class StaticKV:
         return self._graphs[(n, last_only, variant)]
 
 
-def _write_at_counter(layer: Any, pair: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
-                      *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF StaticLayer.update (transformers 5.x) without its counter's advance, and with keys and values written in one
-    index_copy: key_states and value_states [B, H, S, D] go to positions counter..counter + S - 1 of `pair`
-    [2, B, H, S_max, D], the tensor behind the layer's keys and values (HF writes them with two, which inductor keeps
-    as two kernels per layer). StaticKV.model_forward advances the counter the layers share, once per forward."""
-    positions = torch.arange(key_states.shape[-2], device=pair.device) + layer.cumulative_length
-    pair.index_copy_(3, positions, torch.stack([key_states, value_states]))
+def _write_at_counter(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                      **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF StaticLayer.update (transformers 5.x) without its counter's advance: key_states and value_states
+    [B, H, S, D] written at positions counter..counter + S - 1 of an initialized layer. StaticKV.model_forward
+    advances the counter the layers share, once per forward."""
+    positions = torch.arange(key_states.shape[-2], device=layer.keys.device) + layer.cumulative_length
+    layer.keys.index_copy_(2, positions, key_states)
+    layer.values.index_copy_(2, positions, value_states)
     return layer.keys, layer.values
 
 

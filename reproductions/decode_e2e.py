@@ -21,9 +21,9 @@ once and taken through its variants in this order, each variant reusing the prev
 Timing: the engine's prefill and decode seconds (device synchronized at both ends); tok/s is decode tokens over
 decode time (medians over trials), end-to-end tok/s beside it. Energy: one NVML window per variant of back-to-back
 runs filling --energy-window-s, J per generated token (prefill included). Kernels: torch.profiler over a full run
-minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention, other). Bound: the bytes a decode
-token reads (every weight but the input embedding, plus the KV cache at the run's mean position) at the measured
-copy rate.
+minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention, other), and the wall time a token
+spends outside kernels (`per_token.outside_us`: 1 / tok/s less that GPU time). Bound: the bytes a decode token reads
+(every weight but the input embedding, plus the KV cache at the run's mean position) at the measured copy rate.
 
 Compilation: the decode step is compiled with static shapes (dynamic=False), so each prompt length gets its own graph
 (as gpt-fast's decode step), not a dynamic-shape recompilation after the first length (GatedLinear leaves its call
@@ -331,6 +331,13 @@ def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
     return out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0
 
 
+def outside_kernels_us(decode_tok_s: float | None, gpu_us: float) -> float | None:
+    """Wall time a decode token spends outside kernels: 1 / tok/s (the untraced trials' median) less the profiled run's
+    summed kernel time. Under graphs this is mostly the host's turn between steps (the read, the next launch), which
+    the engine's launch-ahead overlaps with the device (docs/log.md)."""
+    return 1e6 / decode_tok_s - gpu_us if decode_tok_s else None
+
+
 def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, graphs: bool, meter: EnergyMeter | None,
             energy_window_s: float, copy_gbs: float | None, profile: bool) -> dict[str, Any]:
     device = prompt.device
@@ -364,6 +371,7 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
             per_token = {k: (full[k] - prefill[k]) / steps for k in full}
             per_token["kernels"] = sum(per_token[f"{c}.kernels"] for c in ("gemv_gemm", "attention", "other"))
             per_token["gpu_us"] = sum(per_token[f"{c}.us"] for c in ("gemv_gemm", "attention", "other"))
+            per_token["outside_us"] = outside_kernels_us(result["decode_tok_s_median"], per_token["gpu_us"])
             result["per_token"] = per_token
             result["top_kernels"] = top_kernels(full_names, prefill_names, steps)
     if v.hf:
@@ -527,6 +535,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                      "j_per_token", "share_of_bound", "error")}
         row["kernels_per_token"] = (r.get("per_token") or {}).get("kernels")
         row["gpu_us_per_token"] = (r.get("per_token") or {}).get("gpu_us")
+        row["outside_us_per_token"] = (r.get("per_token") or {}).get("outside_us")
         base = by_key.get((r["model"], r["prompt_len"], BASELINE.get(r["variant"], "bf16")))
         for key, out in (("decode_tok_s_median", "speedup_vs_baseline"), ("j_per_token", "energy_vs_baseline")):
             if base and r.get(key) and base.get(key):
@@ -536,20 +545,20 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | prompt | variant | tok/s | x baseline | J/token | kernels/token | GPU us/token | share of "
-             "bound |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | prompt | variant | tok/s | x baseline | J/token | kernels/token | GPU us/token | us outside "
+             "kernels | share of bound |", "|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {r['error']} |||||")
+            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {r['error']} ||||||")
             continue
         lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {f(r['decode_tok_s_median'], '.1f')} | "
                      f"{f(r.get('speedup_vs_baseline'), '.2f')} | {f(r['j_per_token'], '.3f')} | "
                      f"{f(r['kernels_per_token'], '.0f')} | {f(r['gpu_us_per_token'], '.0f')} | "
-                     f"{f(r['share_of_bound'], '.0%')} |")
+                     f"{f(r['outside_us_per_token'], '.0f')} | {f(r['share_of_bound'], '.0%')} |")
     return "\n".join(lines)
 
 
@@ -672,7 +681,8 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
             if r.get(k) is not None:
                 metrics[f"{key}.{k}"] = float(r[k])
         for k, v in (r.get("per_token") or {}).items():
-            metrics[f"{key}.per_token.{k}"] = float(v)
+            if v is not None:  # outside_us is None where no decode time was measured
+                metrics[f"{key}.per_token.{k}"] = float(v)
     for row in doc["summary"]:
         key = f"{row['model']}.p{row['prompt_len']}.{row['variant']}"
         for k in ("speedup_vs_baseline", "energy_vs_baseline"):

@@ -107,6 +107,19 @@ def test_launch_ahead_reaches_the_engine_and_the_record(tmp_path: Path, monkeypa
     assert doc["config"]["launch_ahead"] is expected and seen and set(seen) == {expected}
 
 
+def test_time_outside_kernels_is_wall_time_per_token_less_gpu_time():
+    from reproductions.decode_e2e import outside_kernels_us, summarize, table
+
+    assert outside_kernels_us(400.0, 2300.0) == pytest.approx(200.0)  # 2,500 us a token, 2,300 of them in kernels
+    assert outside_kernels_us(None, 2300.0) is None
+    row = {"model": "m", "prompt_len": 32, "variant": "int4", "decode_tok_s_median": 400.0, "e2e_tok_s_median": 390.0,
+           "j_per_token": 1.0, "share_of_bound": 0.4, "per_token": {"kernels": 400.0, "gpu_us": 2300.0,
+                                                                    "outside_us": 200.0}}
+    (summary,) = summarize([row])
+    assert summary["outside_us_per_token"] == 200.0
+    assert table([summary]).splitlines()[-1].split(" | ")[8] == "200"
+
+
 def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
     assert main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--max-seconds", "0"]) == 2
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())

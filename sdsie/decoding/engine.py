@@ -214,13 +214,13 @@ class DecodeStats:
     """Counters for one run. scout_forwards are draft forwards only (the catch-up tokens ride along in
     the first draft forward of a cycle and are counted in scout_catchup_tokens)."""
 
-    new_tokens: int = 0  # target_forwards below counts forwards run: a launched-ahead step dropped at the end too
+    new_tokens: int = 0
     cycles: int = 0
     speculate_cycles: int = 0
     engaged_cycles: int = 0
     drafted: int = 0
     accepted: int = 0
-    target_forwards: int = 0
+    target_forwards: int = 0  # forwards run: a launched-ahead step dropped at the run's end counts too
     scout_forwards: int = 0
     scout_catchup_tokens: int = 0
     draft_stops: int = 0  # speculate cycles whose drafting draft_stop_prob ended before the schedule's length

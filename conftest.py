@@ -6,6 +6,8 @@
   with one). Override with SDSIE_HYPOTHESIS_PROFILE.
 - Tests that take the `kernel_device` fixture run on the GPU when one is present and are then
   marked `gpu` (so `pytest -m gpu` selects them): the same test functions, not a copied suite.
+- Tests marked `cpu_kernels` run a CPU model through Triton kernels, which a CPU runs only under the
+  interpreter: on a GPU host (no interpreter) they are skipped with that reason; the GPU suite runs the kernels.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ settings.register_profile(
 settings.load_profile(os.environ.get("SDSIE_HYPOTHESIS_PROFILE", "thorough" if HAS_CUDA else "ci"))
 
 NO_CUDA_REASON = "needs a CUDA GPU: torch.cuda.is_available() is False on this machine"
+NO_INTERPRETER_REASON = ("a CPU model through Triton kernels, which run on a CPU only under TRITON_INTERPRET=1 (set "
+                         "for the CPU suite); with CUDA the GPU tests run the kernels")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -46,6 +50,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
         if "gpu" in item.keywords and not HAS_CUDA and "kernel_device" not in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.skip(reason=NO_CUDA_REASON))
+        if "cpu_kernels" in item.keywords and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            item.add_marker(pytest.mark.skip(reason=NO_INTERPRETER_REASON))
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ def _greedy_by_hand(model: torch.nn.Module, prompt: list[int], n: int) -> list[i
     return ids[0, len(prompt):].tolist()
 
 
+@pytest.mark.cpu_kernels
 def test_a_quantized_lm_head_gives_the_vocabulary_and_decodes():
     model = copy.deepcopy(BASE)
     quantize_model(model, "lm_head")
@@ -40,6 +41,7 @@ def test_a_quantized_lm_head_gives_the_vocabulary_and_decodes():
         generate(model, [VOCAB], DecodeConfig(max_new_tokens=1))
 
 
+@pytest.mark.cpu_kernels
 def test_a_gated_lm_head_gives_the_vocabulary_and_decodes_at_both_gears():
     model = copy.deepcopy(BASE)
     gear = gate_model(model, "lm_head")
@@ -68,6 +70,7 @@ def test_the_fingerprint_follows_module_swaps_and_storages_not_values():
     assert module_fingerprint(model) != moved
 
 
+@pytest.mark.cpu_kernels
 def test_static_caches_are_built_again_after_quantize_model_swaps_the_modules():
     """A static run, quantize_model in place (LM head and one layer), a second static run: the second gets new
     caches (under CUDA graphs the old ones hold graphs captured on the freed modules) and decodes the quantized

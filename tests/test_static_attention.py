@@ -15,7 +15,6 @@ from torch._inductor.decomposition import select_decomp_table
 
 from sdsie.decoding import DecodeConfig, generate, run_attention
 from sdsie.decoding.model_io import StaticKV, _static_sdpa_attention, forward
-from sdsie.kernels.device import interpreting
 from sdsie.models import compiled_copy, tiny_llama
 
 aten = torch.ops.aten
@@ -81,8 +80,7 @@ def test_a_compiled_decode_step_attends_over_the_cache_without_copying_it(device
     assert not [n for n in calls if n.target == aten.where.self]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", pytest.param("split_kv", marks=pytest.mark.skipif(
-    not interpreting(), reason="reads inductor's CPU code, where the split-KV kernel runs under TRITON_INTERPRET=1"))])
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("split_kv", marks=pytest.mark.cpu_kernels)])
 def test_inductor_builds_the_mask_in_one_kernel_for_all_layers(attention: str):
     """Inductor inlines a pointwise mask into each kernel that feeds a layer's attention op, so without the
     additive_mask op every layer computed the causal comparison (`le`) again, one more kernel per layer on a GPU.
@@ -137,6 +135,7 @@ def test_static_decoding_with_packed_heads_keeps_the_dynamic_caches_tokens():
     assert static == dynamic == compiled
 
 
+@pytest.mark.cpu_kernels
 def test_split_kv_attention_decodes_the_tokens_of_sdpa_and_runs_the_kernel_once_per_layer_and_step(monkeypatch):
     """DecodeConfig(attention="split_kv") sends each one-token step's attention through the split-KV kernel (here
     under the Triton interpreter), one call per layer and step, and the multi-token forwards to sdpa: greedy tokens
@@ -194,6 +193,7 @@ def test_auto_attention_on_a_cpu_decodes_through_sdpa(monkeypatch):
     assert auto == sdpa
 
 
+@pytest.mark.cpu_kernels
 def test_the_engine_builds_its_static_cache_with_the_attention_run_attention_resolves(monkeypatch):
     """The resolved choice acts: with `run_attention` answering "split_kv" for the default config (as it does for a
     graphed static cache on CUDA), the one-token steps go through the kernel (here under the interpreter)."""

@@ -162,6 +162,7 @@ def test_tree_speculation_emits_the_plain_greedy_tokens(scout, widths, kind):
         assert all(c.accepted == c.k for c in r.cycles)
 
 
+@pytest.mark.cpu_kernels
 def test_tree_speculation_over_a_static_cache_with_split_kv_attention_emits_the_plain_greedy_tokens():
     """Under attention="split_kv" (the default for a graphed static cache on CUDA; here the kernel under the
     interpreter) the tree's multi-token forwards keep their boolean tree mask and go to sdpa; the catch-up and

@@ -95,18 +95,17 @@ def test_tree_forward_refuses_mismatched_shapes_with_the_reason():
 def test_greedy_tree_verify_keeps_the_path_of_the_targets_argmax():
     tree = TreeLayout((2, 2)).to("cpu")  # nodes: 1, 2 (depth 1); 3, 4 under 1; 5, 6 under 2
     greedy = torch.tensor([9, 7, 8, 5, 1, 2, 3])  # the target's argmax at each node
-    logits = torch.nn.functional.one_hot(greedy, 10).float()
     tokens = torch.tensor([0, 4, 9, 6, 6, 8, 0])  # root; node 2 holds 9 = argmax at root; node 5 holds 8 = at 2
-    v = greedy_tree_verify(logits, tokens, tree)
+    v = greedy_tree_verify(greedy, tokens, tree)
     assert int(v.accepted) == 2 and v.path.tolist() == [2, 5] and int(v.next_token) == greedy[5]
     tokens[5] = 1  # depth 2 fails: only node 2 is kept, the bonus is the argmax at 2
-    v = greedy_tree_verify(logits, tokens, tree)
+    v = greedy_tree_verify(greedy, tokens, tree)
     assert int(v.accepted) == 1 and v.path.tolist() == [2, 0] and int(v.next_token) == 8
     tokens[2] = 1  # nothing kept: the bonus is the argmax at the root
-    v = greedy_tree_verify(logits, tokens, tree)
+    v = greedy_tree_verify(greedy, tokens, tree)
     assert int(v.accepted) == 0 and v.path.tolist() == [0, 0] and int(v.next_token) == 9
     tokens[:] = torch.tensor([0, 4, 4, 7, 7, 8, 8])  # a node whose token matches under a rejected parent is not kept
-    assert int(greedy_tree_verify(logits, tokens, tree).accepted) == 0
+    assert int(greedy_tree_verify(greedy, tokens, tree).accepted) == 0
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])

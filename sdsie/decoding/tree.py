@@ -138,12 +138,12 @@ class TreeVerdict:
     next_token: torch.Tensor  # 0-d long: the target's argmax at the path's end
 
 
-def greedy_tree_verify(logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceTree) -> TreeVerdict:
-    """logits [1 + N, V]: the target at the root and every node; tokens [1 + N]: the root's token, then the drafts.
+def greedy_tree_verify(greedy: torch.Tensor, tokens: torch.Tensor, tree: DeviceTree) -> TreeVerdict:
+    """greedy [1 + N]: the target's argmax at the root and every node; tokens [1 + N]: the root's token, then the
+    drafts.
 
     A node is kept when every node on its way up (itself included, the root excluded) holds the target's argmax at
     its parent. Fixed-size device work, no host sync."""
-    greedy = logits.argmax(dim=-1)  # [1 + N]
     ok = (tokens == greedy[tree.parent]) | (tree.depth == 0)  # [1 + N]; the root counts as kept (no in-place write
     # of a host scalar: under graph capture that is a host-to-device copy, refused)
     kept = ~(tree.visible & ~ok[None, :]).any(dim=-1)  # [1 + N]: no ancestor failed
@@ -274,11 +274,12 @@ class TreeStep:
             tokens.append(logits.topk(layout.widths[d], dim=-1).indices.flatten())  # [n_(d + 1)], grouped by parent
         drafted = torch.cat(tokens)  # [1 + N]
         logits = tree_forward(self.target, self.target_cache, drafted, r, tree.visible, tree.depth + r)  # [1 + N, V]
-        verdict = greedy_tree_verify(logits, drafted, tree)
+        greedy, bits = argmax_entropy(logits)  # [1 + N] each, one pass on CUDA
+        verdict = greedy_tree_verify(greedy, drafted, tree)
         compact_cache(self.target_cache, r + verdict.path, r + tree.levels)
         rows = torch.cat([verdict.path.new_zeros(1), verdict.path])  # [1 + D]: the root, then the path
         ints = torch.cat([verdict.accepted[None], drafted[verdict.path], verdict.next_token[None]])  # [2 + D]
-        return ints, argmax_entropy(logits[rows])[1]  # entropy in one pass on CUDA
+        return ints, bits[rows]
 
     @property
     def catch_up_size(self) -> int:

@@ -1,0 +1,104 @@
+"""The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) beside the shipped INT4 kernel, bf16, tinygemm and a
+copy of its bytes, graphed and L2-cold, with its errors against the float64 reference (GPU only).
+
+    python -m research.kernels.mma_probe --out telemetry/raw/mma_probe_h200.json [--shapes 4096x4096 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from reproductions.kernels.int4_bench import (
+    Case,
+    bytes_moved_int4,
+    copy_graph_us,
+    cuda_missing,
+    graph_us,
+    random_int4,
+    tinygemm_pack,
+    weight_rotation,
+)
+from sdsie.kernels import int4_matmul, int4_matmul_reference
+from sdsie.kernels.int4_mma import int4_mma_gemv, pack_fragments
+
+SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
+          "3584x3584", "4608x3584", "18944x3584", "3584x18944", "512x3584", "8960x1536", "2048x3584")
+
+
+def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Generator) -> dict:
+    """Worst error of the mma GEMV and of the shipped kernel against the float64 reference, relative to max |ref|."""
+    w = random_int4(n, k, group, "cuda", gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+    ref = int4_matmul_reference(x.double(), w).double()
+    y = int4_mma_gemv(x, w, pack_fragments(w.qweight, k), warps=warps).double()
+    y0 = int4_matmul(x, w).double()
+    scale = ref.abs().max().item()
+    return {"n": n, "k": k, "group": group, "m": m, "warps": warps,
+            "mma_err": (y - ref).abs().max().item() / scale, "int4_err": (y0 - ref).abs().max().item() / scale}
+
+
+def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator) -> dict:
+    case = Case(f"{n}x{k}", n, k, m, 128)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+    ws, wb = weight_rotation(case, gen, "cuda")
+    words = [pack_fragments(w.qweight, k) for w in ws]
+    out = {"n": n, "k": k, "m": m, "copies": len(ws)}
+    out["int4"] = graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, "cuda")
+    for warps in warps_list:
+        out[f"mma_w{warps}"] = graph_us(
+            lambda i, warps=warps: (lambda: int4_mma_gemv(x, ws[i % len(ws)], words[i % len(ws)], warps=warps)),
+            n * k // 2, "cuda")
+    out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
+    out["copy"] = copy_graph_us(bytes_moved_int4(ws[0], m), "cuda")
+    try:
+        packs = [tinygemm_pack(w) for w in ws[:32]]
+        if packs[0] is not None:
+            out["tinygemm"] = graph_us(lambda i: (lambda: torch.ops.aten._weight_int4pack_mm(
+                x, packs[i % len(packs)][0], 128, packs[i % len(packs)][1])), n * k // 2, "cuda")
+    except RuntimeError as err:
+        out["tinygemm_error"] = str(err)[:200]
+    best = min(v for key, v in out.items() if key.startswith("mma_w"))
+    out["mma_best"] = best
+    out["speedup_mma"] = out["bf16"] / best
+    out["speedup_int4"] = out["bf16"] / out["int4"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--m", nargs="*", type=int, default=[1])
+    ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
+    args = ap.parse_args(argv)
+    if cuda_missing("mma_probe"):
+        return 2
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.time()
+    checks = [check(n, k, g, m, w, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 64), (128, 3584, None),
+                                                     (256, 14336, 128), (160, 1536, 128))
+              for m in (1, 3, 8) for w in (4, 8)]
+    for c in checks:
+        print(json.dumps(c), flush=True)
+    rows = []
+    for m in args.m:
+        for spec in args.shapes:
+            n, k = (int(v) for v in spec.split("x"))
+            r = time_case(n, k, m, args.warps, gen)
+            print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
+            rows.append(r)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "checks": checks, "timings": rows, "seconds": time.time() - t0}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

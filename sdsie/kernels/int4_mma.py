@@ -1,0 +1,209 @@
+"""INT4 GEMV for M <= 8 on the tensor cores, weights stored in mma fragment order (a Gluon kernel, GPU only).
+
+Why: the CUDA-core GEMV of `int4_gemm` issues about 3.4 instructions per code (an FMA, a LOP3 and their share of
+shifts, x conversions and addressing) and is issue-bound on the mid-size decoder shapes (docs/kernel-log.md). Here
+one `mma.sync.m16n8k16` takes 256 codes of a warp, and a thread's eight codes for it arrive as one 32-bit word whose
+nibbles are already where the A fragment wants them (Marlin's offline repacking): three shifts, four LOP3s (code
+-> bf16 128 + q, exact), four bf16x2 subtractions of 128 + z (exact) and one mma, about 1.6 instructions a code.
+x fills the B operand's 8 columns (its rows, M <= 8); products are exact and accumulate in fp32, and each group's
+sum is scaled in fp32, so the numerics match the CUDA-core kernel's.
+
+Fragment order (`pack_fragments`): for row block nb (16 rows) and K chunk kc (64 codes), lane l = 4g + t holds four
+words, one per k16 block j. Within a chunk the K order is permuted (both operands alike, so the dot is unchanged):
+the mma's logical column 2t + e + 8h of block j is the real column 2 (8t + 2j + h) + e, so lane t's B fragments for
+the chunk's four blocks are x's words 8t .. 8t + 7: two 16-byte loads. Word (nb, kc, l, j) holds the code of row
+16 nb + g + 8 r, real column 64 kc + 16 t + 4 j + 2 h + e in nibble r + 2 h + 4 e, so `(w >> 4 i) & 0x000F000F`
+is the A register a_i = (row g + 8 (i % 2), logical columns 2t + 8 (i // 2) + {0, 1}).
+
+The Gluon kernel compiles only for an NVIDIA GPU (sm_80 or newer for mma.sync, sm_90 for bf16x2 subtraction);
+`emulate_fragments` is its CPU twin: the same products, lane by lane, from the same words, as the PTX ISA defines
+the fragments.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
+
+__all__ = ["pack_fragments", "emulate_fragments", "int4_mma_gemv", "mma_supported", "MMA_MAX_M"]
+
+MMA_MAX_M = 8  # x's rows fill the B operand's 8 columns
+CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
+SYMMETRIC_ZERO_F = gl.constexpr(float(SYMMETRIC_ZERO))
+_SHIFTS = torch.tensor([4 * (r + 2 * h + 4 * e) for r in range(2) for h in range(2) for e in range(2)])
+
+
+def pack_fragments(qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 [N, K/2] codes (`sdsie.int4_format`) -> int32 [N/16, K/64, 32, 4] words in fragment order."""
+    n = qweight.shape[0]
+    if n % 16 or k % CHUNK:
+        raise ValueError(f"fragment order needs N % 16 == 0 and K % {CHUNK} == 0, got N={n}, K={k}")
+    q = unpack_int4(qweight, k).to(torch.int64)  # [N, K]
+    # rows 16 nb + 8 r + g, columns 64 kc + 16 t + 4 j + 2 h + e
+    q = q.view(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2)  # (nb, r, g, kc, t, j, h, e)
+    q = q.permute(0, 3, 2, 4, 5, 1, 6, 7).reshape(n // 16, k // CHUNK, 8, 4, 4, 8)  # (nb, kc, g, t, j, r h e)
+    words = (q << _SHIFTS.to(q.device)).sum(-1)  # [NB, KC, 8, 4, 4]
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32).reshape(n // 16, k // CHUNK, 32, 4).contiguous()
+
+
+def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """y [M, N] fp32 from fragment-ordered words, decoded as the PTX ISA lays out m16n8k16's A and B fragments.
+
+    Independent of `pack_fragments`' index formula: a_i comes from nibbles (i, i + 4) and holds row g + 8 (i % 2),
+    logical columns 2t + 8 (i // 2) + e; B's b_h for block j is x's word 8t + 2j + h of the chunk (logical rows
+    2t + 8h + e). The sum over the logical columns of a block is the mma's; groups are scaled after."""
+    nb, kc = words.shape[:2]
+    m, k = x.shape
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    w64 = words.to(torch.int64) & 0xFFFFFFFF  # [NB, KC, 32, 4]
+    codes = torch.zeros(nb * 16, kc * CHUNK, dtype=torch.int64)
+    for j in range(4):
+        for i in range(4):
+            for e in range(2):
+                nib = (w64[:, :, :, j] >> (4 * (i + 4 * e))) & 0xF  # [NB, KC, 32]
+                row = g + 8 * (i % 2)  # [32] row within the block
+                logical = 2 * t + 8 * (i // 2) + e  # logical column within block j
+                h, te = logical // 8, logical % 8  # B: logical rows 2t + 8h + e come from word 8t + 2j + h
+                word = 8 * (te // 2) + 2 * j + h
+                real = 2 * word + te % 2  # real column within the chunk
+                rows = (torch.arange(nb)[:, None, None] * 16 + row[None, None, :])
+                cols = (torch.arange(kc)[None, :, None] * CHUNK + real[None, None, :])
+                codes[rows.expand(nb, kc, 32), cols.expand(nb, kc, 32)] = nib
+    gsz = w.group_size
+    s = w.scales.float().repeat_interleave(gsz, 0)[:k].T  # [N, K]
+    z = (w.zeros.float().repeat_interleave(gsz, 0)[:k].T if w.zeros is not None
+         else torch.full_like(s, float(SYMMETRIC_ZERO)))
+    deq = (codes[:, :k].double() - z.double()) * s.double()
+    return (x.double() @ deq.T).float()
+
+
+def mma_supported(x: torch.Tensor, w: Int4Weight) -> bool:
+    """Whether `int4_mma_gemv` takes this call: CUDA sm_90+, bf16 x, M <= 8, N % 16 == 0, K % 64 == 0, groups a
+    multiple of 64 codes (or per channel), 16-bit or fp32 scales."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MMA_MAX_M):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    n, k = w.out_features, w.in_features
+    g = w.group_size
+    return n % 16 == 0 and k % CHUNK == 0 and (g == k or g % CHUNK == 0) and x.stride(1) == 1 and x.stride(0) % 8 == 0
+
+
+_MMA_PTX = gl.constexpr("\n".join(
+    ["{", ".reg .b32 a0, a1, a2, a3, s;", ".reg .f32 c0, c1, c2, c3;",
+     "mov.f32 c0, $24;", "mov.f32 c1, $25;", "mov.f32 c2, $26;", "mov.f32 c3, $27;"]
+    + [line for j in range(4) for line in (
+        f"lop3.b32 a0, ${4 + j}, 0x000F000F, 0x43004300, 0xea;",
+        f"shr.u32 s, ${4 + j}, 4;", "lop3.b32 a1, s, 0x000F000F, 0x43004300, 0xea;",
+        f"shr.u32 s, ${4 + j}, 8;", "lop3.b32 a2, s, 0x000F000F, 0x43004300, 0xea;",
+        f"shr.u32 s, ${4 + j}, 12;", "lop3.b32 a3, s, 0x000F000F, 0x43004300, 0xea;",
+        "sub.rn.bf16x2 a0, a0, $16;", "sub.rn.bf16x2 a1, a1, $20;",
+        "sub.rn.bf16x2 a2, a2, $16;", "sub.rn.bf16x2 a3, a3, $20;",
+        # B: block j's x words 8t + 2j, 8t + 2j + 1 ($8..$11 are xa's words 8t .. 8t + 3, $12..$15 xb's)
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {c0, c1, c2, c3}, {a0, a1, a2, a3}, "
+        f"{{${8 + 2 * j}, ${9 + 2 * j}}}, "
+        "{c0, c1, c2, c3};",
+    )]
+    + ["mov.f32 $0, c0;", "mov.f32 $1, c1;", "mov.f32 $2, c2;", "mov.f32 $3, c3;", "}"]))
+
+
+@gluon.jit
+def _chunk_mma(words, xa, xb, zg, zg8, acc):
+    """One chunk (four k16 blocks) of one row block: acc [W, 32, 4] (c0..c3 per lane) += the chunk's products."""
+    return gl.inline_asm_elementwise(
+        _MMA_PTX, "=f,=f,=f,=f," + "r," * 20 + "f,f,f,f", [words, xa, xb, zg, zg8, acc],
+        dtype=gl.float32, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _zero_splat(z_ptr, grp, rows, N, HAS_ZEROS: gl.constexpr):
+    """bf16x2 bits of (128 + z, 128 + z) for each row: the offset the code registers carry, as one subtrahend."""
+    if HAS_ZEROS:
+        z = gl.load(z_ptr + grp * N + rows).to(gl.float32)
+    else:
+        z = gl.full(rows.shape, SYMMETRIC_ZERO_F, gl.float32, rows.type.layout)
+    v = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return v | (v << 16)
+
+
+@gluon.jit
+def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, stride_xm, stride_ym,
+                          UNIT: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                          WARPS: gl.constexpr):
+    # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th unit of K (a group of
+    # UNIT chunks, or UNIT chunks of a per-channel weight) and their sums meet in one cross-warp reduction.
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
+    nb = gl.program_id(0)
+    warp = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, L2)), 1)  # [W, 1]
+    lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)  # [1, 32]
+    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
+    g = lane // 4
+    t = lane % 4
+    rows = nb * 16 + g  # [1, 32] row of c0, c1 (c2, c3: rows + 8)
+    kcs = K // 64
+    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t  # [1, 32]
+    xw3 = gl.expand_dims(xw_ptr, 2) + j  # [1, 32, 4]
+    pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j  # [1, 32, 4]
+    units = kcs // UNIT
+    tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
+    if PER_CHANNEL:
+        zg = gl.expand_dims(_zero_splat(z_ptr, 0, rows, N, HAS_ZEROS), 2)
+        zg8 = gl.expand_dims(_zero_splat(z_ptr, 0, rows + 8, N, HAS_ZEROS), 2)
+    for i in range(0, gl.cdiv(units, WARPS)):
+        u = warp + i * WARPS  # [W, 1] unit of each warp
+        live = gl.expand_dims(u < units, 2)  # [W, 1, 1]
+        if not PER_CHANNEL:
+            zg = gl.expand_dims(_zero_splat(z_ptr, u, rows, N, HAS_ZEROS), 2)  # [W, 32, 1]
+            zg8 = gl.expand_dims(_zero_splat(z_ptr, u, rows + 8, N, HAS_ZEROS), 2)
+        part = gl.zeros([WARPS, 32, 4], gl.float32, L3)
+        for c in gl.static_range(UNIT):
+            kc = gl.expand_dims(u * UNIT + c, 2)  # [W, 1, 1]
+            words = gl.load(pw3 + kc * 128, mask=live, other=0)  # [W, 32, 4]
+            xa = gl.load(xw3 + kc * 32, mask=live, other=0)
+            xb = gl.load(xw3 + kc * 32 + 4, mask=live, other=0)
+            part = _chunk_mma(words, xa, xb, zg, zg8, part)
+        if PER_CHANNEL:
+            tot += part
+        else:
+            s_g = gl.load(s_ptr + u * N + rows, mask=u < units, other=0.0).to(gl.float32)  # [W, 32]
+            s_g8 = gl.load(s_ptr + u * N + rows + 8, mask=u < units, other=0.0).to(gl.float32)
+            tot += gl.where(j < 2, gl.expand_dims(s_g, 2), gl.expand_dims(s_g8, 2)) * part
+    out = gl.sum(tot, axis=0)  # [32, 4]
+    LO: gl.constexpr = gl.SliceLayout(0, L3)
+    ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
+    oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
+    orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
+    om = 2 * (ol % 4) + oc % 2
+    if PER_CHANNEL:
+        out = out * gl.load(s_ptr + orow).to(gl.float32)
+    gl.store(y_ptr + om * stride_ym + orow, out.to(y_ptr.dtype.element_ty), mask=om < M)
+
+
+def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.Tensor | None = None,
+                  warps: int = 8, unit: int | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(W).T from fragment-ordered `words` (`pack_fragments(w.qweight, K)`)."""
+    if not mma_supported(x, w):
+        raise ValueError("int4_mma_gemv: needs CUDA sm_90+, bf16 x [M <= 8, K] with unit stride, N % 16 == 0, "
+                         f"K % {CHUNK} == 0 and groups of a multiple of {CHUNK} codes (or per channel)")
+    m, k = x.shape
+    n = w.out_features
+    per_channel = w.group_size == k
+    if unit is None:
+        unit = 2 if per_channel else w.group_size // CHUNK
+    if not per_channel and unit != w.group_size // CHUNK:
+        raise ValueError(f"int4_mma_gemv: a unit is one group ({w.group_size // CHUNK} chunks), got {unit}")
+    if (k // CHUNK) % unit:
+        raise ValueError(f"int4_mma_gemv: K / {CHUNK} = {k // CHUNK} chunks is not a multiple of the unit {unit}")
+    if y is None:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    z = w.zeros if w.zeros is not None else w.scales
+    g = -(-k // w.group_size)
+    _int4_mma_gemv_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, g, x.stride(0), y.stride(0),
+                                      unit, per_channel, w.zeros is not None, warps, num_warps=warps)
+    return y

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
@@ -32,6 +33,7 @@ __all__ = ["pack_fragments", "emulate_fragments", "int4_mma_gemv", "mma_supporte
 
 MMA_MAX_M = 8  # x's rows fill the B operand's 8 columns
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
+PAIR = 2 * CHUNK  # codes of K a warp takes at a time: the smallest group the kernel scales by
 SYMMETRIC_ZERO_F = gl.constexpr(float(SYMMETRIC_ZERO))
 _SHIFTS = torch.tensor([4 * (r + 2 * h + 4 * e) for r in range(2) for h in range(2) for e in range(2)])
 
@@ -84,14 +86,14 @@ def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> to
 
 def mma_supported(x: torch.Tensor, w: Int4Weight) -> bool:
     """Whether `int4_mma_gemv` takes this call: CUDA sm_90+, bf16 x, M <= 8, N % 16 == 0, K % 64 == 0, groups a
-    multiple of 64 codes (or per channel), 16-bit or fp32 scales."""
+    multiple of 128 codes (or per channel), 16-bit or fp32 scales."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MMA_MAX_M):
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     n, k = w.out_features, w.in_features
     g = w.group_size
-    return n % 16 == 0 and k % CHUNK == 0 and (g == k or g % CHUNK == 0) and x.stride(1) == 1 and x.stride(0) % 8 == 0
+    return n % 16 == 0 and k % PAIR == 0 and (g == k or g % PAIR == 0) and x.stride(1) == 1 and x.stride(0) % 8 == 0
 
 
 _MMA_PTX = gl.constexpr("\n".join(
@@ -121,22 +123,68 @@ def _chunk_mma(words, xa, xb, zg, zg8, acc):
 
 
 @gluon.jit
-def _zero_splat(z_ptr, grp, rows, N, HAS_ZEROS: gl.constexpr):
-    """bf16x2 bits of (128 + z, 128 + z) for each row: the offset the code registers carry, as one subtrahend."""
-    if HAS_ZEROS:
-        z = gl.load(z_ptr + grp * N + rows).to(gl.float32)
-    else:
-        z = gl.full(rows.shape, SYMMETRIC_ZERO_F, gl.float32, rows.type.layout)
+def _zero_splat(z, HAS_ZEROS: gl.constexpr):
+    """bf16x2 bits of (128 + z, 128 + z) for z [W, 32]: the offset the code registers carry, as one subtrahend,
+    [W, 32, 1]."""
+    if not HAS_ZEROS:
+        z = gl.full(z.shape, SYMMETRIC_ZERO_F, gl.float32, z.type.layout)
     v = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return v | (v << 16)
+    return gl.expand_dims(v | (v << 16), 2)
 
 
 @gluon.jit
-def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, stride_xm, stride_ym,
-                          UNIT: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
+def _pair_loads(pw3, xw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                HAS_ZEROS: gl.constexpr):
+    """Everything one pair of chunks (128 codes of K) of each warp reads: the weight words and x's words of both
+    chunks [W, 32, 4], the pair's weight on the sum [W, 32] for rows g and g + 8 (grouped: its group's scales; per
+    channel: 1) and the zero-points. p [W, 1]: each warp's pair. A pair past K reads the last pair again with weight
+    0: the loads carry no mask, so ptxas may issue them as early as it likes."""
+    live = p < pairs  # [W, 1]
+    p = gl.minimum(p, pairs - 1)
+    kc = gl.expand_dims(2 * p, 2)  # [W, 1, 1] first chunk of the pair
+    w0 = gl.load(pw3 + kc * 128)
+    w1 = gl.load(pw3 + kc * 128 + 128)
+    xa0 = gl.load(xw3 + kc * 32)
+    xb0 = gl.load(xw3 + kc * 32 + 4)
+    xa1 = gl.load(xw3 + kc * 32 + 32)
+    xb1 = gl.load(xw3 + kc * 32 + 36)
+    if PER_CHANNEL:
+        grp = p * 0
+    else:
+        grp = p // GROUP_PAIRS
+    if PER_CHANNEL:
+        s_g = gl.where(live, 1.0, 0.0) + gl.zeros(rows.shape, gl.float32, rows.type.layout)  # [W, 32]
+        s_g8 = s_g
+    else:
+        s_g = gl.where(live, gl.load(s_ptr + grp * N + rows).to(gl.float32), 0.0)  # [W, 32]
+        s_g8 = gl.where(live, gl.load(s_ptr + grp * N + rows + 8).to(gl.float32), 0.0)
+    if HAS_ZEROS:
+        z_g = gl.load(z_ptr + grp * N + rows).to(gl.float32)
+        z_g8 = gl.load(z_ptr + grp * N + rows + 8).to(gl.float32)
+    else:
+        z_g = s_g
+        z_g8 = s_g8
+    return w0, w1, xa0, xb0, xa1, xb1, s_g, s_g8, z_g, z_g8
+
+
+@gluon.jit
+def _pair_mma(tot, w0, w1, xa0, xb0, xa1, xb1, s_g, s_g8, z_g, z_g8, j, HAS_ZEROS: gl.constexpr):
+    """tot [W, 32, 4] += one pair's products, weighted by rows g (c0, c1) and g + 8 (c2, c3): the group's scale, or
+    per channel 1 (the scale comes at the end) and 0 for a pair past K."""
+    zg = _zero_splat(z_g, HAS_ZEROS)
+    zg8 = _zero_splat(z_g8, HAS_ZEROS)
+    part = _chunk_mma(w0, xa0, xb0, zg, zg8, gl.zeros_like(tot))
+    part = _chunk_mma(w1, xa1, xb1, zg, zg8, part)
+    return tot + gl.where(j < 2, gl.expand_dims(s_g, 2), gl.expand_dims(s_g8, 2)) * part
+
+
+@gluon.jit
+def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                          GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                           WARPS: gl.constexpr):
-    # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th unit of K (a group of
-    # UNIT chunks, or UNIT chunks of a per-channel weight) and their sums meet in one cross-warp reduction.
+    # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th pair of chunks (128 codes) of
+    # K, each loading its next pair before it multiplies the current one, and their sums meet in one cross-warp
+    # reduction. GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
     L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
     nb = gl.program_id(0)
@@ -147,63 +195,160 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, stride
     t = lane % 4
     rows = nb * 16 + g  # [1, 32] row of c0, c1 (c2, c3: rows + 8)
     kcs = K // 64
+    pairs = kcs // 2
     xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t  # [1, 32]
     xw3 = gl.expand_dims(xw_ptr, 2) + j  # [1, 32, 4]
     pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j  # [1, 32, 4]
-    units = kcs // UNIT
     tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
+    # two pairs in flight a warp, A and B: each is reloaded (pair + 2 W) right after its mmas, into the registers
+    # they free (ptxas places a load after the mmas whose registers it reuses, so a buffer rotation would cost moves
+    # and one pair ahead would leave the latency exposed)
+    a0, a1, aa0, ab0, aa1, ab1, as_g, as_g8, az_g, az_g8 = _pair_loads(
+        pw3, xw3, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    b0, b1, ba0, bb0, ba1, bb1, bs_g, bs_g8, bz_g, bz_g8 = _pair_loads(
+        pw3, xw3, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    if PER_CHANNEL:  # one scale a row, applied once at the end
+        s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
+                         gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
+    p = warp
+    for _ in range(0, gl.cdiv(pairs, 2 * WARPS)):
+        tot = _pair_mma(tot, a0, a1, aa0, ab0, aa1, ab1, as_g, as_g8, az_g, az_g8, j, HAS_ZEROS)
+        a0, a1, aa0, ab0, aa1, ab1, as_g, as_g8, az_g, az_g8 = _pair_loads(
+            pw3, xw3, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        tot = _pair_mma(tot, b0, b1, ba0, bb0, ba1, bb1, bs_g, bs_g8, bz_g, bz_g8, j, HAS_ZEROS)
+        b0, b1, ba0, bb0, ba1, bb1, bs_g, bs_g8, bz_g, bz_g8 = _pair_loads(
+            pw3, xw3, s_ptr, z_ptr, p + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        p += 2 * WARPS
     if PER_CHANNEL:
-        zg = gl.expand_dims(_zero_splat(z_ptr, 0, rows, N, HAS_ZEROS), 2)
-        zg8 = gl.expand_dims(_zero_splat(z_ptr, 0, rows + 8, N, HAS_ZEROS), 2)
-    for i in range(0, gl.cdiv(units, WARPS)):
-        u = warp + i * WARPS  # [W, 1] unit of each warp
-        live = gl.expand_dims(u < units, 2)  # [W, 1, 1]
-        if not PER_CHANNEL:
-            zg = gl.expand_dims(_zero_splat(z_ptr, u, rows, N, HAS_ZEROS), 2)  # [W, 32, 1]
-            zg8 = gl.expand_dims(_zero_splat(z_ptr, u, rows + 8, N, HAS_ZEROS), 2)
-        part = gl.zeros([WARPS, 32, 4], gl.float32, L3)
-        for c in gl.static_range(UNIT):
-            kc = gl.expand_dims(u * UNIT + c, 2)  # [W, 1, 1]
-            words = gl.load(pw3 + kc * 128, mask=live, other=0)  # [W, 32, 4]
-            xa = gl.load(xw3 + kc * 32, mask=live, other=0)
-            xb = gl.load(xw3 + kc * 32 + 4, mask=live, other=0)
-            part = _chunk_mma(words, xa, xb, zg, zg8, part)
-        if PER_CHANNEL:
-            tot += part
-        else:
-            s_g = gl.load(s_ptr + u * N + rows, mask=u < units, other=0.0).to(gl.float32)  # [W, 32]
-            s_g8 = gl.load(s_ptr + u * N + rows + 8, mask=u < units, other=0.0).to(gl.float32)
-            tot += gl.where(j < 2, gl.expand_dims(s_g, 2), gl.expand_dims(s_g8, 2)) * part
+        tot = tot * s_end
     out = gl.sum(tot, axis=0)  # [32, 4]
     LO: gl.constexpr = gl.SliceLayout(0, L3)
     ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
     oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
     orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
     om = 2 * (ol % 4) + oc % 2
-    if PER_CHANNEL:
-        out = out * gl.load(s_ptr + orow).to(gl.float32)
     gl.store(y_ptr + om * stride_ym + orow, out.to(y_ptr.dtype.element_ty), mask=om < M)
 
 
 def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.Tensor | None = None,
-                  warps: int = 8, unit: int | None = None) -> torch.Tensor:
+                  warps: int = 4, stages: int = 0) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(W).T from fragment-ordered `words` (`pack_fragments(w.qweight, K)`)."""
     if not mma_supported(x, w):
         raise ValueError("int4_mma_gemv: needs CUDA sm_90+, bf16 x [M <= 8, K] with unit stride, N % 16 == 0, "
-                         f"K % {CHUNK} == 0 and groups of a multiple of {CHUNK} codes (or per channel)")
+                         f"K % {PAIR} == 0 and groups of a multiple of {PAIR} codes (or per channel)")
     m, k = x.shape
     n = w.out_features
     per_channel = w.group_size == k
-    if unit is None:
-        unit = 2 if per_channel else w.group_size // CHUNK
-    if not per_channel and unit != w.group_size // CHUNK:
-        raise ValueError(f"int4_mma_gemv: a unit is one group ({w.group_size // CHUNK} chunks), got {unit}")
-    if (k // CHUNK) % unit:
-        raise ValueError(f"int4_mma_gemv: K / {CHUNK} = {k // CHUNK} chunks is not a multiple of the unit {unit}")
     if y is None:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = w.zeros if w.zeros is not None else w.scales
-    g = -(-k // w.group_size)
-    _int4_mma_gemv_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, g, x.stride(0), y.stride(0),
-                                      unit, per_channel, w.zeros is not None, warps, num_warps=warps)
+    gp = 1 if per_channel else w.group_size // PAIR
+    if stages:  # cp.async ring (bf16 scales and zero-points)
+        _int4_mma_gemv_async_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
+                                                gp, per_channel, w.zeros is not None, warps, stages, num_warps=warps)
+    else:
+        _int4_mma_gemv_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
+                                          gp, per_channel, w.zeros is not None, warps, num_warps=warps)
     return y
+
+
+@gluon.jit
+def _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, p, pairs, rows, N, stage, GROUP_PAIRS: gl.constexpr,
+                PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr):
+    """cp.async one pair's weight words (two 16-byte copies a thread) and the 4-byte words holding its group's
+    scale and zero-point of rows g and g + 8 into `stage`. Each thread reads back only what it copied, so no barrier."""
+    p = gl.minimum(p, pairs - 1)
+    kc = gl.expand_dims(2 * p, 2)  # [W, 1, 1]
+    async_copy.async_copy_global_to_shared(sw0.index(stage), pw3 + kc * 128)
+    async_copy.async_copy_global_to_shared(sw1.index(stage), pw3 + kc * 128 + 128)
+    if PER_CHANNEL:
+        grp = p * 0
+    else:
+        grp = p // GROUP_PAIRS
+    async_copy.async_copy_global_to_shared(ss0.index(stage), s32 + (grp * N + rows) // 2)
+    async_copy.async_copy_global_to_shared(ss8.index(stage), s32 + (grp * N + rows + 8) // 2)
+    if HAS_ZEROS:
+        async_copy.async_copy_global_to_shared(sz0.index(stage), z32 + (grp * N + rows) // 2)
+        async_copy.async_copy_global_to_shared(sz8.index(stage), z32 + (grp * N + rows + 8) // 2)
+
+
+@gluon.jit
+def _half_f32(word, row):
+    """The 16-bit float (bf16) of `row` from the 4-byte word of rows (row & ~1, row | 1), as fp32."""
+    h = gl.where(row % 2 == 0, word, word >> 16) & 0xFFFF
+    return (h << 16).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _int4_mma_gemv_async_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                                GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                                WARPS: gl.constexpr, STAGES: gl.constexpr):
+    # As _int4_mma_gemv_kernel, with each warp's weights, scales and zero-points STAGES - 1 pairs ahead through
+    # cp.async into shared memory (bf16 scales and zero-points); x comes from L1 at use.
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
+    SW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])  # a stage's [W, 32, 4]
+    SP: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's [W, 32]
+    sw0 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32, 4], SW)  # the pair's first chunk
+    sw1 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32, 4], SW)
+    ss0 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)  # scale words, rows g
+    ss8 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)  # rows g + 8
+    sz0 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)
+    sz8 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)
+    nb = gl.program_id(0)
+    warp = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, L2)), 1)  # [W, 1]
+    lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)  # [1, 32]
+    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
+    g = lane // 4
+    t = lane % 4
+    rows = nb * 16 + g + warp * 0  # [W, 32]
+    kcs = K // 64
+    pairs = kcs // 2
+    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t  # [1, 32]
+    xw3 = gl.expand_dims(xw_ptr, 2) + j  # [1, 32, 4]
+    pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j + gl.expand_dims(warp, 2) * 0  # [W, 32, 4]
+    s32 = s_ptr.to(gl.pointer_type(gl.int32))
+    z32 = z_ptr.to(gl.pointer_type(gl.int32))
+    for i in gl.static_range(STAGES - 1):
+        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + i * WARPS, pairs, rows, N, i, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        async_copy.commit_group()
+    tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
+    for i in range(0, gl.cdiv(pairs, WARPS)):
+        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + (i + STAGES - 1) * WARPS, pairs, rows, N, (i + STAGES - 1) % STAGES,
+                    GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        async_copy.commit_group()
+        p = warp + i * WARPS  # [W, 1]
+        live = p < pairs
+        kc = gl.expand_dims(2 * gl.minimum(p, pairs - 1), 2)
+        xa0 = gl.load(xw3 + kc * 32)
+        xb0 = gl.load(xw3 + kc * 32 + 4)
+        xa1 = gl.load(xw3 + kc * 32 + 32)
+        xb1 = gl.load(xw3 + kc * 32 + 36)
+        async_copy.wait_group(STAGES - 1)
+        st = i % STAGES
+        w0 = sw0.index(st).load(L3)
+        w1 = sw1.index(st).load(L3)
+        if PER_CHANNEL:
+            s_g = gl.where(live, 1.0, 0.0) + gl.zeros([WARPS, 32], gl.float32, L2)
+            s_g8 = s_g
+        else:
+            s_g = gl.where(live, _half_f32(ss0.index(st).load(L2), rows), 0.0)
+            s_g8 = gl.where(live, _half_f32(ss8.index(st).load(L2), rows), 0.0)
+        if HAS_ZEROS:
+            z_g = _half_f32(sz0.index(st).load(L2), rows)
+            z_g8 = _half_f32(sz8.index(st).load(L2), rows)
+        else:
+            z_g = s_g
+            z_g8 = s_g8
+        tot = _pair_mma(tot, w0, w1, xa0, xb0, xa1, xb1, s_g, s_g8, z_g, z_g8, j, HAS_ZEROS)
+    async_copy.wait_group(0)
+    if PER_CHANNEL:  # one scale a row, applied once at the end
+        tot = tot * gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
+                             gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
+    out = gl.sum(tot, axis=0)  # [32, 4]
+    LO: gl.constexpr = gl.SliceLayout(0, L3)
+    ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
+    oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
+    orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
+    om = 2 * (ol % 4) + oc % 2
+    gl.store(y_ptr + om * stride_ym + orow, out.to(y_ptr.dtype.element_ty), mask=om < M)

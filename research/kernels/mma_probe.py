@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gen = torch.Generator().manual_seed(0)
     t0 = time.time()
-    checks = [check(n, k, g, m, w, st, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 64), (128, 3584, None),
+    checks = [check(n, k, g, m, w, st, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 256), (128, 3584, None),
                                                      (256, 14336, 128), (160, 1536, 128))
               for m in (1, 3, 8) for w in (4,) for st in args.stages]
     for c in checks:

@@ -153,7 +153,7 @@ def _pair_loads(pw3, xw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.const
     else:
         grp = p // GROUP_PAIRS
     if PER_CHANNEL:
-        s_g = gl.where(live, 1.0, 0.0) + gl.zeros(rows.shape, gl.float32, rows.type.layout)  # [W, 32]
+        s_g = gl.where(live, 1.0, 0.0) + (rows * 0).to(gl.float32)  # [W, 32]
         s_g8 = s_g
     else:
         s_g = gl.where(live, gl.load(s_ptr + grp * N + rows).to(gl.float32), 0.0)  # [W, 32]
@@ -310,12 +310,13 @@ def _int4_mma_gemv_async_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, str
     s32 = s_ptr.to(gl.pointer_type(gl.int32))
     z32 = z_ptr.to(gl.pointer_type(gl.int32))
     for i in gl.static_range(STAGES - 1):
-        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + i * WARPS, pairs, rows, N, i, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + i * WARPS, pairs, rows, N, i, GROUP_PAIRS,
+                    PER_CHANNEL, HAS_ZEROS)
         async_copy.commit_group()
     tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
     for i in range(0, gl.cdiv(pairs, WARPS)):
-        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + (i + STAGES - 1) * WARPS, pairs, rows, N, (i + STAGES - 1) % STAGES,
-                    GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + (i + STAGES - 1) * WARPS, pairs, rows, N,
+                    (i + STAGES - 1) % STAGES, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
         async_copy.commit_group()
         p = warp + i * WARPS  # [W, 1]
         live = p < pairs

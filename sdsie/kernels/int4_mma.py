@@ -133,21 +133,26 @@ def _zero_splat(z, HAS_ZEROS: gl.constexpr):
 
 
 @gluon.jit
-def _pair_loads(pw3, xw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
-                HAS_ZEROS: gl.constexpr):
-    """Everything one pair of chunks (128 codes of K) of each warp reads: the weight words and x's words of both
-    chunks [W, 32, 4], the pair's weight on the sum [W, 32] for rows g and g + 8 (grouped: its group's scales; per
-    channel: 1) and the zero-points. p [W, 1]: each warp's pair. A pair past K reads the last pair again with weight
-    0: the loads carry no mask, so ptxas may issue them as early as it likes."""
+def _x_loads(xw3, p, pairs):
+    """x's words for one pair of chunks of each warp (pair p [W, 1], clamped to the last): xa, xb of both chunks
+    [W, 32, 4]. A thread's B fragments for a chunk are x's words 8t .. 8t + 7: two 16-byte loads."""
+    kc = gl.expand_dims(2 * gl.minimum(p, pairs - 1), 2)  # [W, 1, 1] first chunk of the pair
+    return (gl.load(xw3 + kc * 32), gl.load(xw3 + kc * 32 + 4), gl.load(xw3 + kc * 32 + 32),
+            gl.load(xw3 + kc * 32 + 36))
+
+
+@gluon.jit
+def _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
+               HAS_ZEROS: gl.constexpr):
+    """One pair of chunks (128 codes of K) of each warp: the weight words of both chunks [W, 32, 4], the pair's
+    weight on the sum [W, 32] for rows g and g + 8 (grouped: its group's scales; per channel: 1) and the
+    zero-points. p [W, 1]: each warp's pair. A pair past K reads the last pair again with weight 0: the loads carry
+    no mask, so ptxas may issue them as early as it likes."""
     live = p < pairs  # [W, 1]
     p = gl.minimum(p, pairs - 1)
     kc = gl.expand_dims(2 * p, 2)  # [W, 1, 1] first chunk of the pair
     w0 = gl.load(pw3 + kc * 128)
     w1 = gl.load(pw3 + kc * 128 + 128)
-    xa0 = gl.load(xw3 + kc * 32)
-    xb0 = gl.load(xw3 + kc * 32 + 4)
-    xa1 = gl.load(xw3 + kc * 32 + 32)
-    xb1 = gl.load(xw3 + kc * 32 + 36)
     if PER_CHANNEL:
         grp = p * 0
     else:
@@ -164,6 +169,16 @@ def _pair_loads(pw3, xw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.const
     else:
         z_g = s_g
         z_g8 = s_g8
+    return w0, w1, s_g, s_g8, z_g, z_g8
+
+
+@gluon.jit
+def _pair_loads(pw3, xw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                HAS_ZEROS: gl.constexpr):
+    """`_wsz_loads` and `_x_loads` of one pair."""
+    w0, w1, s_g, s_g8, z_g, z_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+                                              HAS_ZEROS)
+    xa0, xb0, xa1, xb1 = _x_loads(xw3, p, pairs)
     return w0, w1, xa0, xb0, xa1, xb1, s_g, s_g8, z_g, z_g8
 
 
@@ -243,7 +258,10 @@ def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = w.zeros if w.zeros is not None else w.scales
     gp = 1 if per_channel else w.group_size // PAIR
-    if stages:  # cp.async ring (bf16 scales and zero-points)
+    if stages == -4:  # four pairs of weights in flight a warp, x at use
+        _int4_mma_gemv4_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
+                                           gp, per_channel, w.zeros is not None, warps, num_warps=warps)
+    elif stages:  # cp.async ring (bf16 scales and zero-points)
         _int4_mma_gemv_async_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
                                                 gp, per_channel, w.zeros is not None, warps, stages, num_warps=warps)
     else:
@@ -346,6 +364,68 @@ def _int4_mma_gemv_async_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, str
     if PER_CHANNEL:  # one scale a row, applied once at the end
         tot = tot * gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
                              gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
+    out = gl.sum(tot, axis=0)  # [32, 4]
+    LO: gl.constexpr = gl.SliceLayout(0, L3)
+    ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
+    oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
+    orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
+    om = 2 * (ol % 4) + oc % 2
+    gl.store(y_ptr + om * stride_ym + orow, out.to(y_ptr.dtype.element_ty), mask=om < M)
+
+
+@gluon.jit
+def _int4_mma_gemv4_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
+                           WARPS: gl.constexpr):
+    # As _int4_mma_gemv_kernel with four pairs of weights in flight a warp (buffers A-D, each reloaded four pairs
+    # ahead right after its mmas) and x's words loaded at use (L1), which keeps the buffers to 12 registers a pair.
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
+    nb = gl.program_id(0)
+    warp = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, L2)), 1)  # [W, 1]
+    lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)  # [1, 32]
+    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
+    g = lane // 4
+    t = lane % 4
+    rows = nb * 16 + g  # [1, 32] row of c0, c1 (c2, c3: rows + 8)
+    kcs = K // 64
+    pairs = kcs // 2
+    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t  # [1, 32]
+    xw3 = gl.expand_dims(xw_ptr, 2) + j  # [1, 32, 4]
+    pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j  # [1, 32, 4]
+    tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
+    a0, a1, as_g, as_g8, az_g, az_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS,
+                                                  PER_CHANNEL, HAS_ZEROS)
+    b0, b1, bs_g, bs_g8, bz_g, bz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS,
+                                                  PER_CHANNEL, HAS_ZEROS)
+    c0, c1, cs_g, cs_g8, cz_g, cz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows, N,
+                                                  GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    d0, d1, ds_g, ds_g8, dz_g, dz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows, N,
+                                                  GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    if PER_CHANNEL:  # one scale a row, applied once at the end
+        s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
+                         gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
+    p = warp
+    for _ in range(0, gl.cdiv(pairs, 4 * WARPS)):
+        xa0, xb0, xa1, xb1 = _x_loads(xw3, p, pairs)
+        tot = _pair_mma(tot, a0, a1, xa0, xb0, xa1, xb1, as_g, as_g8, az_g, az_g8, j, HAS_ZEROS)
+        a0, a1, as_g, as_g8, az_g, az_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 4 * WARPS, pairs, rows, N,
+                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        xa0, xb0, xa1, xb1 = _x_loads(xw3, p + WARPS, pairs)
+        tot = _pair_mma(tot, b0, b1, xa0, xb0, xa1, xb1, bs_g, bs_g8, bz_g, bz_g8, j, HAS_ZEROS)
+        b0, b1, bs_g, bs_g8, bz_g, bz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 5 * WARPS, pairs, rows, N,
+                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        xa0, xb0, xa1, xb1 = _x_loads(xw3, p + 2 * WARPS, pairs)
+        tot = _pair_mma(tot, c0, c1, xa0, xb0, xa1, xb1, cs_g, cs_g8, cz_g, cz_g8, j, HAS_ZEROS)
+        c0, c1, cs_g, cs_g8, cz_g, cz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 6 * WARPS, pairs, rows, N,
+                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        xa0, xb0, xa1, xb1 = _x_loads(xw3, p + 3 * WARPS, pairs)
+        tot = _pair_mma(tot, d0, d1, xa0, xb0, xa1, xb1, ds_g, ds_g8, dz_g, dz_g8, j, HAS_ZEROS)
+        d0, d1, ds_g, ds_g8, dz_g, dz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 7 * WARPS, pairs, rows, N,
+                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        p += 4 * WARPS
+    if PER_CHANNEL:
+        tot = tot * s_end
     out = gl.sum(tot, axis=0)  # [32, 4]
     LO: gl.constexpr = gl.SliceLayout(0, L3)
     ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]

@@ -182,11 +182,12 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,rREGS)]. (Older
-    raw sweeps also name ',planes', a flag that swap_ab replaced: docs/kernel-log.md.)"""
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,rREGS)(,mma)].
+    (Older raw sweeps also name ',planes', a flag that swap_ab replaced: docs/kernel-log.md.)"""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
-            f"{',swap' if cfg.swap_ab else ''}{'' if cfg.max_registers is None else f',r{cfg.max_registers}'}]")
+            f"{',swap' if cfg.swap_ab else ''}{'' if cfg.max_registers is None else f',r{cfg.max_registers}'}"
+            f"{',mma' if cfg.mma else ''}]")
 
 
 def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:

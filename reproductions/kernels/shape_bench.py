@@ -66,6 +66,7 @@ from reproductions.kernels.int4_bench import (
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
 from sdsie.kernels.int4_gemm import _num_sms, _plan, _plans_of, rule_config, select_config_with_source
+from sdsie.kernels.int4_mma import mma_consts
 
 # (model, layer, N, K) of decoder linears, N x K = out x in. Fused rows are q/k/v or gate/up stacked along N.
 DECODER_LINEARS: tuple[tuple[str, str, int, int], ...] = (
@@ -211,6 +212,10 @@ def meta_weight(n: int, k: int, group_size: int) -> Int4Weight:
 def specialization(m: int, n: int, k: int, group_size: int, cfg: Int4KernelConfig) -> tuple:
     """What Triton compiles one binary per, for a call on bf16 x of these sizes: the kernel, its constexprs and
     options, and which integer arguments are 1 or multiples of 16 (its default specialization)."""
+    if cfg.mma:  # the Gluon kernel: its plan needs the GPU (it repacks the weight), its arguments are these
+        consts = mma_consts(meta_weight(n, k, group_size), cfg.num_warps)
+        return ("_int4_mma_gemv_kernel", tuple(consts.items()), (("num_warps", cfg.num_warps),),
+                tuple((v == 1, v % 16 == 0) for v in (m, n, k, k, n)))
     x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     p = _plan(x, meta_weight(n, k, group_size), cfg)
     ints = (*p.ints, x.stride(0), x.stride(1), p.qw.stride(0), n)
@@ -223,7 +228,8 @@ def case_configs(case: Case, configs: list[Int4KernelConfig]) -> list[Int4Kernel
 
 
 def auto_config(case: Case, device: str) -> tuple[Int4KernelConfig, str]:
-    """sdsie's configuration for the case and where it came from: "table" (a tuned entry for this GPU) or "rule"."""
+    """sdsie's configuration for the case and where it came from: "mma" (the tensor-core GEMV), "table" (a tuned
+    entry for this GPU) or "rule"."""
     s = case.shape
     if case.choice == "rule":
         return rule_config(case.m, s.n, s.k, min(case.group_size, s.k), _num_sms(torch.device(device))), "rule"

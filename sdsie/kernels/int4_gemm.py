@@ -50,6 +50,7 @@ import triton.language as tl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
 from sdsie.kernels.device import interpreting
+from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, mma_consts, mma_supported, pack_fragments
 
 __all__ = ["Int4KernelConfig", "int4_matmul", "int4_dequantize", "select_config", "select_config_with_source",
            "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M"]
@@ -776,8 +777,18 @@ class Int4KernelConfig:
     # for lack of warps, and its 160 registers a thread allow 12 warps an SM (docs/kernel-log.md); a cap trades
     # spills for warps. Ignored by the interpreter.
     max_registers: int | None = None
+    # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 8, bf16 x, a 16-row block a program and
+    # num_warps warps along K; block_m 8, block_n 16, block_k 128 name that tile
+    mma: bool = False
 
     def __post_init__(self) -> None:
+        if self.mma:
+            if (self.block_m, self.block_n, self.block_k, self.split_k, self.swap_ab) != (8, 16, 128, 1, False):
+                raise ValueError(f"an mma configuration is block_m 8, block_n 16, block_k 128, no split, no swap_ab, "
+                                 f"got {self}")
+            if self.num_warps not in (4, 8):
+                raise ValueError(f"an mma configuration takes 4 or 8 warps, got {self.num_warps}")
+            return
         if self.max_registers is not None and (not isinstance(self.max_registers, int)
                                                or not 24 <= self.max_registers <= 255 or self.max_registers % 8):
             raise ValueError(f"Int4KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], got "
@@ -977,23 +988,47 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter has no SMs; pick as for an H200 so CPU tests cover the same paths
 
 
-def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None) -> Int4KernelConfig:
-    """The tuned configuration for this GPU and shape if one was measured (M <= 16), else the rule's
-    (`rule_config`: the candidate of least fitted cost from the shape's arithmetic). Memoized: it runs on
-    every call, and host time before the launch is latency at batch 1."""
-    return select_config_with_source(m, n, k, device, group_size)[0]
+def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
+                  allow_mma: bool = True) -> Int4KernelConfig:
+    """On sm_90+, the tensor-core GEMV where `mma_config` takes the shape (for bf16 x); else the tuned configuration
+    for this GPU and shape if one was measured (M <= 16), else the rule's (`rule_config`: the candidate of least
+    fitted cost from the shape's arithmetic). Memoized: it runs on every call, and host time before the launch is
+    latency at batch 1."""
+    return select_config_with_source(m, n, k, device, group_size, allow_mma)[0]
 
 
-def select_config_with_source(m: int, n: int, k: int, device: torch.device,
-                              group_size: int | None = None) -> tuple[Int4KernelConfig, str]:
-    """`select_config`'s choice and where it came from: "table" (a tuned entry for this GPU) or "rule"."""
+def select_config_with_source(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
+                              allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
+    """`select_config`'s choice and where it came from: "mma" (the tensor-core GEMV, taken by bf16 x; `allow_mma`
+    False for other x), "table" (a tuned entry for this GPU) or "rule"."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k)
+    return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k, allow_mma)
+
+
+# M <= 8 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core GEMV
+# on the H200 (telemetry/raw/mma_probe3_h200.json, docs/kernel-log.md): N >= MMA_MIN_N at any such M (1024 x 4096
+# at M = 1 is 1.4x slower on it: 64 programs), and every N from M = 3 (the planes kernel, padded to 16 rows, is the
+# alternative there). Its warps split K: 8 where K > N (the down projections), else 4.
+MMA_MIN_N = 3072
+MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
+
+
+def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | None:
+    """The mma configuration for a bf16 call of this shape on an sm_90+ GPU, or None where the kernel does not
+    apply (shape or group) or is not the faster one."""
+    shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
+    if not (1 <= m <= 8 and shape_ok and (n >= MMA_MIN_N or m >= 3)):
+        return None
+    return MMA_CONFIGS[8 if k > n else 4]
 
 
 @functools.lru_cache(maxsize=4096)
-def _select_config(m: int, n: int, k: int, device_type: str, index: int,
-                   group_size: int) -> tuple[Int4KernelConfig, str]:
+def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_size: int,
+                   allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
+    if allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9:
+        cfg = mma_config(m, n, k, group_size)
+        if cfg is not None:
+            return cfg, "mma"
     if device_type == "cuda" and m <= TUNED_M[-1]:
         cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size)
         if cfg is not None:
@@ -1079,9 +1114,35 @@ def _constexpr_names(kernel) -> tuple[str, ...]:
     return tuple(p.name for p in params if "constexpr" in str(p.annotation))
 
 
+_FRAGMENTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (qweight, its fragment-order words)
+
+
+def _fragments(w: Int4Weight) -> torch.Tensor:
+    """The weight's codes in fragment order (`int4_mma.pack_fragments`), made on first use and kept while the weight
+    lives, beside its byte layout (which the other kernels read): as many bytes again as its codes."""
+    entry = _FRAGMENTS.get(id(w))
+    if entry is None or entry[0] is not w.qweight:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("int4_matmul: an mma launch's weight is repacked on its first call, which cannot happen "
+                               "inside CUDA-graph capture; run the call once before capturing")
+        if entry is None:
+            weakref.finalize(w, _FRAGMENTS.pop, id(w), None)
+        entry = _FRAGMENTS[id(w)] = (w.qweight, pack_fragments(w.qweight, w.in_features))
+    return entry[1]
+
+
 def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     m, k = x2.shape
     n = w.out_features
+    if cfg.mma:
+        if not mma_supported(x2, w):
+            raise ValueError(f"int4_matmul: the mma configuration needs CUDA sm_90+, bf16 x [M <= 8, K] with unit "
+                             f"stride and 16-byte aligned rows, N % 16 == 0, K % 128 == 0 and groups of a multiple of "
+                             f"128 codes or per channel; got x {x2.dtype} {tuple(x2.shape)} strides {x2.stride()} on "
+                             f"{x2.device}, N={n}, group {w.group_size}")
+        return _Plan(_int4_mma_gemv_kernel, (n // 16, 1, 1), _fragments(w),
+                     w.zeros if w.zeros is not None else w.scales, (m, n, k), mma_consts(w, cfg.num_warps),
+                     {"num_warps": cfg.num_warps}, 1, 0, (w.qweight, w.scales, w.zeros))
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
@@ -1181,7 +1242,10 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
     else:
         ws = locks = plan.qw  # unused by the kernel without split K: any fixed pointer
     # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
-    after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
+    if plan.kernel is _int4_mma_gemv_kernel:
+        after_y = (*plan.ints, x2.stride(0), n)
+    else:
+        after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
     try:
         result = plan.kernel[plan.grid](x2, plan.qw, w.scales, plan.zeros, y, *after_y, **plan.consts, **plan.options)
     except Exception as err:  # checked here, off the per-call fast path: Triton's own message names no remedy
@@ -1272,7 +1336,10 @@ def int4_matmul(
     plans = _plans_of(w)
     plan = plans.get(key)
     if plan is None or not plan.built_from(w):
-        plan = plans[key] = _plan(x2, w, config or select_config(m, n, k, x.device, w.group_size))
+        cfg = config or select_config(m, n, k, x.device, w.group_size)
+        if config is None and cfg.mma and not mma_supported(x2, w):  # fp16 or fp32 x, or x's rows misaligned
+            cfg = select_config(m, n, k, x.device, w.group_size, allow_mma=False)
+        plan = plans[key] = _plan(x2, w, cfg)
     _launch(plan, x2, w, y)
     _CALLS["n"] += 1
     return y if flat else y.reshape(*x.shape[:-1], n)

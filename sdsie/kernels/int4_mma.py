@@ -25,11 +25,10 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
-__all__ = ["pack_fragments", "emulate_fragments", "int4_mma_gemv", "mma_supported", "MMA_MAX_M"]
+__all__ = ["pack_fragments", "emulate_fragments", "int4_mma_gemv", "mma_consts", "mma_supported", "MMA_MAX_M", "PAIR"]
 
 MMA_MAX_M = 8  # x's rows fill the B operand's 8 columns
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
@@ -38,11 +37,16 @@ SYMMETRIC_ZERO_F = gl.constexpr(float(SYMMETRIC_ZERO))
 _SHIFTS = torch.tensor([4 * (r + 2 * h + 4 * e) for r in range(2) for h in range(2) for e in range(2)])
 
 
-def pack_fragments(qweight: torch.Tensor, k: int) -> torch.Tensor:
-    """uint8 [N, K/2] codes (`sdsie.int4_format`) -> int32 [N/16, K/64, 32, 4] words in fragment order."""
+def pack_fragments(qweight: torch.Tensor, k: int, rows_at_a_time: int = 4096) -> torch.Tensor:
+    """uint8 [N, K/2] codes (`sdsie.int4_format`) -> int32 [N/16, K/64, 32, 4] words in fragment order, on
+    qweight's device; `rows_at_a_time` rows at a time (the int64 temporaries are 24 bytes a code)."""
     n = qweight.shape[0]
-    if n % 16 or k % CHUNK:
-        raise ValueError(f"fragment order needs N % 16 == 0 and K % {CHUNK} == 0, got N={n}, K={k}")
+    if n % 16 or k % CHUNK or qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        raise ValueError(f"fragment order needs uint8 [N, K/2] codes with N % 16 == 0 and K % {CHUNK} == 0, got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}, K={k}")
+    step = max(16, rows_at_a_time // 16 * 16)
+    if n > step:
+        return torch.cat([pack_fragments(qweight[r:r + step], k, step) for r in range(0, n, step)])
     q = unpack_int4(qweight, k).to(torch.int64)  # [N, K]
     # rows 16 nb + 8 r + g, columns 64 kc + 16 t + 4 j + 2 h + e
     q = q.view(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2)  # (nb, r, g, kc, t, j, h, e)
@@ -85,15 +89,16 @@ def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> to
 
 
 def mma_supported(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether `int4_mma_gemv` takes this call: CUDA sm_90+, bf16 x, M <= 8, N % 16 == 0, K % 64 == 0, groups a
-    multiple of 128 codes (or per channel), 16-bit or fp32 scales."""
+    """Whether `int4_mma_gemv` takes this call: CUDA sm_90+, bf16 x [M <= 8, K] with unit stride and 16-byte aligned
+    rows, N % 16 == 0, K % 128 == 0, groups a multiple of 128 codes (or per channel)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MMA_MAX_M):
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     n, k = w.out_features, w.in_features
     g = w.group_size
-    return n % 16 == 0 and k % PAIR == 0 and (g == k or g % PAIR == 0) and x.stride(1) == 1 and x.stride(0) % 8 == 0
+    aligned = x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    return n % 16 == 0 and k % PAIR == 0 and (g >= k or g % PAIR == 0) and aligned
 
 
 _MMA_PTX = gl.constexpr("\n".join(
@@ -246,190 +251,24 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
 
 
 def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.Tensor | None = None,
-                  warps: int = 4, stages: int = 0) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ dequant(W).T from fragment-ordered `words` (`pack_fragments(w.qweight, K)`)."""
+                  warps: int = 4) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(W).T from fragment-ordered `words` (`pack_fragments(w.qweight, K)`): the kernel
+    alone, launched through Triton's binder (`int4_matmul` keeps a launch plan instead)."""
     if not mma_supported(x, w):
         raise ValueError("int4_mma_gemv: needs CUDA sm_90+, bf16 x [M <= 8, K] with unit stride, N % 16 == 0, "
                          f"K % {PAIR} == 0 and groups of a multiple of {PAIR} codes (or per channel)")
     m, k = x.shape
     n = w.out_features
-    per_channel = w.group_size == k
     if y is None:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = w.zeros if w.zeros is not None else w.scales
-    gp = 1 if per_channel else w.group_size // PAIR
-    if stages == -4:  # four pairs of weights in flight a warp, x at use
-        _int4_mma_gemv4_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
-                                           gp, per_channel, w.zeros is not None, warps, num_warps=warps)
-    elif stages:  # cp.async ring (bf16 scales and zero-points)
-        _int4_mma_gemv_async_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
-                                                gp, per_channel, w.zeros is not None, warps, stages, num_warps=warps)
-    else:
-        _int4_mma_gemv_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
-                                          gp, per_channel, w.zeros is not None, warps, num_warps=warps)
+    _int4_mma_gemv_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
+                                      *mma_consts(w, warps).values(), num_warps=warps)
     return y
 
 
-@gluon.jit
-def _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, p, pairs, rows, N, stage, GROUP_PAIRS: gl.constexpr,
-                PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr):
-    """cp.async one pair's weight words (two 16-byte copies a thread) and the 4-byte words holding its group's
-    scale and zero-point of rows g and g + 8 into `stage`. Each thread reads back only what it copied, so no barrier."""
-    p = gl.minimum(p, pairs - 1)
-    kc = gl.expand_dims(2 * p, 2)  # [W, 1, 1]
-    async_copy.async_copy_global_to_shared(sw0.index(stage), pw3 + kc * 128)
-    async_copy.async_copy_global_to_shared(sw1.index(stage), pw3 + kc * 128 + 128)
-    if PER_CHANNEL:
-        grp = p * 0
-    else:
-        grp = p // GROUP_PAIRS
-    async_copy.async_copy_global_to_shared(ss0.index(stage), s32 + (grp * N + rows) // 2)
-    async_copy.async_copy_global_to_shared(ss8.index(stage), s32 + (grp * N + rows + 8) // 2)
-    if HAS_ZEROS:
-        async_copy.async_copy_global_to_shared(sz0.index(stage), z32 + (grp * N + rows) // 2)
-        async_copy.async_copy_global_to_shared(sz8.index(stage), z32 + (grp * N + rows + 8) // 2)
-
-
-@gluon.jit
-def _half_f32(word, row):
-    """The 16-bit float (bf16) of `row` from the 4-byte word of rows (row & ~1, row | 1), as fp32."""
-    h = gl.where(row % 2 == 0, word, word >> 16) & 0xFFFF
-    return (h << 16).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _int4_mma_gemv_async_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                                GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                                WARPS: gl.constexpr, STAGES: gl.constexpr):
-    # As _int4_mma_gemv_kernel, with each warp's weights, scales and zero-points STAGES - 1 pairs ahead through
-    # cp.async into shared memory (bf16 scales and zero-points); x comes from L1 at use.
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
-    SW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])  # a stage's [W, 32, 4]
-    SP: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stage's [W, 32]
-    sw0 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32, 4], SW)  # the pair's first chunk
-    sw1 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32, 4], SW)
-    ss0 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)  # scale words, rows g
-    ss8 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)  # rows g + 8
-    sz0 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)
-    sz8 = gl.allocate_shared_memory(gl.int32, [STAGES, WARPS, 32], SP)
-    nb = gl.program_id(0)
-    warp = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, L2)), 1)  # [W, 1]
-    lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)  # [1, 32]
-    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
-    g = lane // 4
-    t = lane % 4
-    rows = nb * 16 + g + warp * 0  # [W, 32]
-    kcs = K // 64
-    pairs = kcs // 2
-    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t  # [1, 32]
-    xw3 = gl.expand_dims(xw_ptr, 2) + j  # [1, 32, 4]
-    pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j + gl.expand_dims(warp, 2) * 0  # [W, 32, 4]
-    s32 = s_ptr.to(gl.pointer_type(gl.int32))
-    z32 = z_ptr.to(gl.pointer_type(gl.int32))
-    for i in gl.static_range(STAGES - 1):
-        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + i * WARPS, pairs, rows, N, i, GROUP_PAIRS,
-                    PER_CHANNEL, HAS_ZEROS)
-        async_copy.commit_group()
-    tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
-    for i in range(0, gl.cdiv(pairs, WARPS)):
-        _issue_pair(sw0, sw1, ss0, ss8, sz0, sz8, pw3, s32, z32, warp + (i + STAGES - 1) * WARPS, pairs, rows, N,
-                    (i + STAGES - 1) % STAGES, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-        async_copy.commit_group()
-        p = warp + i * WARPS  # [W, 1]
-        live = p < pairs
-        kc = gl.expand_dims(2 * gl.minimum(p, pairs - 1), 2)
-        xa0 = gl.load(xw3 + kc * 32)
-        xb0 = gl.load(xw3 + kc * 32 + 4)
-        xa1 = gl.load(xw3 + kc * 32 + 32)
-        xb1 = gl.load(xw3 + kc * 32 + 36)
-        async_copy.wait_group(STAGES - 1)
-        st = i % STAGES
-        w0 = sw0.index(st).load(L3)
-        w1 = sw1.index(st).load(L3)
-        if PER_CHANNEL:
-            s_g = gl.where(live, 1.0, 0.0) + gl.zeros([WARPS, 32], gl.float32, L2)
-            s_g8 = s_g
-        else:
-            s_g = gl.where(live, _half_f32(ss0.index(st).load(L2), rows), 0.0)
-            s_g8 = gl.where(live, _half_f32(ss8.index(st).load(L2), rows), 0.0)
-        if HAS_ZEROS:
-            z_g = _half_f32(sz0.index(st).load(L2), rows)
-            z_g8 = _half_f32(sz8.index(st).load(L2), rows)
-        else:
-            z_g = s_g
-            z_g8 = s_g8
-        tot = _pair_mma(tot, w0, w1, xa0, xb0, xa1, xb1, s_g, s_g8, z_g, z_g8, j, HAS_ZEROS)
-    async_copy.wait_group(0)
-    if PER_CHANNEL:  # one scale a row, applied once at the end
-        tot = tot * gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
-                             gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
-    out = gl.sum(tot, axis=0)  # [32, 4]
-    LO: gl.constexpr = gl.SliceLayout(0, L3)
-    ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
-    oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
-    orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
-    om = 2 * (ol % 4) + oc % 2
-    gl.store(y_ptr + om * stride_ym + orow, out.to(y_ptr.dtype.element_ty), mask=om < M)
-
-
-@gluon.jit
-def _int4_mma_gemv4_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                           WARPS: gl.constexpr):
-    # As _int4_mma_gemv_kernel with four pairs of weights in flight a warp (buffers A-D, each reloaded four pairs
-    # ahead right after its mmas) and x's words loaded at use (L1), which keeps the buffers to 12 registers a pair.
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
-    nb = gl.program_id(0)
-    warp = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, L2)), 1)  # [W, 1]
-    lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)  # [1, 32]
-    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
-    g = lane // 4
-    t = lane % 4
-    rows = nb * 16 + g  # [1, 32] row of c0, c1 (c2, c3: rows + 8)
-    kcs = K // 64
-    pairs = kcs // 2
-    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t  # [1, 32]
-    xw3 = gl.expand_dims(xw_ptr, 2) + j  # [1, 32, 4]
-    pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j  # [1, 32, 4]
-    tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
-    a0, a1, as_g, as_g8, az_g, az_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS,
-                                                  PER_CHANNEL, HAS_ZEROS)
-    b0, b1, bs_g, bs_g8, bz_g, bz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS,
-                                                  PER_CHANNEL, HAS_ZEROS)
-    c0, c1, cs_g, cs_g8, cz_g, cz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows, N,
-                                                  GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    d0, d1, ds_g, ds_g8, dz_g, dz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows, N,
-                                                  GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    if PER_CHANNEL:  # one scale a row, applied once at the end
-        s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
-                         gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
-    p = warp
-    for _ in range(0, gl.cdiv(pairs, 4 * WARPS)):
-        xa0, xb0, xa1, xb1 = _x_loads(xw3, p, pairs)
-        tot = _pair_mma(tot, a0, a1, xa0, xb0, xa1, xb1, as_g, as_g8, az_g, az_g8, j, HAS_ZEROS)
-        a0, a1, as_g, as_g8, az_g, az_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 4 * WARPS, pairs, rows, N,
-                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-        xa0, xb0, xa1, xb1 = _x_loads(xw3, p + WARPS, pairs)
-        tot = _pair_mma(tot, b0, b1, xa0, xb0, xa1, xb1, bs_g, bs_g8, bz_g, bz_g8, j, HAS_ZEROS)
-        b0, b1, bs_g, bs_g8, bz_g, bz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 5 * WARPS, pairs, rows, N,
-                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-        xa0, xb0, xa1, xb1 = _x_loads(xw3, p + 2 * WARPS, pairs)
-        tot = _pair_mma(tot, c0, c1, xa0, xb0, xa1, xb1, cs_g, cs_g8, cz_g, cz_g8, j, HAS_ZEROS)
-        c0, c1, cs_g, cs_g8, cz_g, cz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 6 * WARPS, pairs, rows, N,
-                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-        xa0, xb0, xa1, xb1 = _x_loads(xw3, p + 3 * WARPS, pairs)
-        tot = _pair_mma(tot, d0, d1, xa0, xb0, xa1, xb1, ds_g, ds_g8, dz_g, dz_g8, j, HAS_ZEROS)
-        d0, d1, ds_g, ds_g8, dz_g, dz_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p + 7 * WARPS, pairs, rows, N,
-                                                      GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-        p += 4 * WARPS
-    if PER_CHANNEL:
-        tot = tot * s_end
-    out = gl.sum(tot, axis=0)  # [32, 4]
-    LO: gl.constexpr = gl.SliceLayout(0, L3)
-    ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
-    oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
-    orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
-    om = 2 * (ol % 4) + oc % 2
-    gl.store(y_ptr + om * stride_ym + orow, out.to(y_ptr.dtype.element_ty), mask=om < M)
+def mma_consts(w: Int4Weight, warps: int) -> dict:
+    """The kernel's constexpr arguments for weight `w`, in its parameter order."""
+    per_channel = w.group_size >= w.in_features
+    return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
+                HAS_ZEROS=w.zeros is not None, WARPS=warps)

@@ -1,0 +1,151 @@
+"""The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`).
+
+On the CPU: the packed words decode, lane by lane as the PTX ISA lays out m16n8k16's fragments, to the reference
+product (`emulate_fragments`, the kernel's CPU twin); the choice of configuration; the kernel compiles for sm_90
+(Triton's bundled ptxas, no GPU). On a GPU (`gpu`): the kernel itself against the float64 reference, through
+`int4_matmul`, and under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdsie.int4_format import Int4Weight
+from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
+from sdsie.kernels.int4_gemm import MMA_CONFIGS, _plans_of, mma_config, select_config_with_source
+from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, emulate_fragments, mma_consts, pack_fragments
+from tests.test_int4_kernel import assert_close_to_reference, make_weight
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.parametrize("group", [128, 256, None])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fragment_words_decode_to_the_reference_product(group, symmetric):
+    """Every code lands where the kernel's A registers read it, and x's words where its B registers read them:
+    the emulated mma over the packed words gives the reference product (fp64, so any misplaced code shows)."""
+    gen = torch.Generator().manual_seed(hash((group, symmetric)) % 2**31)
+    for m, n, k in ((1, 16, 128), (3, 48, 256), (8, 32, 384)):
+        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cpu"), gen, scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        y = emulate_fragments(x, pack_fragments(w.qweight, k), w)
+        ref = int4_matmul_reference(x.double(), w)
+        torch.testing.assert_close(y.double(), ref.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_pack_fragments_in_row_slices_equals_one_piece():
+    gen = torch.Generator().manual_seed(3)
+    w = make_weight(80, 256, 128, False, 0.02, torch.device("cpu"), gen)
+    assert torch.equal(pack_fragments(w.qweight, 256, rows_at_a_time=16), pack_fragments(w.qweight, 256))
+    assert pack_fragments(w.qweight, 256).shape == (5, 4, 32, 4)
+
+
+@pytest.mark.parametrize("n, k", [(24, 128), (32, 96)])
+def test_pack_fragments_refuses_shapes_it_cannot_tile(n, k):
+    w = make_weight(n, k, None, False, 0.02, torch.device("cpu"), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 64 == 0"):
+        pack_fragments(w.qweight, k)
+
+
+def test_mma_config_takes_large_n_at_any_small_m_and_every_n_from_three_rows():
+    assert mma_config(1, 4096, 4096, 128) == MMA_CONFIGS[4]
+    assert mma_config(2, 4096, 14336, 128) == MMA_CONFIGS[8]  # K > N: warps split the long K
+    assert mma_config(1, 128256, 4096, 4096) == MMA_CONFIGS[4]  # per channel
+    assert mma_config(1, 1024, 4096, 128) is None  # 64 programs: the CUDA-core GEMV is faster
+    assert mma_config(4, 1024, 4096, 128) == MMA_CONFIGS[8]
+    for m, n, k, g in ((9, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
+        assert mma_config(m, n, k, g) is None, (m, n, k, g)
+
+
+def test_off_gpu_the_choice_is_never_mma():
+    cfg, source = select_config_with_source(1, 4096, 4096, torch.device("cpu"), 128)
+    assert not cfg.mma and source in ("table", "rule")
+
+
+def test_an_mma_configuration_is_one_tile():
+    with pytest.raises(ValueError, match="block_m 8, block_n 16, block_k 128"):
+        Int4KernelConfig(1, 16, 128, mma=True)
+    with pytest.raises(ValueError, match="4 or 8 warps"):
+        Int4KernelConfig(8, 16, 128, num_warps=2, mma=True)
+
+
+@pytest.mark.parametrize("per_channel, has_zeros", list(itertools.product([False, True], [False, True])))
+def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zeros):
+    """Offline (no GPU; a subprocess, as the session interprets kernels): every variant compiles; the two-pair loop
+    issues 16 HMMA (4 per 64-code chunk, 2 chunks a pair), loads each chunk's weights and x's words in 16-byte loads,
+    spills nothing, and stays near 2.4 SASS a code (the CUDA-core GEMV: 3.4, docs/kernel-log.md)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from reproductions.kernels.inspect_ptx import inspect_mma; "
+            f"print(json.dumps(inspect_mma({per_channel}, {has_zeros})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"compiling the mma GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["sass_ops"].get("HMMA.16816.F32.BF16") == 16, r
+    assert r["sass_ops"].get("LDG.E.128") == 12, r  # per pair: 2 weight chunks and 4 of x's words
+    assert r["local_mem"] == 0
+    assert r["sass_loop_per_code"] < 2.7, r
+
+
+gpu90 = pytest.mark.skipif(not HAS_SM90, reason="the mma kernel needs an sm_90+ GPU")
+
+
+@pytest.mark.gpu
+@gpu90
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("group", [128, 256, None])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_the_kernel_matches_the_reference(warps, group, symmetric):
+    """Every M of 1-8, K both a multiple and not of 128 x warps (a warp's spare pairs add nothing), per channel and
+    grouped, through int4_matmul with the configuration named; every output element written."""
+    gen = torch.Generator().manual_seed(hash((warps, group, symmetric)) % 2**31)
+    cfg = MMA_CONFIGS[warps]
+    for m, n, k in ((1, 16, 128), (3, 64, 640), (5, 256, 4096), (8, 48, 1536), (2, 4096, 3584)):
+        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert_close_to_reference(int4_matmul(x, w, config=cfg, out=out), x, w)
+
+
+@pytest.mark.gpu
+@gpu90
+def test_bf16_x_takes_the_mma_kernel_and_other_x_do_not():
+    gen = torch.Generator().manual_seed(5)
+    w = make_weight(4096, 1024, 128, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+    for dtype, mma in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, False)):
+        x = torch.randn(1, 1024, generator=gen).to(dtype).cuda()
+        assert_close_to_reference(int4_matmul(x, w), x, w)
+        plan = next(p for key, p in _plans_of(w).items() if key[1] == dtype)
+        assert (plan.kernel is _int4_mma_gemv_kernel) is mma, dtype
+        if mma:
+            assert plan.consts == mma_consts(w, 4)
+
+
+@pytest.mark.gpu
+@gpu90
+def test_graph_replay_after_a_first_call_and_a_clear_error_before_one():
+    gen = torch.Generator().manual_seed(9)
+    w = make_weight(4096, 512, 128, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+    x = torch.randn(2, 512, generator=gen).to(torch.bfloat16).cuda()
+    eager = int4_matmul(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = int4_matmul(x, w)
+    x.copy_(torch.randn(2, 512, generator=gen).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_reference(y, x, w)
+    assert not torch.equal(y, eager)
+    fresh = Int4Weight(w.qweight.clone(), w.scales, w.zeros, w.in_features, w.group_size)
+    with pytest.raises(RuntimeError, match="run the call once before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            int4_matmul(x, fresh)

@@ -94,10 +94,10 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     records = load_records(TELEMETRY)
     rows = e2e_rows(records)
     assert len(rows) == 4 and all("target 2.5x not met" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.16x tok/s" in r and "`4449504f`" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`4449504f`" in r for r in rows)
-    assert any("llama3.1-8b" in r and "prompt 32," in r and "`576930bf`" in r for r in rows)  # the newest of three
-    assert any("llama3.1-8b" in r and "prompt 2048," in r and "`5c24f3d5`" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.33x tok/s" in r and "`4daf879e`" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`4daf879e`" in r for r in rows)
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "`6b279afa`" in r for r in rows)  # the newest of four
+    assert any("llama3.1-8b" in r and "prompt 2048," in r and "`6b279afa`" in r for r in rows)
 
     def with_config(rec_id: str, **config):
         return [dataclasses.replace(r, config={**r.config, **config}) if r.source.name.split("-", 1)[1][:8] == rec_id
@@ -105,16 +105,16 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
 
     # a record that ran SDPA is not the default's (split-KV under graphs on CUDA): its rows leave the headline, and
     # the newest earlier records of the default take their places
-    sdpa = e2e_rows(with_config("4449504f", attention="auto", attention_run="sdpa"))
-    assert len(sdpa) == 4 and not any("`4449504f`" in r for r in sdpa)
-    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "`823109fc`" in r for r in sdpa)
-    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`0fe13641`" in r for r in sdpa)
+    sdpa = e2e_rows(with_config("4daf879e", attention="auto", attention_run="sdpa"))
+    assert len(sdpa) == 4 and not any("`4daf879e`" in r for r in sdpa)
+    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "`4449504f`" in r for r in sdpa)
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`4449504f`" in r for r in sdpa)
     # what ran counts, not what was asked: "auto" that ran split_kv is the default's
-    auto = e2e_rows(with_config("4449504f", attention="auto", attention_run="split_kv"))
-    assert any("`4449504f`" in r for r in auto)
+    auto = e2e_rows(with_config("4daf879e", attention="auto", attention_run="split_kv"))
+    assert any("`4daf879e`" in r for r in auto)
     # records before attention_run name what they asked for, which is what ran: the earlier SDPA records stay out
     newer = ("f4467de5", "823109fc", "db1a0553", "0fe13641", "15a164f3", "5c24f3d5", "576930bf", "4449504f",
-             "d6393d04")
+             "d6393d04", "6b279afa", "4daf879e")
     older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in newer]
     assert e2e_rows(older) == []
 

@@ -127,23 +127,24 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
     }
 
 
-def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 4) -> dict[str, object]:
+def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 4,
+                halves: int = 1) -> dict[str, object]:
     """The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) compiled for sm_90: its loop's SASS opcode
-    counts (the loop covers two pairs of chunks, 256 codes a thread), registers and local-memory accesses."""
+    counts (the loop covers two pairs of chunks, 128 codes a thread), registers and local-memory accesses."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel
 
     names = ["x_ptr", "pw_ptr", "s_ptr", "z_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 5
-    consts = {"GROUP_PAIRS": 1, "PER_CHANNEL": per_channel, "HAS_ZEROS": has_zeros, "WARPS": warps}
+    consts = {"GROUP_PAIRS": 1, "PER_CHANNEL": per_channel, "HAS_ZEROS": has_zeros, "WARPS": warps, "HALVES": halves}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "M"}
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(GluonASTSource(_int4_mma_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": warps})
     sass = sass_loop(kernel.asm["cubin"])
     return {"sass_ops": dict(collections.Counter(op.split()[0] for op in sass)),
-            "sass_loop_per_code": len(sass) / 256,
+            "sass_loop_per_code": len(sass) / 128,
             "local_mem": len(re.findall(r"(?:ld|st)\.local", kernel.asm["ptx"])),
             "registers": registers(kernel.asm["cubin"])}
 

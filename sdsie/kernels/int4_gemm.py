@@ -777,7 +777,7 @@ class Int4KernelConfig:
     # for lack of warps, and its 160 registers a thread allow 12 warps an SM (docs/kernel-log.md); a cap trades
     # spills for warps. Ignored by the interpreter.
     max_registers: int | None = None
-    # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 8, bf16 x, a 16-row block a program and
+    # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, a 16-row block a program and
     # num_warps warps along K; block_m 8, block_n 16, block_k 128 name that tile
     mma: bool = False
 
@@ -1005,11 +1005,14 @@ def select_config_with_source(m: int, n: int, k: int, device: torch.device, grou
     return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k, allow_mma)
 
 
-# M <= 8 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core GEMV
-# on the H200 (telemetry/raw/mma_probe3_h200.json, docs/kernel-log.md): N >= MMA_MIN_N at any such M (1024 x 4096
-# at M = 1 is 1.4x slower on it: 64 programs), and every N from M = 3 (the planes kernel, padded to 16 rows, is the
-# alternative there). Its warps split K: 8 where K > N (the down projections), else 4.
+# M <= 16 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core
+# GEMV and the planes kernel on the H200 (telemetry/raw/shape_table_mma_m1_to_m16_h200.json, docs/kernel-log.md):
+# N >= MMA_MIN_N at any such M (1024 x 4096 at M = 1 is 1.4x slower on it: 64 programs), and every N from M = 3,
+# except the LM heads at M = 1 (N >= MMA_MAX_N_M1), where the CUDA-core GEMV's tuned tiles keep 80% of the copy rate
+# and the mma kernel is up to 1.3x slower (Qwen2.5-1.5B's 151936 x 1536: 56.4 against 42.1 us). Its warps split K:
+# 8 where K >= 2N (the down projections, the small k/v), else 4.
 MMA_MIN_N = 3072
+MMA_MAX_N_M1 = 65536
 MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
 
 
@@ -1017,9 +1020,9 @@ def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | No
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU, or None where the kernel does not
     apply (shape or group) or is not the faster one."""
     shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
-    if not (1 <= m <= 8 and shape_ok and (n >= MMA_MIN_N or m >= 3)):
+    if not (1 <= m <= 16 and shape_ok) or (m == 1 and n >= MMA_MAX_N_M1) or (m < 3 and n < MMA_MIN_N):
         return None
-    return MMA_CONFIGS[8 if k > n else 4]
+    return MMA_CONFIGS[8 if k >= 2 * n else 4]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1136,12 +1139,12 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
     n = w.out_features
     if cfg.mma:
         if not mma_supported(x2, w):
-            raise ValueError(f"int4_matmul: the mma configuration needs CUDA sm_90+, bf16 x [M <= 8, K] with unit "
+            raise ValueError(f"int4_matmul: the mma configuration needs CUDA sm_90+, bf16 x [M <= 16, K] with unit "
                              f"stride and 16-byte aligned rows, N % 16 == 0, K % 128 == 0 and groups of a multiple of "
                              f"128 codes or per channel; got x {x2.dtype} {tuple(x2.shape)} strides {x2.stride()} on "
                              f"{x2.device}, N={n}, group {w.group_size}")
         return _Plan(_int4_mma_gemv_kernel, (n // 16, 1, 1), _fragments(w),
-                     w.zeros if w.zeros is not None else w.scales, (m, n, k), mma_consts(w, cfg.num_warps),
+                     w.zeros if w.zeros is not None else w.scales, (m, n, k), mma_consts(w, cfg.num_warps, m),
                      {"num_warps": cfg.num_warps}, 1, 0, (w.qweight, w.scales, w.zeros))
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)

@@ -1,12 +1,13 @@
-"""INT4 GEMV for M <= 8 on the tensor cores, weights stored in mma fragment order (a Gluon kernel, GPU only).
+"""INT4 GEMV for M <= 16 on the tensor cores, weights stored in mma fragment order (a Gluon kernel, GPU only).
 
 Why: the CUDA-core GEMV of `int4_gemm` issues about 3.4 instructions per code (an FMA, a LOP3 and their share of
 shifts, x conversions and addressing) and is issue-bound on the mid-size decoder shapes (docs/kernel-log.md). Here
 one `mma.sync.m16n8k16` takes 256 codes of a warp, and a thread's eight codes for it arrive as one 32-bit word whose
 nibbles are already where the A fragment wants them (Marlin's offline repacking): three shifts, four LOP3s (code
 -> bf16 128 + q, exact), four bf16x2 subtractions of 128 + z (exact) and one mma, about 1.6 instructions a code.
-x fills the B operand's 8 columns (its rows, M <= 8); products are exact and accumulate in fp32, and each group's
-sum is scaled in fp32, so the numerics match the CUDA-core kernel's.
+x fills the B operand's 8 columns (its rows, M <= 8; M <= 16 runs a second mma on the same A registers); products
+are exact and accumulate in fp32, and each group's sum is scaled in fp32, so the numerics match the CUDA-core
+kernel's.
 
 Fragment order (`pack_fragments`): for row block nb (16 rows) and K chunk kc (64 codes), lane l = 4g + t holds four
 words, one per k16 block j. Within a chunk the K order is permuted (both operands alike, so the dot is unchanged):
@@ -30,7 +31,7 @@ from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
 __all__ = ["pack_fragments", "emulate_fragments", "int4_mma_gemv", "mma_consts", "mma_supported", "MMA_MAX_M", "PAIR"]
 
-MMA_MAX_M = 8  # x's rows fill the B operand's 8 columns
+MMA_MAX_M = 16  # x's rows fill the B operand's 8 columns, twice (two mmas on the same A registers)
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
 PAIR = 2 * CHUNK  # codes of K a warp takes at a time: the smallest group the kernel scales by
 SYMMETRIC_ZERO_F = gl.constexpr(float(SYMMETRIC_ZERO))
@@ -89,7 +90,7 @@ def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> to
 
 
 def mma_supported(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether `int4_mma_gemv` takes this call: CUDA sm_90+, bf16 x [M <= 8, K] with unit stride and 16-byte aligned
+    """Whether `int4_mma_gemv` takes this call: CUDA sm_90+, bf16 x [M <= 16, K] with unit stride and 16-byte aligned
     rows, N % 16 == 0, K % 128 == 0, groups a multiple of 128 codes (or per channel)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MMA_MAX_M):
         return False
@@ -101,30 +102,51 @@ def mma_supported(x: torch.Tensor, w: Int4Weight) -> bool:
     return n % 16 == 0 and k % PAIR == 0 and (g >= k or g % PAIR == 0) and aligned
 
 
-_MMA_PTX = gl.constexpr("\n".join(
-    ["{", ".reg .b32 a0, a1, a2, a3, s;", ".reg .f32 c0, c1, c2, c3;",
-     "mov.f32 c0, $24;", "mov.f32 c1, $25;", "mov.f32 c2, $26;", "mov.f32 c3, $27;"]
-    + [line for j in range(4) for line in (
-        f"lop3.b32 a0, ${4 + j}, 0x000F000F, 0x43004300, 0xea;",
-        f"shr.u32 s, ${4 + j}, 4;", "lop3.b32 a1, s, 0x000F000F, 0x43004300, 0xea;",
-        f"shr.u32 s, ${4 + j}, 8;", "lop3.b32 a2, s, 0x000F000F, 0x43004300, 0xea;",
-        f"shr.u32 s, ${4 + j}, 12;", "lop3.b32 a3, s, 0x000F000F, 0x43004300, 0xea;",
-        "sub.rn.bf16x2 a0, a0, $16;", "sub.rn.bf16x2 a1, a1, $20;",
-        "sub.rn.bf16x2 a2, a2, $16;", "sub.rn.bf16x2 a3, a3, $20;",
-        # B: block j's x words 8t + 2j, 8t + 2j + 1 ($8..$11 are xa's words 8t .. 8t + 3, $12..$15 xb's)
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {c0, c1, c2, c3}, {a0, a1, a2, a3}, "
-        f"{{${8 + 2 * j}, ${9 + 2 * j}}}, "
-        "{c0, c1, c2, c3};",
-    )]
-    + ["mov.f32 $0, c0;", "mov.f32 $1, c1;", "mov.f32 $2, c2;", "mov.f32 $3, c3;", "}"]))
+def _mma_ptx(halves: int) -> str:
+    """One chunk of one row block: per k16 block j, the word's codes to four bf16x2 A registers (LOP3: 128 + q, exact;
+    bf16x2 subtraction of 128 + z, exact) and one m16n8k16 per 8 columns of B (x's rows 0-7, and 8-15 for halves 2).
+    Operands, pack 4: outputs $0-$3 (c0..c3 of rows 0-7) [and $4-$7 (rows 8-15)], then the inputs in order: words,
+    xa, xb [, xa, xb of rows 8-15], zg, zg8, acc [, acc of rows 8-15], four registers each."""
+    o = 4 * halves  # first input operand
+    words, xa = o, o + 4
+    zg, zg8 = o + 8 * halves + 4, o + 8 * halves + 8
+    acc = zg8 + 4
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, s;", ".reg .f32 c<8>;"]
+    lines += [f"mov.f32 c{i}, ${acc + i};" for i in range(4 * halves)]
+    for j in range(4):
+        w = f"${words + j}"
+        lines += [f"lop3.b32 a0, {w}, 0x000F000F, 0x43004300, 0xea;",
+                  f"shr.u32 s, {w}, 4;", "lop3.b32 a1, s, 0x000F000F, 0x43004300, 0xea;",
+                  f"shr.u32 s, {w}, 8;", "lop3.b32 a2, s, 0x000F000F, 0x43004300, 0xea;",
+                  f"shr.u32 s, {w}, 12;", "lop3.b32 a3, s, 0x000F000F, 0x43004300, 0xea;",
+                  f"sub.rn.bf16x2 a0, a0, ${zg};", f"sub.rn.bf16x2 a1, a1, ${zg8};",
+                  f"sub.rn.bf16x2 a2, a2, ${zg};", f"sub.rn.bf16x2 a3, a3, ${zg8};"]
+        for h in range(halves):  # B: block j's x words 8t + 2j, 8t + 2j + 1 (xa holds 8t .. 8t + 3, xb 8t + 4 ..)
+            b0 = xa + 8 * h + 2 * j
+            c = ", ".join(f"c{4 * h + i}" for i in range(4))
+            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, {{a0, a1, a2, a3}}, "
+                         f"{{${b0}, ${b0 + 1}}}, {{{c}}};")
+    lines += [f"mov.f32 ${i}, c{i};" for i in range(4 * halves)] + ["}"]
+    return "\n".join(lines)
+
+
+_MMA_PTX = gl.constexpr(_mma_ptx(1))
+_MMA16_PTX = gl.constexpr(_mma_ptx(2))
 
 
 @gluon.jit
-def _chunk_mma(words, xa, xb, zg, zg8, acc):
-    """One chunk (four k16 blocks) of one row block: acc [W, 32, 4] (c0..c3 per lane) += the chunk's products."""
-    return gl.inline_asm_elementwise(
-        _MMA_PTX, "=f,=f,=f,=f," + "r," * 20 + "f,f,f,f", [words, xa, xb, zg, zg8, acc],
-        dtype=gl.float32, is_pure=True, pack=4)
+def _chunk_mma(words, xa, xb, xa_h, xb_h, zg, zg8, acc, acc_h, HALVES: gl.constexpr):
+    """One chunk (four k16 blocks) of one row block: acc [W, 32, 4] (c0..c3 per lane) += the chunk's products with
+    x's rows 0-7, and (HALVES 2) acc_h with rows 8-15 from the same dequantized registers."""
+    if HALVES == 1:
+        acc = gl.inline_asm_elementwise(
+            _MMA_PTX, "=f,=f,=f,=f," + "r," * 20 + "f,f,f,f", [words, xa, xb, zg, zg8, acc],
+            dtype=gl.float32, is_pure=True, pack=4)
+    else:
+        acc, acc_h = gl.inline_asm_elementwise(
+            _MMA16_PTX, "=f," * 8 + "r," * 28 + "f," * 7 + "f", [words, xa, xb, xa_h, xb_h, zg, zg8, acc, acc_h],
+            dtype=(gl.float32, gl.float32), is_pure=True, pack=4)
+    return acc, acc_h
 
 
 @gluon.jit
@@ -138,12 +160,23 @@ def _zero_splat(z, HAS_ZEROS: gl.constexpr):
 
 
 @gluon.jit
-def _x_loads(xw3, p, pairs):
+def _x_loads(xw3, xw3_h, p, pairs, HALVES: gl.constexpr):
     """x's words for one pair of chunks of each warp (pair p [W, 1], clamped to the last): xa, xb of both chunks
-    [W, 32, 4]. A thread's B fragments for a chunk are x's words 8t .. 8t + 7: two 16-byte loads."""
+    [W, 32, 4] for x's rows 0-7, then for rows 8-15 (HALVES 2; else the same tensors again, unused). A thread's B
+    fragments for a chunk are x's words 8t .. 8t + 7 of its row: two 16-byte loads."""
     kc = gl.expand_dims(2 * gl.minimum(p, pairs - 1), 2)  # [W, 1, 1] first chunk of the pair
-    return (gl.load(xw3 + kc * 32), gl.load(xw3 + kc * 32 + 4), gl.load(xw3 + kc * 32 + 32),
-            gl.load(xw3 + kc * 32 + 36))
+    xa0 = gl.load(xw3 + kc * 32)
+    xb0 = gl.load(xw3 + kc * 32 + 4)
+    xa1 = gl.load(xw3 + kc * 32 + 32)
+    xb1 = gl.load(xw3 + kc * 32 + 36)
+    if HALVES == 2:
+        ha0 = gl.load(xw3_h + kc * 32)
+        hb0 = gl.load(xw3_h + kc * 32 + 4)
+        ha1 = gl.load(xw3_h + kc * 32 + 32)
+        hb1 = gl.load(xw3_h + kc * 32 + 36)
+    else:
+        ha0, hb0, ha1, hb1 = xa0, xb0, xa1, xb1
+    return xa0, xb0, xa1, xb1, ha0, hb0, ha1, hb1
 
 
 @gluon.jit
@@ -178,33 +211,37 @@ def _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, 
 
 
 @gluon.jit
-def _pair_loads(pw3, xw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
-                HAS_ZEROS: gl.constexpr):
-    """`_wsz_loads` and `_x_loads` of one pair."""
-    w0, w1, s_g, s_g8, z_g, z_g8 = _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
-                                              HAS_ZEROS)
-    xa0, xb0, xa1, xb1 = _x_loads(xw3, p, pairs)
-    return w0, w1, xa0, xb0, xa1, xb1, s_g, s_g8, z_g, z_g8
+def _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr,
+                PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr):
+    """`_wsz_loads` and `_x_loads` of one pair, as one tuple: (w0, w1, s_g, s_g8, z_g, z_g8, the 8 x tensors)."""
+    return _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS) + _x_loads(
+        xw3, xw3_h, p, pairs, HALVES)
 
 
 @gluon.jit
-def _pair_mma(tot, w0, w1, xa0, xb0, xa1, xb1, s_g, s_g8, z_g, z_g8, j, HAS_ZEROS: gl.constexpr):
-    """tot [W, 32, 4] += one pair's products, weighted by rows g (c0, c1) and g + 8 (c2, c3): the group's scale, or
-    per channel 1 (the scale comes at the end) and 0 for a pair past K."""
+def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr):
+    """tot [W, 32, 4] (and tot_h, x's rows 8-15) += one pair's products (buf: `_pair_loads`), weighted by rows g
+    (c0, c1) and g + 8 (c2, c3): the group's scale, or per channel 1 (the scale comes at the end) and 0 for a pair
+    past K."""
+    w0, w1, s_g, s_g8, z_g, z_g8, xa0, xb0, xa1, xb1, ha0, hb0, ha1, hb1 = buf
     zg = _zero_splat(z_g, HAS_ZEROS)
     zg8 = _zero_splat(z_g8, HAS_ZEROS)
-    part = _chunk_mma(w0, xa0, xb0, zg, zg8, gl.zeros_like(tot))
-    part = _chunk_mma(w1, xa1, xb1, zg, zg8, part)
-    return tot + gl.where(j < 2, gl.expand_dims(s_g, 2), gl.expand_dims(s_g8, 2)) * part
+    part, part_h = _chunk_mma(w0, xa0, xb0, ha0, hb0, zg, zg8, gl.zeros_like(tot), gl.zeros_like(tot), HALVES)
+    part, part_h = _chunk_mma(w1, xa1, xb1, ha1, hb1, zg, zg8, part, part_h, HALVES)
+    scale = gl.where(j < 2, gl.expand_dims(s_g, 2), gl.expand_dims(s_g8, 2))
+    if HALVES == 2:
+        tot_h = tot_h + scale * part_h
+    return tot + scale * part, tot_h
 
 
 @gluon.jit
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                          WARPS: gl.constexpr):
+                          WARPS: gl.constexpr, HALVES: gl.constexpr):
     # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th pair of chunks (128 codes) of
     # K, each loading its next pair before it multiplies the current one, and their sums meet in one cross-warp
     # reduction. GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
+    # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
     L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
     nb = gl.program_id(0)
@@ -216,38 +253,43 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     rows = nb * 16 + g  # [1, 32] row of c0, c1 (c2, c3: rows + 8)
     kcs = K // 64
     pairs = kcs // 2
-    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32)) + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t  # [1, 32]
-    xw3 = gl.expand_dims(xw_ptr, 2) + j  # [1, 32, 4]
+    xw = x_ptr.to(gl.pointer_type(gl.int32))
+    xw3 = gl.expand_dims(xw + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t, 2) + j  # [1, 32, 4]: x's row g
+    xw3_h = gl.expand_dims(xw + gl.minimum(g + 8, M - 1) * (stride_xm // 2) + 8 * t, 2) + j  # row g + 8
     pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j  # [1, 32, 4]
     tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
+    tot_h = gl.zeros([WARPS, 32, 4], gl.float32, L3)
     # two pairs in flight a warp, A and B: each is reloaded (pair + 2 W) right after its mmas, into the registers
     # they free (ptxas places a load after the mmas whose registers it reuses, so a buffer rotation would cost moves
     # and one pair ahead would leave the latency exposed)
-    a0, a1, aa0, ab0, aa1, ab1, as_g, as_g8, az_g, az_g8 = _pair_loads(
-        pw3, xw3, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    b0, b1, ba0, bb0, ba1, bb1, bs_g, bs_g8, bz_g, bz_g8 = _pair_loads(
-        pw3, xw3, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    a = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS,
+                    HALVES)
+    b = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+                    HAS_ZEROS, HALVES)
     if PER_CHANNEL:  # one scale a row, applied once at the end
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
     p = warp
     for _ in range(0, gl.cdiv(pairs, 2 * WARPS)):
-        tot = _pair_mma(tot, a0, a1, aa0, ab0, aa1, ab1, as_g, as_g8, az_g, az_g8, j, HAS_ZEROS)
-        a0, a1, aa0, ab0, aa1, ab1, as_g, as_g8, az_g, az_g8 = _pair_loads(
-            pw3, xw3, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-        tot = _pair_mma(tot, b0, b1, ba0, bb0, ba1, bb1, bs_g, bs_g8, bz_g, bz_g8, j, HAS_ZEROS)
-        b0, b1, ba0, bb0, ba1, bb1, bs_g, bs_g8, bz_g, bz_g8 = _pair_loads(
-            pw3, xw3, s_ptr, z_ptr, p + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
+        a = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+                        HAS_ZEROS, HALVES)
+        tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
+        b = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, p + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+                        HAS_ZEROS, HALVES)
         p += 2 * WARPS
     if PER_CHANNEL:
         tot = tot * s_end
-    out = gl.sum(tot, axis=0)  # [32, 4]
+        tot_h = tot_h * s_end
     LO: gl.constexpr = gl.SliceLayout(0, L3)
     ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
     oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
     orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
-    om = 2 * (ol % 4) + oc % 2
-    gl.store(y_ptr + om * stride_ym + orow, out.to(y_ptr.dtype.element_ty), mask=om < M)
+    om = 2 * (ol % 4) + oc % 2  # x's row (B's column) of each accumulator
+    gl.store(y_ptr + om * stride_ym + orow, gl.sum(tot, axis=0).to(y_ptr.dtype.element_ty), mask=om < M)
+    if HALVES == 2:
+        gl.store(y_ptr + (om + 8) * stride_ym + orow, gl.sum(tot_h, axis=0).to(y_ptr.dtype.element_ty),
+                 mask=om + 8 < M)
 
 
 def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.Tensor | None = None,
@@ -255,7 +297,7 @@ def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.
     """y [M, N] = x [M, K] @ dequant(W).T from fragment-ordered `words` (`pack_fragments(w.qweight, K)`): the kernel
     alone, launched through Triton's binder (`int4_matmul` keeps a launch plan instead)."""
     if not mma_supported(x, w):
-        raise ValueError("int4_mma_gemv: needs CUDA sm_90+, bf16 x [M <= 8, K] with unit stride, N % 16 == 0, "
+        raise ValueError("int4_mma_gemv: needs CUDA sm_90+, bf16 x [M <= 16, K] with unit stride, N % 16 == 0, "
                          f"K % {PAIR} == 0 and groups of a multiple of {PAIR} codes (or per channel)")
     m, k = x.shape
     n = w.out_features
@@ -263,12 +305,12 @@ def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = w.zeros if w.zeros is not None else w.scales
     _int4_mma_gemv_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
-                                      *mma_consts(w, warps).values(), num_warps=warps)
+                                      *mma_consts(w, warps, m).values(), num_warps=warps)
     return y
 
 
-def mma_consts(w: Int4Weight, warps: int) -> dict:
-    """The kernel's constexpr arguments for weight `w`, in its parameter order."""
+def mma_consts(w: Int4Weight, warps: int, m: int) -> dict:
+    """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order."""
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
-                HAS_ZEROS=w.zeros is not None, WARPS=warps)
+                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2)

@@ -95,8 +95,8 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     rows = e2e_rows(records)
     assert len(rows) == 4 and all("target 2.5x not met" in r for r in rows)
     assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.33x tok/s" in r and "`4daf879e`" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`4daf879e`" in r for r in rows)
-    assert any("llama3.1-8b" in r and "prompt 32," in r and "`6b279afa`" in r for r in rows)  # the newest of four
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`6c4452a8`" in r for r in rows)
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "`6c4452a8`" in r for r in rows)  # the newest of five
     assert any("llama3.1-8b" in r and "prompt 2048," in r and "`6b279afa`" in r for r in rows)
 
     def with_config(rec_id: str, **config):
@@ -108,13 +108,13 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     sdpa = e2e_rows(with_config("4daf879e", attention="auto", attention_run="sdpa"))
     assert len(sdpa) == 4 and not any("`4daf879e`" in r for r in sdpa)
     assert any("qwen2.5-7b" in r and "prompt 2048," in r and "`4449504f`" in r for r in sdpa)
-    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`4449504f`" in r for r in sdpa)
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "`6c4452a8`" in r for r in sdpa)
     # what ran counts, not what was asked: "auto" that ran split_kv is the default's
     auto = e2e_rows(with_config("4daf879e", attention="auto", attention_run="split_kv"))
     assert any("`4daf879e`" in r for r in auto)
     # records before attention_run name what they asked for, which is what ran: the earlier SDPA records stay out
     newer = ("f4467de5", "823109fc", "db1a0553", "0fe13641", "15a164f3", "5c24f3d5", "576930bf", "4449504f",
-             "d6393d04", "6b279afa", "4daf879e")
+             "d6393d04", "6b279afa", "4daf879e", "6c4452a8")
     older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in newer]
     assert e2e_rows(older) == []
 

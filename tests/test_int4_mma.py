@@ -60,12 +60,12 @@ def test_mma_config_takes_large_n_at_any_small_m_and_every_n_from_three_rows():
     assert mma_config(1, 4096, 4096, 128) == MMA_CONFIGS[4]
     assert mma_config(2, 4096, 14336, 128) == MMA_CONFIGS[8]  # K >= 2N: warps split the long K
     assert mma_config(1, 3584, 4096, 4096) == MMA_CONFIGS[4]  # per channel
-    assert mma_config(16, 4096, 4096, 128) == MMA_CONFIGS[4]
+    assert mma_config(8, 4096, 4096, 128) == MMA_CONFIGS[4]
     assert mma_config(1, 1024, 4096, 128) is None  # 64 programs: the CUDA-core GEMV is faster
     assert mma_config(4, 1024, 4096, 128) == MMA_CONFIGS[8]
     assert mma_config(1, 128256, 4096, 128) is None  # an LM head at M = 1: the CUDA-core GEMV's tiles
     assert mma_config(2, 128256, 4096, 128) == MMA_CONFIGS[4]
-    for m, n, k, g in ((17, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
+    for m, n, k, g in ((9, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
         assert mma_config(m, n, k, g) is None, (m, n, k, g)
 
 

@@ -975,7 +975,8 @@ def tuned_lookup(
 
 
 def candidate_configs() -> tuple[Int4KernelConfig, ...]:
-    """Every configuration `select_config` can pick (the rule's candidates and tuned entries), each once."""
+    """Every configuration of the rule and the tuned tables that `select_config` can pick, each once. (The mma
+    configurations, `MMA_CONFIGS`, take only shapes their kernel tiles: tests/test_int4_mma.py covers them.)"""
     base = tuple(t.config for f in RULE_FAMILIES for t in f.terms) + (_LARGE_M_CONFIG,)
     tuned = {cfg for table in _tuned_table().values() for cfg in table.values()}
     base = tuple(dict.fromkeys(base))
@@ -1005,12 +1006,13 @@ def select_config_with_source(m: int, n: int, k: int, device: torch.device, grou
     return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k, allow_mma)
 
 
-# M <= 16 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core
-# GEMV and the planes kernel on the H200 (telemetry/raw/shape_table_mma_m1_to_m16_h200.json, docs/kernel-log.md):
+# M <= 8 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core GEMV
+# and the planes kernel on the H200 (telemetry/raw/shape_table_mma16_m1_to_m16_h200.json, docs/kernel-log.md):
 # N >= MMA_MIN_N at any such M (1024 x 4096 at M = 1 is 1.4x slower on it: 64 programs), and every N from M = 3,
 # except the LM heads at M = 1 (N >= MMA_MAX_N_M1), where the CUDA-core GEMV's tuned tiles keep 80% of the copy rate
-# and the mma kernel is up to 1.3x slower (Qwen2.5-1.5B's 151936 x 1536: 56.4 against 42.1 us). Its warps split K:
-# 8 where K >= 2N (the down projections, the small k/v), else 4.
+# and the mma kernel is up to 1.3x slower (Qwen2.5-1.5B's 151936 x 1536: 56.4 against 42.1 us). M = 9-16 stays on
+# the planes kernel: the mma kernel's second half of B's columns ran it at 1.31x bf16 against the planes' 1.56x
+# (geomean of 30 shapes). Its warps split K: 8 where K >= 2N (the down projections, the small k/v), else 4.
 MMA_MIN_N = 3072
 MMA_MAX_N_M1 = 65536
 MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
@@ -1020,7 +1022,7 @@ def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | No
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU, or None where the kernel does not
     apply (shape or group) or is not the faster one."""
     shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
-    if not (1 <= m <= 16 and shape_ok) or (m == 1 and n >= MMA_MAX_N_M1) or (m < 3 and n < MMA_MIN_N):
+    if not (1 <= m <= 8 and shape_ok) or (m == 1 and n >= MMA_MAX_N_M1) or (m < 3 and n < MMA_MIN_N):
         return None
     return MMA_CONFIGS[8 if k >= 2 * n else 4]
 

@@ -65,6 +65,7 @@ def test_mma_config_takes_large_n_at_any_small_m_and_every_n_from_three_rows():
     assert mma_config(4, 1024, 4096, 128) == MMA_CONFIGS[8]
     assert mma_config(1, 128256, 4096, 128) is None  # an LM head at M = 1: the CUDA-core GEMV's tiles
     assert mma_config(2, 128256, 4096, 128) == MMA_CONFIGS[4]
+    assert mma_config(4, 151936, 1536, 128) is None  # a head with a short K: three pairs a warp
     for m, n, k, g in ((9, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
         assert mma_config(m, n, k, g) is None, (m, n, k, g)
 

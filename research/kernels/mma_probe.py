@@ -32,19 +32,19 @@ SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "40
           "3584x3584", "4608x3584", "18944x3584", "3584x18944", "512x3584", "8960x1536", "2048x3584")
 
 
-def check(n: int, k: int, group: int | None, m: int, warps: int, stages: int, gen: torch.Generator) -> dict:
+def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Generator) -> dict:
     """Worst error of the mma GEMV and of the shipped kernel against the float64 reference, relative to max |ref|."""
     w = random_int4(n, k, group, "cuda", gen)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ref = int4_matmul_reference(x.double(), w).double()
-    y = int4_mma_gemv(x, w, pack_fragments(w.qweight, k), warps=warps, stages=stages).double()
+    y = int4_mma_gemv(x, w, pack_fragments(w.qweight, k), warps=warps).double()
     y0 = int4_matmul(x, w).double()
     scale = ref.abs().max().item()
-    return {"n": n, "k": k, "group": group, "m": m, "warps": warps, "stages": stages,
+    return {"n": n, "k": k, "group": group, "m": m, "warps": warps,
             "mma_err": (y - ref).abs().max().item() / scale, "int4_err": (y0 - ref).abs().max().item() / scale}
 
 
-def time_case(n: int, k: int, m: int, warps_list: list[int], stages_list: list[int], gen: torch.Generator) -> dict:
+def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -52,11 +52,9 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], stages_list: list[i
     out = {"n": n, "k": k, "m": m, "copies": len(ws)}
     out["int4"] = graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     for warps in warps_list:
-        for st in stages_list:
-            out[f"mma_w{warps}_s{st}"] = graph_us(
-                lambda i, warps=warps, st=st: (
-                    lambda: int4_mma_gemv(x, ws[i % len(ws)], words[i % len(ws)], warps=warps, stages=st)),
-                n * k // 2, "cuda")
+        out[f"mma_w{warps}"] = graph_us(
+            lambda i, warps=warps: (lambda: int4_mma_gemv(x, ws[i % len(ws)], words[i % len(ws)], warps=warps)),
+            n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
     out["copy"] = copy_graph_us(bytes_moved_int4(ws[0], m), "cuda")
     try:
@@ -79,22 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--m", nargs="*", type=int, default=[1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
-    ap.add_argument("--stages", nargs="*", type=int, default=[0, 4], help="0: registers, else a cp.async ring")
     args = ap.parse_args(argv)
     if cuda_missing("mma_probe"):
         return 2
     gen = torch.Generator().manual_seed(0)
     t0 = time.time()
-    checks = [check(n, k, g, m, w, st, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 256), (128, 3584, None),
+    checks = [check(n, k, g, m, w, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 256), (128, 3584, None),
                                                      (256, 14336, 128), (160, 1536, 128))
-              for m in (1, 3, 8) for w in (4,) for st in args.stages]
+              for m in (1, 3, 8, 13) for w in args.warps]
     for c in checks:
         print(json.dumps(c), flush=True)
     rows = []
     for m in args.m:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
-            r = time_case(n, k, m, args.warps, args.stages, gen)
+            r = time_case(n, k, m, args.warps, gen)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1009,12 +1009,14 @@ def select_config_with_source(m: int, n: int, k: int, device: torch.device, grou
 # M <= 8 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core GEMV
 # and the planes kernel on the H200 (telemetry/raw/shape_table_mma16_m1_to_m16_h200.json, docs/kernel-log.md):
 # N >= MMA_MIN_N at any such M (1024 x 4096 at M = 1 is 1.4x slower on it: 64 programs), and every N from M = 3,
-# except the LM heads at M = 1 (N >= MMA_MAX_N_M1), where the CUDA-core GEMV's tuned tiles keep 80% of the copy rate
-# and the mma kernel is up to 1.3x slower (Qwen2.5-1.5B's 151936 x 1536: 56.4 against 42.1 us). M = 9-16 stays on
+# except the LM heads (N >= MMA_MAX_N) at M = 1, where the CUDA-core GEMV's tuned tiles keep 80% of the copy rate and
+# the mma kernel is up to 1.3x slower (Qwen2.5-1.5B's 151936 x 1536: 56.4 against 42.1 us), and at any M when K <
+# 2048 (that head at M = 4 and 8: 67.7 and 75.1 us against 51.3 and 50.4; a program's warps get three pairs of K
+# each). M = 9-16 stays on
 # the planes kernel: the mma kernel's second half of B's columns ran it at 1.31x bf16 against the planes' 1.56x
 # (geomean of 30 shapes). Its warps split K: 8 where K >= 2N (the down projections, the small k/v), else 4.
 MMA_MIN_N = 3072
-MMA_MAX_N_M1 = 65536
+MMA_MAX_N = 65536
 MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
 
 
@@ -1022,7 +1024,8 @@ def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | No
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU, or None where the kernel does not
     apply (shape or group) or is not the faster one."""
     shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
-    if not (1 <= m <= 8 and shape_ok) or (m == 1 and n >= MMA_MAX_N_M1) or (m < 3 and n < MMA_MIN_N):
+    lm_head = n >= MMA_MAX_N and (m == 1 or k < 2048)
+    if not (1 <= m <= 8 and shape_ok) or lm_head or (m < 3 and n < MMA_MIN_N):
         return None
     return MMA_CONFIGS[8 if k >= 2 * n else 4]
 

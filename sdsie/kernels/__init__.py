@@ -1,7 +1,8 @@
 """Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls (`int4_mm`: the same as a torch.library
-op, which torch.compile traces); `fuse_rmsnorm` swaps a model's RMSNorms for one kernel each (`rms_norm`);
-`decode_attention` is split-KV attention for a one-token step (`sdsie::decode_attention` as an op); `logit_stats` is
-the argmax and entropy of logits in one pass."""
+op, which torch.compile traces); on sm_90+ it runs bf16 calls of M <= 8 on most decoder shapes through `int4_mma`'s
+tensor-core GEMV (weights repacked to mma fragment order on first use); `fuse_rmsnorm` swaps a model's RMSNorms for
+one kernel each (`rms_norm`); `decode_attention` is split-KV attention for a one-token step
+(`sdsie::decode_attention` as an op); `logit_stats` is the argmax and entropy of logits in one pass."""
 
 from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_gemm import Int4KernelConfig, candidate_configs, int4_matmul, kernel_calls, select_config

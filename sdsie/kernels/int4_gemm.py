@@ -4,7 +4,8 @@ Weights stay packed (uint8, two codes per byte along K) in global memory and are
 on chip; see `sdsie.int4_format` for the layout. Accumulation is fp32; the output dtype
 equals the activation dtype (fp16, bf16 or fp32).
 
-Three kernels, one launcher (`int4_matmul`):
+Three kernels here and one in `sdsie.kernels.int4_mma` (the tensor-core GEMV for bf16 x at M <= 8 on sm_90+, where
+`mma_config` takes the shape), one launcher (`int4_matmul`):
 
 * `_int4_gemv_kernel` (M == 1, and small M: one program per 1, 2 or 4 rows and N tile, the rows sharing each
   loaded weight tile): no `tl.dot` (it would pad M to 16); multiply elementwise and reduce once with `tl.sum`.
@@ -1319,6 +1320,9 @@ def int4_matmul(
     configuration (and of the unpack kernel, per group layout and dtype) compiles it with Triton's JIT, which takes
     seconds on a cold Triton cache and is read back from that disk cache in later processes. A decode pays it in its
     first steps, or during CUDA-graph capture; warm up once per shape and M to keep it out of timed or served tokens.
+    On sm_90+, bf16 calls of M <= 8 that `mma_config` takes run the tensor-core GEMV (`sdsie.kernels.int4_mma`): the
+    first such call on a weight repacks it to fragment order (torch ops on the GPU), which then stays beside the
+    weight's bytes, as many bytes again as its codes; that first call cannot happen inside CUDA-graph capture.
     """
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features

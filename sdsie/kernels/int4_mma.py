@@ -4,7 +4,8 @@ Why: the CUDA-core GEMV of `int4_gemm` issues about 3.4 instructions per code (a
 shifts, x conversions and addressing) and is issue-bound on the mid-size decoder shapes (docs/kernel-log.md). Here
 one `mma.sync.m16n8k16` takes 256 codes of a warp, and a thread's eight codes for it arrive as one 32-bit word whose
 nibbles are already where the A fragment wants them (Marlin's offline repacking): three shifts, four LOP3s (code
--> bf16 128 + q, exact), four bf16x2 subtractions of 128 + z (exact) and one mma, about 1.6 instructions a code.
+-> bf16 128 + q, exact), four bf16x2 subtractions of 128 + z (exact) and one mma, 1.5 instructions a code; with the
+group scales, x's loads and addressing the compiled loop issues 2.1 (sm_90, docs/kernel-log.md).
 x fills the B operand's 8 columns (its rows, M <= 8; M <= 16 runs a second mma on the same A registers, which
 `int4_matmul` takes only when named: at M = 16 it measured slower than the planes kernel); products are exact and
 accumulate in fp32, and each group's sum is scaled in fp32, so the numerics match the CUDA-core kernel's.

@@ -613,9 +613,9 @@ def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_
 
 
 def test_dispatch_on_a_gpu_takes_the_fallback_bucket(monkeypatch):
-    """select_config's CUDA branch uses tuned_lookup: M = 8 with only an M = 16 entry runs that entry, and a
-    shape with no entry falls to the rule; the source says which. (The table and device name are stand-ins; no GPU
-    needed.)"""
+    """select_config's CUDA branch, for x the tensor-core GEMV does not take, uses tuned_lookup: M = 8 with only an
+    M = 16 entry runs that entry, and a shape with no entry falls to the rule; the source says which. (The table and
+    device name are stand-ins; no GPU needed.)"""
     import sdsie.kernels.int4_gemm as ig
 
     m16 = Int4KernelConfig(16, 128, 64, split_k=2, num_warps=8)  # in no heuristic list
@@ -625,13 +625,14 @@ def test_dispatch_on_a_gpu_takes_the_fallback_bucket(monkeypatch):
     monkeypatch.setattr(ig, "_num_sms", lambda device: 132)
     ig._select_config.cache_clear()
     try:
-        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128) == (m16, "table")
-        chosen = ig._select_config(8, 1024, 4096, "cuda", 0, 128)  # no entry for this shape
+        # allow_mma=False: the choice for x the tensor-core GEMV does not take (tests/test_int4_mma.py has the rest)
+        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128, False) == (m16, "table")
+        chosen = ig._select_config(8, 1024, 4096, "cuda", 0, 128, False)  # no entry for this shape
         table.clear()
         ig._select_config.cache_clear()
-        assert chosen == ig._select_config(8, 1024, 4096, "cuda", 0, 128) == (ig.rule_config(8, 1024, 4096, 128, 132),
-                                                                            "rule")
-        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128)[0] != m16  # and without the m16 entry, too
+        assert chosen == ig._select_config(8, 1024, 4096, "cuda", 0, 128, False) == (
+            ig.rule_config(8, 1024, 4096, 128, 132), "rule")
+        assert ig._select_config(8, 4096, 4096, "cuda", 0, 128, False)[0] != m16  # and without the m16 entry, too
     finally:
         ig._select_config.cache_clear()
 

@@ -70,6 +70,28 @@ def test_mma_config_takes_large_n_at_any_small_m_and_every_n_from_three_rows():
         assert mma_config(m, n, k, g) is None, (m, n, k, g)
 
 
+def test_on_sm90_the_choice_is_mma_where_mma_config_takes_the_shape_and_the_table_elsewhere(monkeypatch):
+    """The CUDA branch of the choice, on a stand-in device (no GPU needed): sm_90 takes `mma_config`'s shapes,
+    an older GPU or allow_mma=False never does."""
+    import sdsie.kernels.int4_gemm as ig
+
+    capability = {"major": 9}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (capability["major"], 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(ig, "_tuned_table", lambda: {})
+    monkeypatch.setattr(ig, "_num_sms", lambda device: 132)
+    ig._select_config.cache_clear()
+    try:
+        assert ig._select_config(1, 4096, 14336, "cuda", 0, 128) == (MMA_CONFIGS[8], "mma")
+        assert ig._select_config(1, 1024, 4096, "cuda", 0, 128)[1] == "rule"
+        assert ig._select_config(1, 4096, 14336, "cuda", 0, 128, False)[1] == "rule"
+        capability["major"] = 8
+        ig._select_config.cache_clear()
+        assert ig._select_config(1, 4096, 14336, "cuda", 0, 128)[1] == "rule"
+    finally:
+        ig._select_config.cache_clear()
+
+
 def test_off_gpu_the_choice_is_never_mma():
     cfg, source = select_config_with_source(1, 4096, 4096, torch.device("cpu"), 128)
     assert not cfg.mma and source in ("table", "rule")

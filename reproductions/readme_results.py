@@ -687,6 +687,9 @@ def render(records_dir: Path = Path("telemetry")) -> str:
         lines = fn(rec) if rec else [f"No `{suite}` record yet: run `nox -s gpu_repro` on a GPU."]
         if lines:  # a section with nothing to show for this record (no energy windows in it) is left out
             out += [*lines, ""]
+    e2e = e2e_section(records)
+    if e2e:
+        out += [*e2e, ""]
     out.append(END)
     return "\n".join(out)
 
@@ -707,16 +710,9 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
     by model or prompt each keep their rows), INT4 against bf16 with the same engine, compilation and graphs, in
     tok/s and J/token. Only records whose one-token attention is the one the engine's default (DecodeConfig.attention)
     runs under graphs on CUDA count (a record without `attention_run` ran the `attention` it names)."""
-    import torch
-
-    from sdsie.decoding import DecodeConfig, run_attention
-
     suffix = ".int4_compiled.speedup_vs_baseline"
-    default = run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True), torch.device("cuda"))
     newest_of: dict[str, RunRecord] = {}
-    e2e = (r for r in records if r.suite == "decode_e2e"
-           and r.config.get("attention_run", r.config.get("attention", "sdpa")) == default)
-    for rec in sorted(e2e, key=lambda r: r.created):
+    for rec in _default_attention_e2e(records):
         for key in rec.metrics:
             if key.endswith(suffix):
                 newest_of[key] = rec
@@ -732,6 +728,60 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
                     f"{mt[base + '.energy_vs_baseline']:.3f}x J/token; "
                     f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'} | `{_rid(rec)}` |")
     return rows
+
+
+def _default_attention_e2e(records: list[RunRecord]) -> list[RunRecord]:
+    """decode_e2e records whose one-token attention is the one the engine's default runs under graphs on CUDA (a
+    record without `attention_run` ran the `attention` it names), oldest first."""
+    import torch
+
+    from sdsie.decoding import DecodeConfig, run_attention
+
+    default = run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True), torch.device("cuda"))
+    return sorted((r for r in records if r.suite == "decode_e2e"
+                   and r.config.get("attention_run", r.config.get("attention", "sdpa")) == default),
+                  key=lambda r: r.created)
+
+
+def e2e_section(records: list[RunRecord]) -> list[str]:
+    """Every decode variant end to end (`reproductions/decode_e2e.py`), each model, prompt and variant from the
+    newest record that ran it with the default attention: tok/s, against its baseline (bf16 with the same
+    compilation), J/token, kernels and GPU time a token by kind (from the profile), time outside kernels, share of
+    the bytes bound."""
+    newest_of: dict[str, RunRecord] = {}
+    for rec in _default_attention_e2e(records):
+        for key in rec.metrics:
+            if key.endswith(".decode_tok_s_median"):
+                newest_of[key.removesuffix(".decode_tok_s_median")] = rec
+    if not newest_of:
+        return []
+
+    def order(row: str) -> tuple:
+        model, prompt, variant = row.rsplit(".", 2)
+        return model, int(prompt[1:]), variant
+
+    lines = ["Decoding end to end, 7-8B shapes (`reproductions/decode_e2e.py`: random weights, batch 1, greedy, 128 "
+             "new tokens, static cache, the newest record of each row). x baseline: against the bf16 variant with "
+             "the same compilation in the same record. GPU us a token from the profile, as GEMV / attention / other "
+             "kernels:", "",
+             "| model | prompt | variant | tok/s | x baseline | J/token | kernels/token | GPU us/token | "
+             "us outside kernels | share of bound | record |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(newest_of, key=order):
+        rec = newest_of[row]
+        mt = rec.metrics
+        model, prompt, variant = row.rsplit(".", 2)
+
+        def cell(name: str, fmt: str, scale: float = 1.0, unit: str = "", mt=mt, row=row) -> str:
+            v = mt.get(f"{row}.{name}")
+            return "-" if v is None else format(v * scale, fmt) + unit
+
+        gpu = "-" if f"{row}.per_token.gemv_gemm.us" not in mt else " / ".join(
+            f"{mt[f'{row}.per_token.{kind}.us']:.0f}" for kind in ("gemv_gemm", "attention", "other"))
+        lines.append(f"| {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
+                     f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
+                     f"{cell('per_token.kernels', '.0f')} | {gpu} | {cell('per_token.outside_us', '.0f')} | "
+                     f"{cell('share_of_bound', '.0f', 100, '%')} | `{_rid(rec)}` |")
+    return lines
 
 
 def serve_layout(rec: RunRecord) -> str:

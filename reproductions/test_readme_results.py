@@ -119,6 +119,22 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     assert e2e_rows(older) == []
 
 
+def test_e2e_section_lists_every_variant_from_its_newest_default_attention_record():
+    from reproductions.readme_results import e2e_section
+    from sdsie.telemetry.records import load_records
+
+    lines = e2e_section(load_records(TELEMETRY))
+    rows = [line for line in lines if line.startswith("| llama") or line.startswith("| qwen")]
+    assert len(rows) == len({tuple(r.split(" | ")[:4]) for r in rows})  # one row per model, prompt, variant
+    assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 461.4 | 2.42 |") and "`6c4452a8`" in r for r in rows)
+    assert any(r.startswith("| llama3.1-8b | 32 | tinygemm_compiled |") and "`576930bf`" in r for r in rows)
+    assert any(r.startswith("| qwen2.5-7b | 2048 | int4_compiled |") and "`4daf879e`" in r for r in rows)
+    # the models in order, prompts by length: 32 before 2048
+    assert [r.split(" | ")[1] for r in rows if r.startswith("| llama")] == sorted(
+        [r.split(" | ")[1] for r in rows if r.startswith("| llama")], key=int)
+    assert e2e_section([]) == []
+
+
 def test_serve_rows_read_the_newest_complete_thread_layout_gpu_records_and_judge_the_target():
     import dataclasses
 

@@ -109,7 +109,7 @@ VARIANTS = [(pc, hz, 1) for pc, hz in itertools.product([False, True], [False, T
 
 @pytest.mark.parametrize("per_channel, has_zeros, halves", VARIANTS)
 def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zeros, halves):
-    """Offline (no GPU; a subprocess, as the session interprets kernels): every variant compiles; the two-pair loop
+    """Offline (no GPU; a subprocess, as the test run interprets kernels): every variant compiles; the two-pair loop
     issues 16 HMMA per half of B's columns (4 per 64-code chunk, 2 chunks a pair), loads each chunk's weights and x's
     words in 16-byte loads, spills nothing, and stays near 2.1-2.4 SASS a code (the CUDA-core GEMV: 3.4,
     docs/kernel-log.md)."""

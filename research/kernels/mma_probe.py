@@ -26,7 +26,7 @@ from reproductions.kernels.int4_bench import (
     weight_rotation,
 )
 from sdsie.kernels import int4_matmul, int4_matmul_reference
-from sdsie.kernels.int4_mma import int4_mma_gemv, pack_fragments
+from sdsie.kernels.int4_gemm import MMA_CONFIGS
 
 SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
           "3584x3584", "4608x3584", "18944x3584", "3584x18944", "512x3584", "8960x1536", "2048x3584")
@@ -37,7 +37,7 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
     w = random_int4(n, k, group, "cuda", gen)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ref = int4_matmul_reference(x.double(), w).double()
-    y = int4_mma_gemv(x, w, pack_fragments(w.qweight, k), warps=warps).double()
+    y = int4_matmul(x, w, config=MMA_CONFIGS[warps]).double()
     y0 = int4_matmul(x, w).double()
     scale = ref.abs().max().item()
     return {"n": n, "k": k, "group": group, "m": m, "warps": warps,
@@ -48,12 +48,11 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
-    words = [pack_fragments(w.qweight, k) for w in ws]
     out = {"n": n, "k": k, "m": m, "copies": len(ws)}
     out["int4"] = graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     for warps in warps_list:
         out[f"mma_w{warps}"] = graph_us(
-            lambda i, warps=warps: (lambda: int4_mma_gemv(x, ws[i % len(ws)], words[i % len(ws)], warps=warps)),
+            lambda i, warps=warps: (lambda: int4_matmul(x, ws[i % len(ws)], config=MMA_CONFIGS[warps])),
             n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
     out["copy"] = copy_graph_us(bytes_moved_int4(ws[0], m), "cuda")

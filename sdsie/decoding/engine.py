@@ -541,8 +541,8 @@ def _loop(
 
     # Every cycle of a run without scout and gear is a plain step whose input is the previous step's token, already on
     # the device: launch each step before waiting for the one before, so the device does not idle while the host reads
-    # a token and launches the next step (a graphed INT4 Llama-3.1-8B decode on the H200: 392 -> 412 tok/s,
-    # docs/log.md).
+    # a token and launches the next step (a graphed INT4 Llama-3.1-8B decode on the H200: 412 tok/s against 392
+    # launching after the read, docs/log.md).
     ahead_ok = config.launch_ahead and run.scout is None and gear is None and not config.timing
     ahead: _Launched | None = None  # the next plain step, launched before this cycle's read
     while result.stop_reason == "max_new_tokens" and len(tokens) < config.max_new_tokens:

@@ -1123,21 +1123,16 @@ def _constexpr_names(kernel) -> tuple[str, ...]:
     return tuple(p.name for p in params if "constexpr" in str(p.annotation))
 
 
-_FRAGMENTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (qweight, its fragment-order words)
-
-
 def _fragments(w: Int4Weight) -> torch.Tensor:
     """The weight's codes in fragment order (`int4_mma.pack_fragments`), made on first use and kept while the weight
     lives, beside its byte layout (which the other kernels read): as many bytes again as its codes."""
-    entry = _FRAGMENTS.get(id(w))
-    if entry is None or entry[0] is not w.qweight:
+    entry = _kept_for(_FRAGMENTS, w)
+    if entry.get("qweight") is not w.qweight:  # first use, or the weight's codes were replaced
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("int4_matmul: an mma launch's weight is repacked on its first call, which cannot happen "
                                "inside CUDA-graph capture; run the call once before capturing")
-        if entry is None:
-            weakref.finalize(w, _FRAGMENTS.pop, id(w), None)
-        entry = _FRAGMENTS[id(w)] = (w.qweight, pack_fragments(w.qweight, w.in_features))
-    return entry[1]
+        entry.update(qweight=w.qweight, words=pack_fragments(w.qweight, w.in_features))
+    return entry["words"]
 
 
 def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
@@ -1215,17 +1210,23 @@ def _launch_options(cfg: Int4KernelConfig) -> dict:
     return options
 
 
-_PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan}; an entry leaves with its weight
+_PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan}
+_FRAGMENTS: dict[int, dict] = {}  # id(weight) -> {"qweight": the codes packed, "words": them in fragment order}
+
+
+def _kept_for(store: dict[int, dict], w: Int4Weight) -> dict:
+    """The dict `store` keeps for one weight object: outside it (deepcopy of a model must not copy compiled kernels or
+    derived weights) and dropped when the weight is garbage-collected (before its id can be reused)."""
+    entry = store.get(id(w))
+    if entry is None:
+        entry = store[id(w)] = {}
+        weakref.finalize(w, store.pop, id(w), None)
+    return entry
 
 
 def _plans_of(w: Int4Weight) -> dict:
-    """The launch plans of one weight object, kept outside it (deepcopy of a model must not copy
-    compiled kernels) and dropped when the weight is garbage-collected (before its id can be reused)."""
-    plans = _PLANS.get(id(w))
-    if plans is None:
-        plans = _PLANS[id(w)] = {}
-        weakref.finalize(w, _PLANS.pop, id(w), None)
-    return plans
+    """The launch plans of one weight object."""
+    return _kept_for(_PLANS, w)
 
 
 def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:

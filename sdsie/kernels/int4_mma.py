@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
-__all__ = ["pack_fragments", "emulate_fragments", "int4_mma_gemv", "mma_consts", "mma_supported", "MMA_MAX_M", "PAIR"]
+__all__ = ["pack_fragments", "emulate_fragments", "mma_consts", "mma_supported", "MMA_MAX_M", "PAIR"]
 
 MMA_MAX_M = 16  # x's rows fill the B operand's 8 columns, twice (two mmas on the same A registers)
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
@@ -91,8 +91,9 @@ def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> to
 
 
 def mma_supported(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether `int4_mma_gemv` takes this call: CUDA sm_90+, bf16 x [M <= 16, K] with unit stride and 16-byte aligned
-    rows, N % 16 == 0, K % 128 == 0, groups a multiple of 128 codes (or per channel)."""
+    """Whether the kernel takes this call (`int4_matmul` launches it, with an mma configuration): CUDA sm_90+, bf16
+    x [M <= 16, K] with unit stride and 16-byte aligned rows, N % 16 == 0, K % 128 == 0, groups a multiple of 128 codes
+    (or per channel)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MMA_MAX_M):
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 9:
@@ -291,23 +292,6 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     if HALVES == 2:
         gl.store(y_ptr + (om + 8) * stride_ym + orow, gl.sum(tot_h, axis=0).to(y_ptr.dtype.element_ty),
                  mask=om + 8 < M)
-
-
-def int4_mma_gemv(x: torch.Tensor, w: Int4Weight, words: torch.Tensor, y: torch.Tensor | None = None,
-                  warps: int = 4) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ dequant(W).T from fragment-ordered `words` (`pack_fragments(w.qweight, K)`): the kernel
-    alone, launched through Triton's binder (`int4_matmul` keeps a launch plan instead)."""
-    if not mma_supported(x, w):
-        raise ValueError("int4_mma_gemv: needs CUDA sm_90+, bf16 x [M <= 16, K] with unit stride, N % 16 == 0, "
-                         f"K % {PAIR} == 0 and groups of a multiple of {PAIR} codes (or per channel)")
-    m, k = x.shape
-    n = w.out_features
-    if y is None:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    z = w.zeros if w.zeros is not None else w.scales
-    _int4_mma_gemv_kernel[(n // 16,)](x, words, w.scales, z, y, m, n, k, x.stride(0), y.stride(0),
-                                      *mma_consts(w, warps, m).values(), num_warps=warps)
-    return y
 
 
 def mma_consts(w: Int4Weight, warps: int, m: int) -> dict:

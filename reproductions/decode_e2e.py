@@ -455,19 +455,28 @@ def int4_kernel(device: torch.device) -> Iterator[str]:
     def reference(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         return int4_matmul_reference(x, w).to(x.dtype)
 
-    saved = sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul
+    def silu_reference(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        gate, up = reference(x, w).split(w.out_features // 2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    saved = (sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul, sdsie.kernels.int4_silu_mul,
+             sdsie.kernels.ops.int4_silu_mul)
     sdsie.kernels.int4_matmul = sdsie.kernels.ops.int4_matmul = reference
+    sdsie.kernels.int4_silu_mul = sdsie.kernels.ops.int4_silu_mul = silu_reference
     try:
         yield "float64 reference"
     finally:
-        sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul = saved
+        (sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul, sdsie.kernels.int4_silu_mul,
+         sdsie.kernels.ops.int4_silu_mul) = saved
 
 
 def model_variants(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Yield (variant name, Variant factory) in order, transforming one model between them; a stage no requested
     variant needs is skipped."""
     wanted = set(args.variants)
-    compile_kwargs = {"backend": args.compile_backend} if args.compile_backend else {}
+    compile_kwargs: dict[str, Any] = {"backend": args.compile_backend} if args.compile_backend else {}
+    if args.inductor_options:
+        compile_kwargs["options"] = dict(args.inductor_options)
     model = build_model(name, args.tiny, device, dtype)
     yield "bf16", lambda: Variant("bf16", model)
     yield "bf16_compiled", lambda: Variant("bf16_compiled", DecodeCompiled(model, **compile_kwargs))
@@ -595,6 +604,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
+                   "inductor_options": dict(args.inductor_options),
                    "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
                                                                attention=args.attention), device)},
         "results": [],
@@ -694,6 +704,20 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
                      conditions={"model": model, "hardware": hardware, "trials": doc["config"]["trials"]})
 
 
+def inductor_option(text: str) -> tuple[str, Any]:
+    """KEY=VALUE -> (key, value) for torch.compile's `options`: true/false as bools, integers as ints."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--inductor-option takes KEY=VALUE, got {text!r}")
+    low = value.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    try:
+        return key, int(value)
+    except ValueError:
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 epilog="exit status: 0 every requested row ran; 2 cut by --max-seconds or SIGTERM "
@@ -716,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-launch-ahead", dest="launch_ahead", action="store_false",
                    help="launch each plain step after reading the previous one (DecodeConfig.launch_ahead=False)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
+    p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
+                   metavar="KEY=VALUE", help="a torch._inductor.config option for every compiled variant (repeat "
+                                             "for more), e.g. combo_kernels=true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")
     p.add_argument("--no-record", dest="record", action="store_false")

@@ -191,9 +191,22 @@ def test_kernels_are_sorted_into_the_three_categories(name: str, category: str):
 
 
 def test_the_split_kv_attention_kernels_are_profiled_as_attention():
-    """The profile names a Triton kernel by its function's name: both split-KV kernels must land in attention."""
+    """The profile names a Triton kernel by its function's name: the split-KV kernel must land in attention."""
     import importlib
 
     da = importlib.import_module("sdsie.kernels.decode_attention")  # the package exports its function by that name
-    names = [da._attention_split_kernel.fn.__name__, da._attention_reduce_kernel.fn.__name__]
-    assert [kernel_category(n) for n in names] == ["attention", "attention"], names
+    assert kernel_category(da._attention_split_kernel.fn.__name__) == "attention"
+
+
+def test_inductor_options_reach_every_compiled_variant_and_the_record(tmp_path: Path, monkeypatch):
+    seen = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw.get("options")) or real(model, **kw))
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16_compiled", "--no-record", "--no-profile",
+                      "--no-energy", "--inductor-option", "combo_kernels=true",
+                      "--inductor-option", "combo_kernel_max_num_nodes=4")) == 0
+    doc = json.loads((tmp_path / "decode_e2e.json").read_text())
+    assert doc["config"]["inductor_options"] == {"combo_kernels": True, "combo_kernel_max_num_nodes": 4}
+    assert seen == [{"combo_kernels": True, "combo_kernel_max_num_nodes": 4}]
+    with pytest.raises(SystemExit):
+        main(_argv(tmp_path, "--inductor-option", "combo_kernels"))

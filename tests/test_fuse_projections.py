@@ -60,6 +60,9 @@ def test_fused_int4_rows_are_the_unfused_rows_and_the_logits_the_unfused_logits(
     assert isinstance(mlp, FusedMLP)
     rows = torch.cat([unfused_mlp.gate_proj.int4_weight.dequantize(), unfused_mlp.up_proj.int4_weight.dequantize()])
     assert torch.equal(mlp.gate_up_proj.int4_weight.dequantize(), rows)
+    assert mlp.silu_in_projection  # silu(gate) * up from the projection's launch (Int4Linear.silu_mul)
+    other = FusedMLP(mlp.gate_up_proj, mlp.down_proj, torch.nn.GELU(), mlp.intermediate)
+    assert not other.silu_in_projection
     if unfused_attn.q_proj.bias is not None:
         assert torch.equal(attn.qkv_proj.linear.bias, torch.cat([unfused_attn.q_proj.bias, unfused_attn.k_proj.bias,
                                                                  unfused_attn.v_proj.bias]))

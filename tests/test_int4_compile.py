@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from sdsie.kernels import int4_matmul, kernel_calls
+from sdsie.kernels import int4_matmul, int4_silu_mul, kernel_calls
 from sdsie.kernels.ops import register_weight, weight_for
 from sdsie.models import tiny_llama
 from sdsie.quant import Int4Linear, QuantConfig, fuse_projections, gate_model, quantize_model
@@ -53,6 +53,9 @@ def test_the_op_passes_opcheck_and_is_the_launcher(kernel_device, symmetric: boo
     args = (x, q.qweight, q.scales, q.zeros, q.group_size)
     torch.library.opcheck(torch.ops.sdsie.int4_mm.default, args)
     assert torch.equal(torch.ops.sdsie.int4_mm(*args), int4_matmul(x, q.int4_weight))
+    torch.library.opcheck(torch.ops.sdsie.int4_silu_mul.default, args)  # the fused gate/up projection's op
+    assert torch.equal(torch.ops.sdsie.int4_silu_mul(*args), int4_silu_mul(x, q.int4_weight))
+    assert torch.ops.sdsie.int4_silu_mul(*args).shape == (*shape[:-1], 12)
 
 
 def test_the_op_finds_the_layers_weight_object_and_wraps_unknown_tensors_anew():

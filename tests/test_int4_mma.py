@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from sdsie.int4_format import Int4Weight
-from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
+from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference, int4_silu_mul
 from sdsie.kernels.int4_gemm import MMA_CONFIGS, _plans_of, mma_config, select_config_with_source
-from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, emulate_fragments, mma_consts, pack_fragments
-from tests.test_int4_kernel import assert_close_to_reference, make_weight
+from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, emulate_fragments, gate_up_order, mma_consts, pack_fragments
+from tests.test_int4_kernel import EPS, TINY, assert_close_to_reference, make_weight, tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -40,6 +40,52 @@ def test_fragment_words_decode_to_the_reference_product(group, symmetric):
         y = emulate_fragments(x, pack_fragments(w.qweight, k), w)
         ref = int4_matmul_reference(x.double(), w)
         torch.testing.assert_close(y.double(), ref.double(), rtol=1e-6, atol=1e-6)
+
+
+def silu_mul_reference(x: torch.Tensor, w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up in float64 from the reference product of a fused [gate; up] weight, and each element's
+    tolerance: the sums' (`tolerance`) carried through silu(g) * u (|silu'| <= 1.1), plus the output's rounding."""
+    ref = int4_matmul_reference(x, w).double()
+    tol = tolerance(x, w, ref, x.dtype)
+    half = w.out_features // 2
+    g, u, tg, tu = ref[:, :half], ref[:, half:], tol[:, :half], tol[:, half:]
+    out = torch.nn.functional.silu(g) * u
+    return out, 1.1 * u.abs() * tg + torch.nn.functional.silu(g).abs() * tu + EPS[x.dtype] * out.abs() + TINY[x.dtype]
+
+
+@pytest.mark.parametrize("group, symmetric", [(128, False), (None, True)])
+def test_gate_up_order_puts_one_channels_gate_and_up_in_one_lane(group, symmetric):
+    """Packed in `gate_up_order`, row g of block b is gate channel 8b + g and row g + 8 its up: the emulated sums
+    (CPU twin) of those rows, taken as the epilogue takes them, give silu(gate) * up of the weight as stored."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 64, 256
+    w = make_weight(n, k, group, symmetric, 0.02, torch.device("cpu"), gen, scale_dtype=torch.bfloat16)
+    x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    order = gate_up_order(n)
+    assert sorted(order.tolist()) == list(range(n))
+    zeros = None if w.zeros is None else w.zeros[:, order].contiguous()
+    wo = Int4Weight(w.qweight[order], w.scales[:, order].contiguous(), zeros, k, w.group_size)
+    sums = emulate_fragments(x, pack_fragments(wo.qweight, k), wo).double().view(3, n // 16, 2, 8)
+    y = (torch.nn.functional.silu(sums[:, :, 0]) * sums[:, :, 1]).reshape(3, n // 2)
+    ref, _ = silu_mul_reference(x, w)
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        gate_up_order(40)
+
+
+def test_silu_mul_off_the_mma_path_is_the_product_then_torchs_silu(kernel_device):
+    gen = torch.Generator().manual_seed(12)
+    w = make_weight(64, 256, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
+    for m in (1, 5, 20):
+        x = torch.randn(m, 256, generator=gen).to(torch.bfloat16).to(kernel_device)
+        gate, up = int4_matmul(x, w).split(32, dim=-1)
+        assert torch.equal(int4_silu_mul(x, w), torch.nn.functional.silu(gate) * up)
+    assert int4_silu_mul(x.view(4, 5, 256), w).shape == (4, 5, 32)
+    with pytest.raises(ValueError, match="mma configuration needs M <= 8"):
+        int4_silu_mul(x[:1], w, config=MMA_CONFIGS[4])
+    odd = make_weight(33, 256, 128, False, 0.02, kernel_device, gen)
+    with pytest.raises(ValueError, match="even N"):
+        int4_silu_mul(x, odd)
 
 
 def test_pack_fragments_in_row_slices_equals_one_piece():
@@ -104,18 +150,19 @@ def test_an_mma_configuration_is_one_tile():
         Int4KernelConfig(8, 16, 128, num_warps=2, mma=True)
 
 
-VARIANTS = [(pc, hz, 1) for pc, hz in itertools.product([False, True], [False, True])] + [(False, True, 2)]
+VARIANTS = [(pc, hz, 1, False) for pc, hz in itertools.product([False, True], [False, True])] + [
+    (False, True, 2, False), (False, True, 1, True)]
 
 
-@pytest.mark.parametrize("per_channel, has_zeros, halves", VARIANTS)
-def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zeros, halves):
+@pytest.mark.parametrize("per_channel, has_zeros, halves, silu_mul", VARIANTS)
+def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zeros, halves, silu_mul):
     """Offline (no GPU; a subprocess, as the test run interprets kernels): every variant compiles; the two-pair loop
     issues 16 HMMA per half of B's columns (4 per 64-code chunk, 2 chunks a pair), loads each chunk's weights and x's
     words in 16-byte loads, spills nothing, and stays near 2.1-2.4 SASS a code (the CUDA-core GEMV: 3.4,
     docs/kernel-log.md)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from reproductions.kernels.inspect_ptx import inspect_mma; "
-            f"print(json.dumps(inspect_mma({per_channel}, {has_zeros}, 4, {halves})))")
+            f"print(json.dumps(inspect_mma({per_channel}, {has_zeros}, 4, {halves}, {silu_mul})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         pytest.fail(f"compiling the mma GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
@@ -181,3 +228,34 @@ def test_graph_replay_after_a_first_call_and_a_clear_error_before_one():
     with pytest.raises(RuntimeError, match="run the call once before capturing"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             int4_matmul(x, fresh)
+
+
+@pytest.mark.gpu
+@gpu90
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
+def test_the_silu_mul_epilogue_matches_the_reference(warps, group, symmetric):
+    """silu(gate) * up from one launch, M of 1-8, against the float64 product of the weight as stored; then the
+    automatic choice takes the epilogue for bf16 and composes for fp16, and a graph replays it."""
+    gen = torch.Generator().manual_seed(hash((warps, group, symmetric)) % 2**31)
+    for m, n, k in ((1, 32, 128), (3, 96, 640), (5, 512, 4096), (8, 8192, 1024), (2, 28672, 512)):
+        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        y = int4_silu_mul(x, w, config=MMA_CONFIGS[warps])
+        ref, tol = silu_mul_reference(x, w)
+        assert y.shape == (m, n // 2) and torch.isfinite(y).all()
+        worst = ((y.double() - ref).abs() - tol).max().item()
+        assert worst <= 0, (m, n, k, worst)
+    x = torch.randn(1, 512, generator=gen).to(torch.bfloat16).cuda()
+    w = make_weight(8192, 512, 128, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+    y = int4_silu_mul(x, w)
+    gate, up = int4_matmul(x.half(), w).split(4096, dim=-1)
+    assert torch.equal(int4_silu_mul(x.half(), w), torch.nn.functional.silu(gate) * up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = int4_silu_mul(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
+    ref, tol = silu_mul_reference(x, w)
+    assert ((y.double() - ref).abs() - tol).max().item() <= 0

@@ -16,7 +16,9 @@ and checked against a float64 reference (max abs error). Arms:
   sdpa_packed   F.scaled_dot_product_attention on the packed query [B, H_kv, G, D] with the mask (model_io's call)
   sdpa_gqa      the same over the unpacked query [B, H, 1, D] with enable_gqa=True
   split_kv      decode_attention with its split rule; split_kv_bn32 / _bn128 other tile lengths; split_kv_half /
-                _double half and twice the rule's split count (the rule's alternatives, for tuning it)
+                _double half and twice the rule's split count, split_kv_n{1..32} forced counts (the rule's
+                alternatives, for tuning it)
+  split_kv_previous  with --previous FILE: that version of the module's decode_attention
 K and V bytes read per call and the rate they imply (TB/s) sit beside each time.
 
 Run on the H200:
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 MODELS: dict[str, tuple[int, int, int]] = {"llama-3.1-8b": (8, 4, 128), "qwen2.5-7b": (4, 7, 128)}  # H_kv, G, D
 SEQ_LENS = (256, 2304, 8448)
 HIDDEN_TAIL = 100
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32)  # forced split counts, to fit the rule
 TINY_MODELS: dict[str, tuple[int, int, int]] = {"tiny-llama-shaped": (2, 4, 64), "tiny-qwen-shaped": (1, 7, 64)}
 TINY_SEQ_LENS = (48, 80)
 
@@ -65,7 +68,20 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 Arm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool) -> tuple[dict[str, Arm], dict[str, dict]]:
+def load_previous(path: Path) -> Arm:
+    """`decode_attention` of another version of the module (a file), as an arm: side by side in one run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_attention_previous", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--previous {path}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return lambda q, k, v, mask, scale: module.decode_attention(q, k, v, mask, scale)
+
+
+def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool,
+         previous: Path | None = None) -> tuple[dict[str, Arm], dict[str, dict]]:
     """The arms, each a call (q, k, v, mask, scale) -> [B, H_kv, G, D], and the split-KV arms' plans."""
     from sdsie.kernels.decode_attention import BLOCK_N, decode_attention, split_rule
 
@@ -80,11 +96,14 @@ def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool) -> tuple[dict[str
                                                                                    scale=scale),
         "sdpa_gqa": sdpa_gqa,
     }
+    if previous is not None:
+        table["split_kv_previous"] = load_previous(previous)
     auto = split_rule(batch_heads, seq_len, BLOCK_N, sms=sms).num_splits
     variants = {"split_kv": (BLOCK_N, None)}
     if not tiny:
         variants |= {"split_kv_bn32": (32, None), "split_kv_bn128": (128, None),
                      "split_kv_half": (BLOCK_N, max(1, auto // 2)), "split_kv_double": (BLOCK_N, 2 * auto)}
+        variants |= {f"split_kv_n{n}": (BLOCK_N, n) for n in SWEEP_SPLITS}
     plans = {}
     for name, (block_n, splits) in variants.items():
         plan = split_rule(batch_heads, seq_len, block_n, sms=sms, num_splits=splits)
@@ -109,7 +128,7 @@ def time_arm(fn: Arm, q: torch.Tensor, kvs: list[tuple[torch.Tensor, torch.Tenso
 
 
 def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden: int, device: str, tiny: bool,
-             gen: torch.Generator) -> dict:
+             gen: torch.Generator, previous: Path | None = None) -> dict:
     dtype = torch.bfloat16
     q, k, v, mask = make_case(h_kv, groups, dim, seq_len, hidden, dtype, device, gen)
     scale = 1.0 / math.sqrt(dim)
@@ -117,7 +136,7 @@ def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden:
     kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
     timed = device == "cuda"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if timed else 132
-    table, plans = arms(seq_len, h_kv, sms, tiny)
+    table, plans = arms(seq_len, h_kv, sms, tiny, previous)
     kvs = [(k, v)]
     if timed:
         from reproductions.kernels.int4_bench import l2_busting_copies
@@ -156,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
+    p.add_argument("--previous", type=Path, help="another version of sdsie/kernels/decode_attention.py, timed as the "
+                                                  "arm split_kv_previous")
     a = p.parse_args(argv)
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (a fresh process)
@@ -169,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     models, seq_lens = (TINY_MODELS, TINY_SEQ_LENS) if a.tiny else (MODELS, SEQ_LENS)
     gen = torch.Generator().manual_seed(0)
-    cases = [run_case(name, h_kv, g, d, s, s // 4 if a.tiny else HIDDEN_TAIL, a.device, a.tiny, gen)
+    cases = [run_case(name, h_kv, g, d, s, s // 4 if a.tiny else HIDDEN_TAIL, a.device, a.tiny, gen, a.previous)
              for name, (h_kv, g, d) in models.items() for s in seq_lens]
     write_raw(a.out, {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton interpreter, untimed)",

@@ -1,11 +1,19 @@
 """Triton kernels. `int4_matmul` is the one launcher every INT4 layer calls (`int4_mm`: the same as a torch.library
-op, which torch.compile traces); on sm_90+ it runs bf16 calls of M <= 8 on most decoder shapes through `int4_mma`'s
-tensor-core GEMV (weights repacked to mma fragment order on first use); `fuse_rmsnorm` swaps a model's RMSNorms for
-one kernel each (`rms_norm`); `decode_attention` is split-KV attention for a one-token step
-(`sdsie::decode_attention` as an op); `logit_stats` is the argmax and entropy of logits in one pass."""
+op, which torch.compile traces); `int4_silu_mul` is a fused gate/up projection's, with silu(gate) * up in its
+epilogue. On sm_90+ both run bf16 calls of M <= 8 on most decoder shapes through `int4_mma`'s tensor-core GEMV
+(weights repacked to mma fragment order on first use); `fuse_rmsnorm` swaps a model's RMSNorms for one kernel each
+(`rms_norm`); `decode_attention` is split-KV attention for a one-token step (`sdsie::decode_attention` as an op);
+`logit_stats` is the argmax and entropy of logits in one pass."""
 
 from sdsie.kernels.decode_attention import decode_attention, split_rule
-from sdsie.kernels.int4_gemm import Int4KernelConfig, candidate_configs, int4_matmul, kernel_calls, select_config
+from sdsie.kernels.int4_gemm import (
+                                     Int4KernelConfig,
+                                     candidate_configs,
+                                     int4_matmul,
+                                     int4_silu_mul,
+                                     kernel_calls,
+                                     select_config,
+)
 from sdsie.kernels.logit_stats import logit_stats
 from sdsie.kernels.ops import int4_mm, register_weight
 from sdsie.kernels.reference import int4_matmul_reference
@@ -20,6 +28,7 @@ __all__ = [
     "int4_matmul",
     "int4_mm",
     "int4_matmul_reference",
+    "int4_silu_mul",
     "kernel_calls",
     "logit_stats",
     "register_weight",

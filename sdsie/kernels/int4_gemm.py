@@ -51,10 +51,10 @@ import triton.language as tl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
 from sdsie.kernels.device import interpreting
-from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, mma_consts, mma_supported, pack_fragments
+from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, gate_up_order, mma_consts, mma_supported, pack_fragments
 
-__all__ = ["Int4KernelConfig", "int4_matmul", "int4_dequantize", "select_config", "select_config_with_source",
-           "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M"]
+__all__ = ["Int4KernelConfig", "int4_matmul", "int4_silu_mul", "int4_dequantize", "select_config",
+           "select_config_with_source", "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -1110,6 +1110,7 @@ class _Plan:
     workspace: torch.Tensor | None = None  # split K: [SPLIT_K, M, N] fp32 partials, allocated once per plan
     before_y: tuple = ()  # after the first launch: the compiled kernel's arguments between x and y ...
     after_y: tuple = ()  # ... and after y (constexpr values included), fixed for the plan
+    scales: torch.Tensor | None = None  # the scales the kernel reads where not the weight's own (rows reordered)
 
     def built_from(self, w: Int4Weight) -> bool:
         q, s, z = self.sources
@@ -1123,19 +1124,29 @@ def _constexpr_names(kernel) -> tuple[str, ...]:
     return tuple(p.name for p in params if "constexpr" in str(p.annotation))
 
 
-def _fragments(w: Int4Weight) -> torch.Tensor:
-    """The weight's codes in fragment order (`int4_mma.pack_fragments`), made on first use and kept while the weight
-    lives, beside its byte layout (which the other kernels read): as many bytes again as its codes."""
+def _fragments(w: Int4Weight, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The weight's codes in fragment order (`int4_mma.pack_fragments`), with the scales and zero-points in the same
+    row order: made on first use and kept while the weight lives, beside its byte layout (which the other kernels
+    read), as many bytes again as its codes. `gate_up`: rows in `gate_up_order` (the silu * up epilogue's)."""
     entry = _kept_for(_FRAGMENTS, w)
-    if entry.get("qweight") is not w.qweight:  # first use, or the weight's codes were replaced
+    kept = entry.get(gate_up)
+    sources = (w.qweight, w.scales, w.zeros)
+    if kept is None or any(a is not b for a, b in zip(kept[0], sources, strict=True)):  # first use, or replaced
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("int4_matmul: an mma launch's weight is repacked on its first call, which cannot happen "
                                "inside CUDA-graph capture; run the call once before capturing")
-        entry.update(qweight=w.qweight, words=pack_fragments(w.qweight, w.in_features))
-    return entry["words"]
+        q, scales, zeros = sources
+        if gate_up:
+            order = gate_up_order(w.out_features).to(q.device)
+            q, scales = q[order], scales[:, order].contiguous()
+            zeros = None if zeros is None else zeros[:, order].contiguous()
+        kept = entry[gate_up] = (sources, pack_fragments(q, w.in_features), scales, zeros)
+    return kept[1:]
 
 
-def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
+def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool = False) -> _Plan:
+    """The launch of `cfg` for this x and weight; `gate_up` (mma configurations only): the fused [gate; up]
+    weight's silu * up epilogue, y [M, N/2]."""
     m, k = x2.shape
     n = w.out_features
     if cfg.mma:
@@ -1144,9 +1155,10 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig) -> _Plan:
                              f"stride and 16-byte aligned rows, N % 16 == 0, K % 128 == 0 and groups of a multiple of "
                              f"128 codes or per channel; got x {x2.dtype} {tuple(x2.shape)} strides {x2.stride()} on "
                              f"{x2.device}, N={n}, group {w.group_size}")
-        return _Plan(_int4_mma_gemv_kernel, (n // 16, 1, 1), _fragments(w),
-                     w.zeros if w.zeros is not None else w.scales, (m, n, k), mma_consts(w, cfg.num_warps, m),
-                     {"num_warps": cfg.num_warps}, 1, 0, (w.qweight, w.scales, w.zeros))
+        words, scales, zeros = _fragments(w, gate_up)
+        return _Plan(_int4_mma_gemv_kernel, (n // 16, 1, 1), words, zeros if zeros is not None else scales,
+                     (m, n, k), mma_consts(w, cfg.num_warps, m, silu_mul=gate_up), {"num_warps": cfg.num_warps}, 1,
+                     0, (w.qweight, w.scales, w.zeros), scales=scales)
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
@@ -1211,7 +1223,8 @@ def _launch_options(cfg: Int4KernelConfig) -> dict:
 
 
 _PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan}
-_FRAGMENTS: dict[int, dict] = {}  # id(weight) -> {"qweight": the codes packed, "words": them in fragment order}
+_FRAGMENTS: dict[int, dict] = {}  # id(weight) -> {gate_up: (sources, words in fragment order, scales, zeros)}
+_GATE_UP_PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan, or None where silu * up is composed}
 
 
 def _kept_for(store: dict[int, dict], w: Int4Weight) -> dict:
@@ -1252,12 +1265,13 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
     else:
         ws = locks = plan.qw  # unused by the kernel without split K: any fixed pointer
     # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
+    scales = w.scales if plan.scales is None else plan.scales
     if plan.kernel is _int4_mma_gemv_kernel:
-        after_y = (*plan.ints, x2.stride(0), n)
+        after_y = (*plan.ints, x2.stride(0), y.shape[1])  # y: [M, N], or [M, N/2] for silu * up
     else:
         after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
     try:
-        result = plan.kernel[plan.grid](x2, plan.qw, w.scales, plan.zeros, y, *after_y, **plan.consts, **plan.options)
+        result = plan.kernel[plan.grid](x2, plan.qw, scales, plan.zeros, y, *after_y, **plan.consts, **plan.options)
     except Exception as err:  # checked here, off the per-call fast path: Triton's own message names no remedy
         if x2.device.type == "cpu" and not _interpreting():
             raise ValueError("int4_matmul: CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1, "
@@ -1265,7 +1279,7 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
                              ) from err
         raise
     if not _interpreting() and y.data_ptr() % 16 == 0 and hasattr(result, "run"):
-        plan.before_y = (plan.qw, w.scales, plan.zeros)
+        plan.before_y = (plan.qw, scales, plan.zeros)
         plan.after_y = (*after_y, *plan.consts.values())
         plan.compiled = result
 
@@ -1356,6 +1370,42 @@ def int4_matmul(
     _launch(plan, x2, w, y)
     _CALLS["n"] += 1
     return y if flat else y.reshape(*x.shape[:-1], n)
+
+
+def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None) -> torch.Tensor:
+    """silu(gate) * up for a fused [gate; up] weight (rows 0 .. N/2 - 1 the gate's, then the up's), x [..., K] ->
+    [..., N/2] in x's dtype: a gated MLP's activation in the projection's launch.
+
+    Where `int4_matmul` would run the mma kernel (or `config` names an mma configuration), one launch whose
+    epilogue takes silu(gate) * up in fp32 from the fp32 sums (its first call on a weight keeps a copy of the codes
+    in `gate_up_order`); elsewhere `int4_matmul` with `config`, then torch's silu and product in x's dtype."""
+    _check_inputs(x, w)
+    n, k = w.out_features, w.in_features
+    if n % 2:
+        raise ValueError(f"int4_silu_mul: a fused [gate; up] weight has an even N, got N = {n}")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config)
+    plans = _kept_for(_GATE_UP_PLANS, w)
+    plan = plans.get(key, False)
+    if plan is False or (plan is not None and not plan.built_from(w)):
+        plan = None
+        if 1 <= m <= 8 and x2.is_cuda and (config is None or config.mma):
+            cfg = config or select_config(m, n, k, x.device, w.group_size)
+            if cfg.mma and mma_supported(x2, w):
+                plan = _plan(x2, w, cfg, gate_up=True)
+        if plan is None and config is not None and config.mma:
+            raise ValueError(f"int4_silu_mul: the mma configuration needs M <= 8 and what "
+                             f"int4_matmul's mma launch needs; got x {x2.dtype} {tuple(x2.shape)} on {x2.device}, "
+                             f"N={n}")
+        plans[key] = plan
+    if plan is None:
+        gate, up = int4_matmul(x, w, config).split(n // 2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    y = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
+    _launch(plan, x2, w, y)
+    _CALLS["n"] += 1
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n // 2)
 
 
 assert SYMMETRIC_ZERO == 8  # the kernels hard-code the symmetric zero-point

@@ -30,7 +30,8 @@ from triton.experimental.gluon import language as gl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
-__all__ = ["pack_fragments", "emulate_fragments", "mma_consts", "mma_supported", "MMA_MAX_M", "PAIR"]
+__all__ = ["pack_fragments", "emulate_fragments", "gate_up_order", "mma_consts", "mma_supported", "MMA_MAX_M",
+           "PAIR"]
 
 MMA_MAX_M = 16  # x's rows fill the B operand's 8 columns, twice (two mmas on the same A registers)
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
@@ -56,6 +57,16 @@ def pack_fragments(qweight: torch.Tensor, k: int, rows_at_a_time: int = 4096) ->
     words = (q << _SHIFTS.to(q.device)).sum(-1)  # [NB, KC, 8, 4, 4]
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32).reshape(n // 16, k // CHUNK, 32, 4).contiguous()
+
+
+def gate_up_order(n: int) -> torch.Tensor:
+    """Row order of a fused [gate; up] weight (gate channels 0 .. N/2 - 1, then up's) for the SILU_MUL epilogue:
+    row block b holds gate channels 8b .. 8b + 7, then up's same eight, so a lane's c0, c1 (row g) and c2, c3 (row
+    g + 8) are one channel's gate and up. int64 [N]: the source row of each packed row."""
+    if n % 16:
+        raise ValueError(f"gate_up_order: a fused [gate; up] weight needs N % 16 == 0, got N = {n}")
+    gate = 8 * torch.arange(n // 16)[:, None] + torch.arange(8)  # [N/16, 8]
+    return torch.stack([gate, gate + n // 2], 1).reshape(-1)
 
 
 def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -239,11 +250,12 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 @gluon.jit
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                          WARPS: gl.constexpr, HALVES: gl.constexpr):
+                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr):
     # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th pair of chunks (128 codes) of
     # K, each loading its next pair before it multiplies the current one, and their sums meet in one cross-warp
     # reduction. GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
+    # SILU_MUL (HALVES 1): rows in `gate_up_order`; y [M, N/2] = silu(gate) * up, computed in fp32 from the sums.
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
     L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
     nb = gl.program_id(0)
@@ -288,14 +300,30 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
     orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
     om = 2 * (ol % 4) + oc % 2  # x's row (B's column) of each accumulator
-    gl.store(y_ptr + om * stride_ym + orow, gl.sum(tot, axis=0).to(y_ptr.dtype.element_ty), mask=om < M)
+    if SILU_MUL:
+        # a lane's c0, c1: gate of channel 8 nb + g for x's rows 2t, 2t + 1; c2, c3: up of the same (exact
+        # extractions: each sums one value and three zeros)
+        y4 = gl.sum(tot, axis=0)  # [32, 4]
+        lo = gl.arange(0, 32, layout=gl.SliceLayout(1, LO))  # [32]
+        ch = nb * 8 + lo // 4
+        for e in gl.static_range(2):
+            gate = gl.sum(gl.where(oc == e, y4, 0.0), axis=1)
+            up = gl.sum(gl.where(oc == e + 2, y4, 0.0), axis=1)
+            me = 2 * (lo % 4) + e
+            out = gate / (1.0 + gl.exp(-gate)) * up
+            gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=me < M)
+    else:
+        gl.store(y_ptr + om * stride_ym + orow, gl.sum(tot, axis=0).to(y_ptr.dtype.element_ty), mask=om < M)
     if HALVES == 2:
         gl.store(y_ptr + (om + 8) * stride_ym + orow, gl.sum(tot_h, axis=0).to(y_ptr.dtype.element_ty),
                  mask=om + 8 < M)
 
 
-def mma_consts(w: Int4Weight, warps: int, m: int) -> dict:
-    """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order."""
+def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False) -> dict:
+    """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
+    fused [gate; up] epilogue, M <= 8)."""
+    if silu_mul and m > 8:
+        raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
-                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2)
+                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul)

@@ -1,4 +1,5 @@
-"""`sdsie::int4_mm`: the INT4 launcher as a torch.library custom op, so torch.compile traces INT4 layers.
+"""`sdsie::int4_mm` (and `sdsie::int4_silu_mul`): the INT4 launchers as torch.library custom ops, so torch.compile
+traces INT4 layers.
 
 Dynamo cannot trace the launcher itself (its plans and Triton's compiled-kernel calls are host Python); as an opaque
 op with a fake implementation (the output's shape and dtype only) it becomes one node of the compiled graph, and
@@ -18,9 +19,9 @@ import weakref
 import torch
 
 from sdsie.int4_format import Int4Weight
-from sdsie.kernels.int4_gemm import int4_matmul
+from sdsie.kernels.int4_gemm import int4_matmul, int4_silu_mul
 
-__all__ = ["int4_mm", "register_weight", "weight_for"]
+__all__ = ["int4_mm", "int4_silu_mul_op", "register_weight", "weight_for"]
 
 _WEIGHTS: weakref.WeakValueDictionary[tuple, Int4Weight] = weakref.WeakValueDictionary()
 
@@ -58,3 +59,16 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
       group_size: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@torch.library.custom_op("sdsie::int4_silu_mul", mutates_args=())
+def int4_silu_mul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     group_size: int) -> torch.Tensor:
+    """silu(gate) * up of a fused [gate; up] weight's output halves (`int4_silu_mul`): [..., N/2] in x's dtype."""
+    return int4_silu_mul(x, weight_for(qweight, scales, zeros, x.shape[-1], group_size))
+
+
+@int4_silu_mul_op.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+      group_size: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], qweight.shape[0] // 2))

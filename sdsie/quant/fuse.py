@@ -8,7 +8,8 @@ unfused layers' and its outputs differ from theirs at most by the kernel's summa
 Two mechanisms, chosen for robustness across transformers versions:
 
 * gate/up: the whole MLP module (`gate_proj`, `up_proj`, `down_proj`, `act_fn`: Llama, Qwen2, Mistral) is replaced
-  by `FusedMLP`, which computes down(act(gate(x)) * up(x)) from one `gate_up_proj`.
+  by `FusedMLP`, which computes down(act(gate(x)) * up(x)) from one `gate_up_proj` (for silu and INT4 weights,
+  silu(gate) * up in the projection's epilogue: one kernel fewer a layer).
 * q/k/v: the attention's own forward (rotary, cache, attention interface) differs between versions, so it stays; its
   `q_proj`, `k_proj` and `v_proj` become `ProjectionSlice` views of one `FusedProjection` (`qkv_proj`, a child of
   the attention module): the first of the three called on an input computes all of them, the other two take their
@@ -150,8 +151,15 @@ class ProjectionSlice(nn.Module):
         return f"index={self.index}, in_features={self.in_features}, out_features={self.out_features}"
 
 
+def is_silu(act: nn.Module) -> bool:
+    """Whether `act` computes silu: torch's nn.SiLU, or transformers' SiLUActivation (by class name: its module
+    moves between versions)."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 class FusedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up computed by one `gate_up_proj`."""
+    """down(act(gate(x)) * up(x)), gate and up computed by one `gate_up_proj`. With silu and an INT4 (or gated)
+    projection, silu(gate) * up comes from the projection's own launch (`Int4Linear.silu_mul`)."""
 
     def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn: nn.Module, intermediate: int) -> None:
         super().__init__()
@@ -159,8 +167,17 @@ class FusedMLP(nn.Module):
         self.down_proj = down_proj
         self.act_fn = act_fn
         self.intermediate = intermediate
+        self._silu = is_silu(act_fn)
+
+    @property
+    def silu_in_projection(self) -> bool:
+        """Whether silu(gate) * up comes from the projection's launch (asked per call: the projection may be
+        replaced after fusing)."""
+        return self._silu and isinstance(self.gate_up_proj, (Int4Linear, GatedLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_in_projection:
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 

@@ -60,6 +60,16 @@ class GatedLinear(nn.Module):
         self.state.full_calls += 1
         return self.full(x)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): the INT4 gear through
+        `Int4Linear.silu_mul`, the full one through torch; counted as `forward` counts."""
+        if self.state.int4:
+            if not torch.compiler.is_compiling():
+                self.state.int4_calls += 1
+            return self.quantized.silu_mul(x)
+        gate, up = self(x).split(self.out_features // 2, dim=-1)
+        return nn.functional.silu(gate) * up
+
 
 def build_gated_layers(
     model: nn.Module,

@@ -96,6 +96,18 @@ class Int4Linear(nn.Module):
             y = kernels.int4_matmul(x, self._packed)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): [..., N/2], in one launch
+        where `int4_silu_mul` takes the call."""
+        if self.bias is not None:
+            gate, up = self(x).split(self.out_features // 2, dim=-1)
+            return nn.functional.silu(gate) * up
+        if self.input_scale is not None:
+            x = x * self.input_scale.to(x.dtype)
+        if torch.compiler.is_compiling():
+            return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size)
+        return kernels.int4_silu_mul(x, self._packed)
+
     def extra_repr(self) -> str:
         kind = "per-channel" if self.group_size >= self.in_features else f"group_size={self.group_size}"
         sym = "symmetric" if self.zeros is None else "asymmetric"

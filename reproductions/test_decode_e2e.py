@@ -191,11 +191,12 @@ def test_kernels_are_sorted_into_the_three_categories(name: str, category: str):
 
 
 def test_the_split_kv_attention_kernels_are_profiled_as_attention():
-    """The profile names a Triton kernel by its function's name: the split-KV kernel must land in attention."""
+    """The profile names a Triton kernel by its function's name: both split-KV kernels must land in attention."""
     import importlib
 
     da = importlib.import_module("sdsie.kernels.decode_attention")  # the package exports its function by that name
-    assert kernel_category(da._attention_split_kernel.fn.__name__) == "attention"
+    names = [da._attention_split_kernel.fn.__name__, da._attention_reduce_kernel.fn.__name__]
+    assert [kernel_category(n) for n in names] == ["attention", "attention"], names
 
 
 def test_inductor_options_reach_every_compiled_variant_and_the_record(tmp_path: Path, monkeypatch):

@@ -86,26 +86,34 @@ def test_a_fully_masked_chunk_and_a_fully_masked_row(kernel_device):
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("combine_elements", [8192, 2 * 8 * 64])
-def test_the_last_program_combines_and_leaves_the_counts_zeroed(kernel_device, monkeypatch, combine_elements):
-    """Seven chunks of one head combined in the launch, all at once and (a small combining tile) two chunks at a
-    time; a second call on the same counters gives the same output, and both leave every count at 0."""
-    monkeypatch.setattr(da, "COMBINE_ELEMENTS", combine_elements)
+def test_one_chunk_writes_the_output_and_launches_no_reduction(kernel_device, monkeypatch):
+    """num_splits 1: the split program normalizes and writes the output itself; the reducing kernel is not
+    launched (two chunks launch it)."""
+    launched = []
+    real = da._attention_reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(da, "_attention_reduce_kernel", Spy())
     q, k, v = _qkv(2, 3, 7, 111, 64, torch.float32, kernel_device, seed=21)
     mask = _tail_mask(2, 111, 9, torch.float32, kernel_device)
-    first = _check(q, k, v, mask, 0.125, num_splits=7, block_n=16)
-    assert torch.equal(decode_attention(q, k, v, mask, 0.125, num_splits=7, block_n=16), first)
-    assert not da._COUNTS[q.device].any()
+    _check(q, k, v, mask, 0.125, num_splits=1, block_n=16)
+    assert launched == []
+    _check(q, k, v, mask, 0.125, num_splits=2, block_n=16)
+    assert launched == [(6, 7)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU")
 def test_a_graph_replays_the_combine_with_new_queries():
-    """A captured call of 36 chunks (Llama-3.1-8B's shape after 2,048 tokens) replayed with new queries and keys:
-    each replay matches SDPA, so the counters the capture saw were left zeroed by every replay."""
+    """A captured call of 36 chunks (Llama-3.1-8B's shape after 2,048 tokens: the split and the reducing kernels)
+    replayed with new queries and keys matches SDPA each time."""
     q, k, v = _qkv(1, 8, 4, 2304, 128, torch.bfloat16, torch.device("cuda"), seed=5)
     mask = _tail_mask(1, 2304, 100, torch.bfloat16, q.device)
-    _check(q, k, v, mask, 0.125)  # the first call, outside the capture, makes the counters
+    _check(q, k, v, mask, 0.125)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode_attention(q, k, v, mask, 0.125)
@@ -276,23 +284,24 @@ SM90_COMPILE = r"""
 import inspect, json
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from sdsie.kernels.decode_attention import _attention_split_kernel
+from sdsie.kernels.decode_attention import _attention_reduce_kernel, _attention_split_kernel
 
 def build(kernel, ptrs, consts):
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n == "scale" else "i32")
            for n in inspect.signature(kernel.fn).parameters}
     return compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
-consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "HAS_MASK": True, "MASK_BOOL": False,
-          "DOT_FP32": False, "COMBINE_G": 4, "COMBINE_S": 16}
 ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr"), "*bf16"),
-        **dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32"), "count_ptr": "*i32"}
+        **dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32")}
+consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "HAS_MASK": True, "MASK_BOOL": False,
+          "DOT_FP32": False}
 split = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True})
 single = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": False})
+reduce = build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64})
 ptx = split.asm["ptx"]
 print(json.dumps({"mma_bf16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
-                  "atomic": ptx.count("atom.") , "single_atomic": single.asm["ptx"].count("atom."),
-                  "local": sum(k.asm["ptx"].count(op) for k in (split, single) for op in ("ld.local", "st.local")),
+                  "local": sum(k.asm["ptx"].count(op) for k in (split, single, reduce)
+                               for op in ("ld.local", "st.local")),
                   "shared": max(split.metadata.shared, single.metadata.shared)}))
 """
 
@@ -300,8 +309,7 @@ print(json.dumps({"mma_bf16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.b
 def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_spills():
     """The interpreter runs the products in fp32 (its bf16 dot is wrong), so the GPU's own path, bf16 operands on the
     tensor cores, is compiled here offline (Triton's bundled ptxas; no GPU) for the Llama/Qwen decode shape (D 128,
-    G padded to 16, 64-position tiles), with and without the in-launch combine: scores and P @ V as bf16 MMAs, nothing
-    in local memory."""
+    G padded to 16, 64-position tiles), split and one chunk: scores and P @ V as bf16 MMAs, nothing in local memory."""
     import os
     import subprocess
     import sys
@@ -314,4 +322,3 @@ def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_sp
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["mma_bf16"] > 0 and r["local"] == 0 and 0 < r["shared"] <= 64 * 1024, r
-    assert r["atomic"] >= 2 and r["single_atomic"] == 0, r  # the split program counts and resets; one chunk neither

@@ -76,6 +76,7 @@ def load_previous(path: Path) -> Arm:
     if spec is None or spec.loader is None:
         raise ValueError(f"--previous {path}: not a Python module")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return lambda q, k, v, mask, scale: module.decode_attention(q, k, v, mask, scale)
 

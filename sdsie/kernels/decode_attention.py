@@ -5,25 +5,25 @@ scale=scale)` does for the query packed the way `sdsie.decoding.model_io` packs 
 query heads as its query rows): q [B, H_kv, G, D], k and v [B, H_kv, S, D], mask additive (0 attended, -inf not; or
 boolean, True attended) and broadcastable to [B, 1, 1, S]. SDPA's fused kernel gives that call B * H_kv programs,
 each scanning all S positions (8 programs for Llama-3.1-8B at batch 1, on a 132-SM GPU); here the S axis is cut
-into `num_splits` chunks of whole BLOCK_N tiles, and `_attention_split_kernel`, grid (B * H_kv, num_splits), takes
-one key/value head and one chunk per program: all G query rows of the head at once (padded to 16 rows for tl.dot),
-an online softmax over the chunk's tiles (running max m, sum l, accumulator acc, fp32). A chunk whose positions are
-all masked leaves m = -inf, l = 0, acc = 0 (the exponent's base is taken as 0 there, so no -inf - -inf).
-With one chunk the program writes acc / l. With several, each writes its (m, l, acc) to fp32 scratch and counts
-itself done on the head's counter; the head's last program combines them, out = sum_s exp(m_s - M) acc_s /
-sum_s exp(m_s - M) l_s, in the same launch (a second, reducing kernel would cost a launch a layer: 1.5-2.9 us on the
-H200 at 256-2,304 positions, docs/log.md). A row with every position masked gives 0, as SDPA does (torch's math
-and CPU paths return 0 for such rows).
+into `num_splits` chunks of whole BLOCK_N tiles:
 
-The kernel's name carries "attention" so that profiles (reproductions/decode_e2e.py) count them as attention.
+  (a) `_attention_split_kernel`, grid (B * H_kv, num_splits): one key/value head and one chunk per program; all G
+      query rows of the head at once (padded to 16 rows for tl.dot), an online softmax over the chunk's tiles
+      (running max m, sum l, accumulator acc, fp32), written to fp32 scratch. A chunk whose positions are all masked
+      leaves m = -inf, l = 0, acc = 0 (the exponent's base is taken as 0 there, so no -inf - -inf). With one
+      chunk the program writes acc / l itself, and (b) is not launched.
+  (b) `_attention_reduce_kernel`, grid (B * H_kv, G): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s in
+      q's dtype. A row with every position masked gives 0, as SDPA does (torch's math and CPU paths return 0 for
+      such rows). (Combining in (a) instead, by each head's last program on an atomic count, took longer on the
+      H200: 6.5 us a layer against 3.2 + 1.5 at 256 positions, docs/log.md.)
+
+The kernels' names carry "attention" so that profiles (reproductions/decode_e2e.py) count them as attention.
 
 `split_rule` picks num_splits from the shape alone (aims at PROGRAMS_PER_SM programs per SM, a chunk of at least one
 tile, at most MAX_SPLITS), so nothing waits on the device: a call runs inside CUDA graph capture; its scratch comes
-from torch.empty per call, its counters from a zeroed buffer kept per device (made by the first call, which cannot
-be inside a capture; the counters leave it zeroed). Launches on one device share those counters: one stream at a
-time.
+from torch.empty per call.
 
-Entry points: eager callers call `decode_attention`, which launches the kernel directly; under torch.compile it
+Entry points: eager callers call `decode_attention`, which launches the kernels directly; under torch.compile it
 calls the custom op `sdsie::decode_attention` (`torch.compiler.is_compiling()` picks), whose fake implementation
 gives the output's shape and dtype so the call is one node of a compiled graph. The direct path skips the
 dispatcher's host time in front of every launch, which an eager (ungraphed) batch-1 step pays per layer, as the
@@ -51,8 +51,6 @@ PROGRAMS_PER_SM = 3  # split programs aimed at per SM: enough loads in flight to
 MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row at once
 DEFAULT_SMS = 132  # an H200's SM count: the rule's SM count where no CUDA device gives one (the interpreter)
 MAX_HEAD_DIM = 256
-COMBINE_ELEMENTS = 8192  # the combining program's [chunks, G, D] fp32 tile: 64 registers a thread at 4 warps
-MIN_COUNTS = 4096  # the count buffer's least size (B * H_kv heads), so it is made once
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -87,15 +85,14 @@ def split_rule(batch_heads: int, seq_len: int, block_n: int = BLOCK_N, sms: int 
 
 
 @triton.jit
-def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, count_ptr,
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, out_ptr,
                   stride_qb, stride_qh, stride_qg,
                   stride_kb, stride_kh, stride_ks,
                   stride_vb, stride_vh, stride_vs,
                   stride_mb, stride_ms,
                   H_KV, G, S, CHUNK, NUM_SPLITS, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DOT_FP32: tl.constexpr,
-                  SPLIT: tl.constexpr, COMBINE_G: tl.constexpr, COMBINE_S: tl.constexpr):
+                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H_KV).to(tl.int64)
@@ -155,64 +152,29 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
     tl.store(m_ptr + row, m_i, mask=g_ok)
     tl.store(l_ptr + row, l_i, mask=g_ok)
     tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-    # The head's last program to finish combines every chunk (no second launch): each program's partials are
-    # written before its acq_rel count, so the one that counts NUM_SPLITS - 1 reads them all; it then zeroes the
-    # count for the next call (the buffer is kept per device, and a graph replays it as it was captured).
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
-    if done == NUM_SPLITS - 1:
-        _combine(acc_ptr, m_ptr, l_ptr, out_ptr, bh, G, NUM_SPLITS, HEAD_DIM, BLOCK_D, COMBINE_G, COMBINE_S)
-        tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed")
 
 
 @triton.jit
-def _combine(acc_ptr, m_ptr, l_ptr, out_ptr, bh, G, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             COMBINE_G: tl.constexpr, COMBINE_S: tl.constexpr):
-    """out [G, D] of head bh = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over its NUM_SPLITS chunks, M the
-    largest m_s: every chunk's m first, then the acc rows COMBINE_S chunks at a time (".cg": the partials come from
-    other SMs, so not through this SM's L1)."""
-    offs_s = tl.arange(0, COMBINE_S)
-    offs_g = tl.arange(0, COMBINE_G)
+def _attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, G, NUM_SPLITS,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    bh = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < G
+    s_ok = offs_s < NUM_SPLITS
     d_ok = offs_d < HEAD_DIM
-    m_max = tl.full([COMBINE_G], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, COMBINE_S):
-        ok = (s0 + offs_s < NUM_SPLITS)[:, None] & g_ok[None, :]
-        row = (bh * NUM_SPLITS + s0 + offs_s).to(tl.int64)[:, None] * G + offs_g[None, :]  # [S, G]
-        m_max = tl.maximum(m_max, tl.max(tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg"),
-                                         0))
+    row = (bh * NUM_SPLITS + offs_s).to(tl.int64) * G + g  # [BLOCK_SPLITS]
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(l_ptr + row, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
     base = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row masked everywhere: every weight 0
-    num = tl.zeros([COMBINE_G, BLOCK_D], dtype=tl.float32)
-    denom = tl.zeros([COMBINE_G], dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, COMBINE_S):
-        ok = (s0 + offs_s < NUM_SPLITS)[:, None] & g_ok[None, :]
-        row = (bh * NUM_SPLITS + s0 + offs_s).to(tl.int64)[:, None] * G + offs_g[None, :]  # [S, G]
-        m = tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(acc_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")  # [S, G, D]
-        w = tl.exp(m - base[None, :])  # [S, G]
-        denom += tl.sum(w * l_s, 0)
-        num += tl.sum(acc * w[:, :, None], 0)
-    out = num / tl.where(denom > 0.0, denom, 1.0)[:, None]  # num is 0 where denom is
-    tl.store(out_ptr + (bh * G + offs_g).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counts(device: torch.device, heads: int) -> torch.Tensor:
-    """int32 [>= heads] zeros kept per device: each head's count of finished chunks, which the combining program
-    sets back to 0. Made outside CUDA-graph capture (a capture would record its zeroing as part of the graph)."""
-    buf = _COUNTS.get(device)
-    if buf is None or buf.numel() < heads:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: its per-device count buffer is made on a first call, which cannot "
-                               "happen inside CUDA-graph capture; run the call once before capturing")
-        buf = _COUNTS[device] = torch.zeros(max(heads, MIN_COUNTS), dtype=torch.int32, device=device)
-    return buf
+    w = tl.exp(m - base)
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                  other=0.0)
+    num = tl.sum(acc * w[:, None], 0)  # [BLOCK_D]
+    out = num / tl.where(denom > 0.0, denom, 1.0)  # num is 0 where denom is: SDPA's 0 for a fully masked row
+    tl.store(out_ptr + (bh * G + g).to(tl.int64) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _mask_4d(mask: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
@@ -272,26 +234,23 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if q.stride(3) != 1:
         q = q.contiguous()
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    out = torch.empty((batch, heads, groups, dim), dtype=q.dtype, device=q.device)
     split = plan.num_splits > 1
     rows = batch * heads * plan.num_splits * groups if split else 1  # scratch only where chunks are combined
     acc = torch.empty((rows, dim), dtype=torch.float32, device=q.device)
     m = torch.empty(rows, dtype=torch.float32, device=q.device)
     l_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
-    counts = _counts(q.device, batch * heads) if split else m  # unused without a split: any pointer
+    out = torch.empty((batch, heads, groups, dim), dtype=q.dtype, device=q.device)
     if mask is None:
         mask_arg, stride_mb, stride_ms = q, 0, 0  # a placeholder pointer, never read
     else:
         mask_arg = _mask_4d(mask, batch, seq_len)
         stride_mb, stride_ms = mask_arg.stride(0), mask_arg.stride(3)
     block_d = max(16, triton.next_power_of_2(dim))
-    combine_g = triton.next_power_of_2(groups)
-    combine_s = max(1, min(triton.next_power_of_2(plan.num_splits), COMBINE_ELEMENTS // (combine_g * block_d)))
     # fp32 dots in IEEE for fp32 inputs (no tf32 rounding), and under the interpreter, whose bf16 dot is wrong in
     # Triton 3.6 (the operands are the same rounded values)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
     _attention_split_kernel[(batch * heads, plan.num_splits)](
-        q, k, v, mask_arg, acc, m, l_sum, out, counts,
+        q, k, v, mask_arg, acc, m, l_sum, out,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -299,7 +258,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         heads, groups, seq_len, plan.chunk, plan.num_splits, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=plan.block_n,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        DOT_FP32=dot_fp32, SPLIT=split, COMBINE_G=combine_g, COMBINE_S=combine_s, num_warps=4)
+        DOT_FP32=dot_fp32, SPLIT=split, num_warps=4)
+    if split:
+        _attention_reduce_kernel[(batch * heads, groups)](
+            acc, m, l_sum, out, groups, plan.num_splits,
+            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(plan.num_splits)),
+            num_warps=4)
     return out
 
 

@@ -47,7 +47,7 @@ from sdsie.kernels.device import interpreting, kernel_runs_on
 __all__ = ["DEFAULT_SMS", "MAX_SPLITS", "PROGRAMS_PER_SM", "SplitPlan", "decode_attention", "split_rule"]
 
 BLOCK_N = 64  # positions per tile: K and V tiles of 64 x 128 bf16 (16 KB each) at D = 128
-PROGRAMS_PER_SM = 3  # split programs aimed at per SM: enough loads in flight to cover memory latency
+PROGRAMS_PER_SM = 1  # split programs aimed at per SM: the fastest of 1-32 splits on the H200 (docs/log.md)
 MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row at once
 DEFAULT_SMS = 132  # an H200's SM count: the rule's SM count where no CUDA device gives one (the interpreter)
 MAX_HEAD_DIM = 256

@@ -5,7 +5,8 @@ on chip; see `sdsie.int4_format` for the layout. Accumulation is fp32; the outpu
 equals the activation dtype (fp16, bf16 or fp32).
 
 Three kernels here and one in `sdsie.kernels.int4_mma` (the tensor-core GEMV for bf16 x at M <= 8 on sm_90+, where
-`mma_config` takes the shape), one launcher (`int4_matmul`):
+`mma_config` takes the shape), one launcher (`int4_matmul`; `int4_silu_mul` is the same for a fused [gate; up]
+weight, with silu(gate) * up in the mma kernel's epilogue where that kernel takes the call):
 
 * `_int4_gemv_kernel` (M == 1, and small M: one program per 1, 2 or 4 rows and N tile, the rows sharing each
   loaded weight tile): no `tl.dot` (it would pad M to 16); multiply elementwise and reduce once with `tl.sum`.

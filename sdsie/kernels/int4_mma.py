@@ -17,6 +17,10 @@ the chunk's four blocks are x's words 8t .. 8t + 7: two 16-byte loads. Word (nb,
 16 nb + g + 8 r, real column 64 kc + 16 t + 4 j + 2 h + e in nibble r + 2 h + 4 e, so `(w >> 4 i) & 0x000F000F`
 is the A register a_i = (row g + 8 (i % 2), logical columns 2t + 8 (i // 2) + {0, 1}).
 
+SILU_MUL (`int4_silu_mul`, M <= 8): for a fused [gate; up] weight packed with its rows in `gate_up_order`, a lane's
+c0, c1 and c2, c3 are one channel's gate and up, and the epilogue writes silu(gate) * up in fp32 from the sums: the
+gated MLP's activation without a kernel of its own.
+
 The Gluon kernel compiles only for an NVIDIA GPU (sm_80 or newer for mma.sync, sm_90 for bf16x2 subtraction);
 `emulate_fragments` is its CPU twin: the same products, lane by lane, from the same words, as the PTX ISA defines
 the fragments.

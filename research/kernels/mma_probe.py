@@ -1,7 +1,8 @@
 """The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) beside the shipped INT4 kernel, bf16, tinygemm and a
-copy of its bytes, graphed and L2-cold, with its errors against the float64 reference (GPU only).
+copy of its bytes, graphed and L2-cold, with its errors against the float64 reference (GPU only). --silu adds
+`int4_silu_mul` on the same weights (taken as fused [gate; up]): the silu * up epilogue's cost.
 
-    python -m research.kernels.mma_probe --out telemetry/raw/mma_probe_h200.json [--shapes 4096x4096 ...]
+    python -m research.kernels.mma_probe --out telemetry/raw/mma_probe_h200.json [--shapes 4096x4096 ...] [--silu]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from reproductions.kernels.int4_bench import (
     tinygemm_pack,
     weight_rotation,
 )
-from sdsie.kernels import int4_matmul, int4_matmul_reference
+from sdsie.kernels import int4_matmul, int4_matmul_reference, int4_silu_mul
 from sdsie.kernels.int4_gemm import MMA_CONFIGS
 
 SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
@@ -44,7 +45,7 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
             "mma_err": (y - ref).abs().max().item() / scale, "int4_err": (y0 - ref).abs().max().item() / scale}
 
 
-def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator) -> dict:
+def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -54,6 +55,8 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
         out[f"mma_w{warps}"] = graph_us(
             lambda i, warps=warps: (lambda: int4_matmul(x, ws[i % len(ws)], config=MMA_CONFIGS[warps])),
             n * k // 2, "cuda")
+    if silu:
+        out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
     out["copy"] = copy_graph_us(bytes_moved_int4(ws[0], m), "cuda")
     try:
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--m", nargs="*", type=int, default=[1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
+    ap.add_argument("--silu", action="store_true", help="also time int4_silu_mul (the silu * up epilogue)")
+    ap.add_argument("--no-checks", dest="checks", action="store_false", help="skip the error checks")
     args = ap.parse_args(argv)
     if cuda_missing("mma_probe"):
         return 2
@@ -83,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     checks = [check(n, k, g, m, w, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 256), (128, 3584, None),
                                                      (256, 14336, 128), (160, 1536, 128))
-              for m in (1, 3, 8, 13) for w in args.warps]
+              for m in (1, 3, 8, 13) for w in args.warps] if args.checks else []
     for c in checks:
         print(json.dumps(c), flush=True)
     rows = []
     for m in args.m:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
-            r = time_case(n, k, m, args.warps, gen)
+            r = time_case(n, k, m, args.warps, gen, args.silu)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -456,8 +456,7 @@ def int4_kernel(device: torch.device) -> Iterator[str]:
         return int4_matmul_reference(x, w).to(x.dtype)
 
     def silu_reference(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        gate, up = reference(x, w).split(w.out_features // 2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        return sdsie.kernels.silu_mul_halves(reference(x, w))
 
     saved = (sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul, sdsie.kernels.int4_silu_mul,
              sdsie.kernels.ops.int4_silu_mul)

@@ -75,6 +75,32 @@ def test_fused_int4_rows_are_the_unfused_rows_and_the_logits_the_unfused_logits(
     _assert_rounding_close(got, expected)
 
 
+def test_a_silu_mlp_over_int4_takes_silu_mul_from_the_projection_and_another_activation_does_not(monkeypatch):
+    """The choice acts: with silu, FusedMLP.forward asks the INT4 projection for silu(gate) * up (the launch with the
+    epilogue) and never for its plain output; with GELU it takes the plain output and applies GELU itself."""
+    model = tiny_llama(seed=0)
+    quantize_model(model, ["gate_proj", "up_proj"], CFG)
+    fuse_projections(model, qkv=False)
+    mlp = model.model.layers[0].mlp
+    calls = []
+    real_silu_mul, real_forward = Int4Linear.silu_mul, Int4Linear.forward
+    monkeypatch.setattr(Int4Linear, "silu_mul", lambda self, x: calls.append("silu_mul") or real_silu_mul(self, x))
+    monkeypatch.setattr(Int4Linear, "forward", lambda self, x: calls.append("forward") or real_forward(self, x))
+    x = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = mlp(x)
+        gate_up = mlp.gate_up_proj.int4_weight.dequantize().float() @ x.reshape(-1, x.shape[-1]).T  # [N, 6]
+        half = gate_up.shape[0] // 2
+        expected = mlp.down_proj((torch.nn.functional.silu(gate_up[:half]) * gate_up[half:]).T.reshape(2, 3, -1))
+    assert calls == ["silu_mul"]
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    calls.clear()
+    gelu = FusedMLP(mlp.gate_up_proj, mlp.down_proj, torch.nn.GELU(), mlp.intermediate)
+    with torch.no_grad():
+        gelu(x)
+    assert calls == ["forward"]
+
+
 def test_a_fused_int4_model_decodes_the_unfused_models_tokens(kernel_device):
     """Through the engine's static cache (the slices see one input per forward; decode steps are GEMVs, slow under
     the interpreter: few tokens)."""

@@ -7,12 +7,13 @@ epilogue. On sm_90+ both run bf16 calls of M <= 8 on most decoder shapes through
 
 from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_gemm import (
-                                     Int4KernelConfig,
-                                     candidate_configs,
-                                     int4_matmul,
-                                     int4_silu_mul,
-                                     kernel_calls,
-                                     select_config,
+    Int4KernelConfig,
+    candidate_configs,
+    int4_matmul,
+    int4_silu_mul,
+    kernel_calls,
+    select_config,
+    silu_mul_halves,
 )
 from sdsie.kernels.logit_stats import logit_stats
 from sdsie.kernels.ops import int4_mm, register_weight
@@ -29,6 +30,7 @@ __all__ = [
     "int4_mm",
     "int4_matmul_reference",
     "int4_silu_mul",
+    "silu_mul_halves",
     "kernel_calls",
     "logit_stats",
     "register_weight",

@@ -234,12 +234,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if q.stride(3) != 1:
         q = q.contiguous()
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    split = plan.num_splits > 1
-    rows = batch * heads * plan.num_splits * groups if split else 1  # scratch only where chunks are combined
-    acc = torch.empty((rows, dim), dtype=torch.float32, device=q.device)
-    m = torch.empty(rows, dtype=torch.float32, device=q.device)
-    l_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
     out = torch.empty((batch, heads, groups, dim), dtype=q.dtype, device=q.device)
+    split = plan.num_splits > 1
+    if split:
+        rows = batch * heads * plan.num_splits * groups
+        acc = torch.empty((rows, dim), dtype=torch.float32, device=q.device)
+        m = torch.empty(rows, dtype=torch.float32, device=q.device)
+        l_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
+    else:
+        acc = m = l_sum = out  # one chunk writes out itself: no scratch (placeholder pointers, never touched)
     if mask is None:
         mask_arg, stride_mb, stride_ms = q, 0, 0  # a placeholder pointer, never read
     else:

@@ -54,7 +54,7 @@ from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
 from sdsie.kernels.device import interpreting
 from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, gate_up_order, mma_consts, mma_supported, pack_fragments
 
-__all__ = ["Int4KernelConfig", "int4_matmul", "int4_silu_mul", "int4_dequantize", "select_config",
+__all__ = ["Int4KernelConfig", "int4_matmul", "int4_silu_mul", "silu_mul_halves", "int4_dequantize", "select_config",
            "select_config_with_source", "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1373,6 +1373,13 @@ def int4_matmul(
     return y if flat else y.reshape(*x.shape[:-1], n)
 
 
+def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [gate; up] output y [..., N] (gate the first N/2), in y's dtype: the composed form
+    of what `int4_silu_mul`'s epilogue computes, for every path that does not run it."""
+    gate, up = y.split(y.shape[-1] // 2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None) -> torch.Tensor:
     """silu(gate) * up for a fused [gate; up] weight (rows 0 .. N/2 - 1 the gate's, then the up's), x [..., K] ->
     [..., N/2] in x's dtype: a gated MLP's activation in the projection's launch.
@@ -1388,8 +1395,8 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
     m = x2.shape[0]
     key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config)
     plans = _kept_for(_GATE_UP_PLANS, w)
-    plan = plans.get(key, False)
-    if plan is False or (plan is not None and not plan.built_from(w)):
+    plan = plans.get(key)
+    if key not in plans or (plan is not None and not plan.built_from(w)):  # None: composed, decided once
         plan = None
         if 1 <= m <= 8 and x2.is_cuda and (config is None or config.mma):
             cfg = config or select_config(m, n, k, x.device, w.group_size)
@@ -1401,8 +1408,7 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
                              f"N={n}")
         plans[key] = plan
     if plan is None:
-        gate, up = int4_matmul(x, w, config).split(n // 2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        return silu_mul_halves(int4_matmul(x, w, config))
     y = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
     _launch(plan, x2, w, y)
     _CALLS["n"] += 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sdsie.kernels import silu_mul_halves
 from sdsie.quant.calibrate import QuantConfig
 from sdsie.quant.linear import Int4Linear, QuantReport, calibrate_targets, replace_module
 
@@ -67,8 +68,7 @@ class GatedLinear(nn.Module):
             if not torch.compiler.is_compiling():
                 self.state.int4_calls += 1
             return self.quantized.silu_mul(x)
-        gate, up = self(x).split(self.out_features // 2, dim=-1)
-        return nn.functional.silu(gate) * up
+        return silu_mul_halves(self(x))
 
 
 def build_gated_layers(

@@ -100,8 +100,7 @@ class Int4Linear(nn.Module):
         """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): [..., N/2], in one launch
         where `int4_silu_mul` takes the call."""
         if self.bias is not None:
-            gate, up = self(x).split(self.out_features // 2, dim=-1)
-            return nn.functional.silu(gate) * up
+            return kernels.silu_mul_halves(self(x))
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if torch.compiler.is_compiling():

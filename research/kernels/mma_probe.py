@@ -8,7 +8,6 @@ copy of its bytes, graphed and L2-cold, with its errors against the float64 refe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -28,14 +27,13 @@ from reproductions.kernels.int4_bench import (
     weight_rotation,
 )
 from sdsie.kernels import int4_matmul, int4_matmul_reference, int4_silu_mul
-from sdsie.kernels.int4_gemm import MMA_CONFIGS, mma_config
+from sdsie.kernels.int4_gemm import MMA_CONFIGS
 
 SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
           "3584x3584", "4608x3584", "18944x3584", "3584x18944", "512x3584", "8960x1536", "2048x3584")
 
 
-def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Generator,
-          prefetch: tuple[tuple[int, int], ...] = ()) -> dict:
+def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Generator) -> dict:
     """Worst error of the mma GEMV and of the shipped kernel against the float64 reference, relative to max |ref|."""
     w = random_int4(n, k, group, "cuda", gen)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
@@ -43,16 +41,11 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
     y = int4_matmul(x, w, config=MMA_CONFIGS[warps]).double()
     y0 = int4_matmul(x, w).double()
     scale = ref.abs().max().item()
-    out = {"n": n, "k": k, "group": group, "m": m, "warps": warps,
-           "mma_err": (y - ref).abs().max().item() / scale, "int4_err": (y0 - ref).abs().max().item() / scale}
-    for dist, kind in prefetch:  # an L2 prefetch changes no value: the same bits as without
-        cfg = dataclasses.replace(MMA_CONFIGS[warps], l2_prefetch=dist, l2_prefetch_kind=kind)
-        out[f"pf{dist}k{kind}_same"] = bool(torch.equal(int4_matmul(x, w, config=cfg).double(), y))
-    return out
+    return {"n": n, "k": k, "group": group, "m": m, "warps": warps,
+            "mma_err": (y - ref).abs().max().item() / scale, "int4_err": (y0 - ref).abs().max().item() / scale}
 
 
-def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
-              prefetch: tuple[tuple[int, int], ...] = ()) -> dict:
+def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -62,11 +55,6 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
         out[f"mma_w{warps}"] = graph_us(
             lambda i, warps=warps: (lambda: int4_matmul(x, ws[i % len(ws)], config=MMA_CONFIGS[warps])),
             n * k // 2, "cuda")
-    chosen = mma_config(m, n, k, 128) or MMA_CONFIGS[8 if k >= 2 * n else 4]
-    for dist, kind in prefetch:  # L2 prefetch variants of the warps the rule picks
-        cfg = dataclasses.replace(chosen, l2_prefetch=dist, l2_prefetch_kind=kind)
-        out[f"pf{dist}k{kind}_w{cfg.num_warps}"] = graph_us(
-            lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
     if silu:
         out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
@@ -80,8 +68,6 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
         out["tinygemm_error"] = str(err)[:200]
     best = min(v for key, v in out.items() if key.startswith("mma_w"))
     out["mma_best"] = best
-    if prefetch:
-        out["pf_best"] = min(v for key, v in out.items() if key.startswith("pf"))
     out["speedup_mma"] = out["bf16"] / best
     out["speedup_int4"] = out["bf16"] / out["int4"]
     return out
@@ -94,16 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", nargs="*", type=int, default=[1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--silu", action="store_true", help="also time int4_silu_mul (the silu * up epilogue)")
-    ap.add_argument("--prefetch", nargs="*", default=[], metavar="DIST:KIND",
-                    help="also time L2 prefetch variants (Int4KernelConfig.l2_prefetch, l2_prefetch_kind)")
     ap.add_argument("--no-checks", dest="checks", action="store_false", help="skip the error checks")
     args = ap.parse_args(argv)
     if cuda_missing("mma_probe"):
         return 2
     gen = torch.Generator().manual_seed(0)
     t0 = time.time()
-    pf = tuple(tuple(int(v) for v in spec.split(":")) for spec in args.prefetch)
-    checks = [check(n, k, g, m, w, gen, pf) for n, k, g in ((256, 4096, 128), (512, 1024, 256), (128, 3584, None),
+    checks = [check(n, k, g, m, w, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 256), (128, 3584, None),
                                                      (256, 14336, 128), (160, 1536, 128))
               for m in (1, 3, 8, 13) for w in args.warps] if args.checks else []
     for c in checks:
@@ -112,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.m:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
-            r = time_case(n, k, m, args.warps, gen, args.silu, pf)
+            r = time_case(n, k, m, args.warps, gen, args.silu)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

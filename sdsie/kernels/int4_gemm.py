@@ -782,10 +782,6 @@ class Int4KernelConfig:
     # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, a 16-row block a program and
     # num_warps warps along K; block_m 8, block_n 16, block_k 128 name that tile
     mma: bool = False
-    # mma only: ask L2 for a warp's pair of chunks this many pairs ahead of its register loads (0: none), and how
-    # (1: one bulk prefetch a warp, 2: each lane's own bytes, 3: the whole row block at the start)
-    l2_prefetch: int = 0
-    l2_prefetch_kind: int = 1
 
     def __post_init__(self) -> None:
         if self.mma:
@@ -1162,8 +1158,8 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
                              f"{x2.device}, N={n}, group {w.group_size}")
         words, scales, zeros = _fragments(w, gate_up)
         return _Plan(_int4_mma_gemv_kernel, (n // 16, 1, 1), words, zeros if zeros is not None else scales,
-                     (m, n, k), mma_consts(w, cfg.num_warps, m, gate_up, (cfg.l2_prefetch, cfg.l2_prefetch_kind)),
-                     {"num_warps": cfg.num_warps}, 1, 0, (w.qweight, w.scales, w.zeros), scales=scales)
+                     (m, n, k), mma_consts(w, cfg.num_warps, m, silu_mul=gate_up), {"num_warps": cfg.num_warps}, 1,
+                     0, (w.qweight, w.scales, w.zeros), scales=scales)
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)

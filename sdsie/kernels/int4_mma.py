@@ -149,13 +149,6 @@ def _mma_ptx(halves: int) -> str:
 
 _MMA_PTX = gl.constexpr(_mma_ptx(1))
 _MMA16_PTX = gl.constexpr(_mma_ptx(2))
-# L2 prefetch of one pair of chunks (1 KB of a row block's words): 1, one bulk prefetch from the warp's lane 0 (the
-# TMA unit fetches it; no register or shared memory holds it); 2, each lane's own 16 bytes of both chunks
-_PREFETCH_BULK = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $1, 0; "
-                              "@p cp.async.bulk.prefetch.L2.global [$2], 1024; mov.u32 $0, 0; }")
-_PREFETCH_SLAB = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $1, 0; "
-                              "@p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }")
-_PREFETCH_LANE = gl.constexpr("prefetch.global.L2 [$2]; prefetch.global.L2 [$2+512]; mov.u32 $0, $1;")
 
 
 @gluon.jit
@@ -171,19 +164,6 @@ def _chunk_mma(words, xa, xb, xa_h, xb_h, zg, zg8, acc, acc_h, HALVES: gl.conste
             _MMA16_PTX, "=f," * 8 + "r," * 28 + "f," * 7 + "f", [words, xa, xb, xa_h, xb_h, zg, zg8, acc, acc_h],
             dtype=(gl.float32, gl.float32), is_pure=True, pack=4)
     return acc, acc_h
-
-
-@gluon.jit
-def _prefetch_pair(pwl, lane, q, pairs, KIND: gl.constexpr):
-    """Ask L2 for pair q [W, 1] of each warp (clamped to the last pair) ahead of its register loads: bytes in flight
-    that no register holds. pwl [1, 32]: each lane's first word of the row block's chunk 0."""
-    addr = pwl + 2 * gl.minimum(q, pairs - 1) * 128  # [W, 32]
-    if KIND == 1:
-        gl.inline_asm_elementwise(_PREFETCH_BULK, "=r,r,l", [lane + q * 0, addr], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        gl.inline_asm_elementwise(_PREFETCH_LANE, "=r,r,l", [lane + q * 0, addr], dtype=gl.int32, is_pure=False,
-                                  pack=1)
 
 
 @gluon.jit
@@ -274,8 +254,7 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 @gluon.jit
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr,
-                          PREFETCH: gl.constexpr, PREFETCH_KIND: gl.constexpr):
+                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr):
     # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th pair of chunks (128 codes) of
     # K, each loading its next pair before it multiplies the current one, and their sums meet in one cross-warp
     # reduction. GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
@@ -298,14 +277,6 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j  # [1, 32, 4]
     tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
     tot_h = gl.zeros([WARPS, 32, 4], gl.float32, L3)
-    pwl = pw_ptr + (nb * kcs * 32 + lane) * 4  # [1, 32]
-    if PREFETCH_KIND == 3:  # the whole row block's words, a W-th a warp, from each warp's lane 0
-        slab = kcs * 512 // WARPS
-        gl.inline_asm_elementwise(_PREFETCH_SLAB, "=r,r,l,r", [lane + warp * 0, pwl + warp * (slab // 4),
-                                                                lane * 0 + slab], dtype=gl.int32, is_pure=False, pack=1)
-    elif PREFETCH > 0:  # pairs 2 .. PREFETCH + 1 of each warp; the loop asks for pair i + PREFETCH when it loads pair i
-        for i in gl.static_range(2, PREFETCH + 2):
-            _prefetch_pair(pwl, lane, warp + i * WARPS, pairs, PREFETCH_KIND)
     # two pairs in flight a warp, A and B: each is reloaded (pair + 2 W) right after its mmas, into the registers
     # they free (ptxas places a load after the mmas whose registers it reuses, so a buffer rotation would cost moves
     # and one pair ahead would leave the latency exposed)
@@ -319,9 +290,6 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     p = warp
     for _ in range(0, gl.cdiv(pairs, 2 * WARPS)):
         tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
-        if PREFETCH > 0 and PREFETCH_KIND != 3:
-            _prefetch_pair(pwl, lane, p + (2 + PREFETCH) * WARPS, pairs, PREFETCH_KIND)
-            _prefetch_pair(pwl, lane, p + (3 + PREFETCH) * WARPS, pairs, PREFETCH_KIND)
         a = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
                         HAS_ZEROS, HALVES)
         tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
@@ -355,13 +323,11 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
                  mask=om + 8 < M)
 
 
-def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False,
-               prefetch: tuple[int, int] = (0, 1)) -> dict:
+def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8)."""
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
-                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul,
-                PREFETCH=prefetch[0], PREFETCH_KIND=prefetch[1])
+                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul)

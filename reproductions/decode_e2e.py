@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
 import signal
 import statistics
@@ -77,6 +78,7 @@ from sdsie.clutch import ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, run_attention
 from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
 from sdsie.kernels import int4_matmul_reference
+from sdsie.kernels.device import set_programmatic_launch
 from sdsie.quant import GatedLinear, Int4Linear, QuantConfig, fuse_projections, gate_model
 from sdsie.quant.linear import replace_module
 from sdsie.telemetry.energy import EnergyMeter, EnergyUnavailable, calls_to_fill
@@ -305,19 +307,20 @@ class Variant:
     launch_ahead: bool = True  # DecodeConfig.launch_ahead of the engine's runs (--no-launch-ahead)
 
 
-def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -> tuple[int, float, float]:
-    """One decode -> (new tokens, prefill seconds, decode seconds)."""
+def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int,
+              graphs: bool) -> tuple[int, float, float, list[int]]:
+    """One decode -> (new tokens, prefill seconds, decode seconds, the new token ids)."""
     if v.hf:
         return _hf_run(v.model, prompt, new_tokens, v.hf_compile)
     cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs, attention=v.attention,
                        launch_ahead=v.launch_ahead)
     clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
     r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
-    return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds
+    return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds, [int(t) for t in r.tokens]
 
 
 def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
-            compile_config: Any = None) -> tuple[int, float, float]:
+            compile_config: Any = None) -> tuple[int, float, float, list[int]]:
     """HF generate with a static cache (HF compiles its forward for it); the prefill is not separated: 0 s."""
     ids = prompt[None]
     extra = {} if compile_config is None else {"compile_config": compile_config}
@@ -328,7 +331,7 @@ def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
                              min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
                              eos_token_id=None, pad_token_id=0, **extra)
     sync_device(prompt.device)
-    return out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0
+    return out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
 
 
 def outside_kernels_us(decode_tok_s: float | None, gpu_us: float) -> float | None:
@@ -344,18 +347,22 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
     for _ in range(2 if graphs else 1):  # warm-up: compiles, captures the graphs (then replays them once)
         _run_once(v, prompt, new_tokens, graphs)
     runs = [_run_once(v, prompt, new_tokens, graphs) for _ in range(trials)]
-    decode_tps = [(n - 1) / d for n, _, d in runs if d > 0]
-    e2e_tps = [n / (p + d) for n, p, d in runs]
+    decode_tps = [(n - 1) / d for n, _, d, _ in runs if d > 0]
+    e2e_tps = [n / (p + d) for n, p, d, _ in runs]
     result: dict[str, Any] = {
         "new_tokens": runs[0][0],
+        # greedy decoding: every trial's tokens alike, and a digest to compare variants that must agree (the same
+        # kernels launched differently) across rows and records
+        "tokens_sha256": hashlib.sha256(json.dumps(runs[-1][3]).encode()).hexdigest()[:16],
+        "tokens_same_every_trial": all(r[3] == runs[0][3] for r in runs),
         "decode_tok_s": decode_tps,
         "e2e_tok_s": e2e_tps,
         "decode_tok_s_median": statistics.median(decode_tps) if decode_tps else None,
         "e2e_tok_s_median": statistics.median(e2e_tps),
-        "prefill_s_median": statistics.median(p for _, p, _ in runs),
+        "prefill_s_median": statistics.median(p for _, p, _, _ in runs),
     }
     if meter is not None:
-        per_run = statistics.median(p + d for _, p, d in runs)
+        per_run = statistics.median(p + d for _, p, d, _ in runs)
         n_runs = calls_to_fill(per_run, energy_window_s)
         window = meter.start()
         tokens = sum(_run_once(v, prompt, new_tokens, graphs)[0] for _ in range(n_runs))
@@ -603,7 +610,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
-                   "inductor_options": dict(args.inductor_options),
+                   "inductor_options": dict(args.inductor_options), "pdl": args.pdl,
                    "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
                                                                attention=args.attention), device)},
         "results": [],
@@ -742,6 +749,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
                    metavar="KEY=VALUE", help="a torch._inductor.config option for every compiled variant (repeat "
                                              "for more), e.g. combo_kernels=true")
+    p.add_argument("--pdl", action="store_true",
+                   help="launch the mma GEMV and decode attention as programmatic dependents "
+                        "(sdsie.kernels.device.set_programmatic_launch; inductor's own: "
+                        "--inductor-option triton.enable_pdl=true)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")
     p.add_argument("--no-record", dest="record", action="store_false")
@@ -754,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         args.compile_backend = args.compile_backend or "eager"
     if args.trials < 1 or any(n < 2 for n in args.prompt_lens):
         raise SystemExit("--trials must be >= 1 and every --prompt-lens >= 2")
+    set_programmatic_launch(args.pdl)
     with SigtermStop().installed() as stop:
         doc = run_suite(args, stop)
         print(table(doc["summary"]))

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sdsie.kernels.device import interpreting, kernel_runs_on
+from sdsie.kernels.device import interpreting, kernel_runs_on, pdl_on
 
 __all__ = ["DEFAULT_SMS", "MAX_SPLITS", "PROGRAMS_PER_SM", "SplitPlan", "decode_attention", "split_rule"]
 
@@ -92,7 +92,11 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
                   stride_mb, stride_ms,
                   H_KV, G, S, CHUNK, NUM_SPLITS, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr):
+                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
+                  PDL: tl.constexpr):
+    if PDL:  # programmatic dependent: q and the caches are the kernels' before, so wait first; let the next start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H_KV).to(tl.int64)
@@ -156,7 +160,10 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
 
 @triton.jit
 def _attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, G, NUM_SPLITS,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     g = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
@@ -252,6 +259,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # fp32 dots in IEEE for fp32 inputs (no tf32 rounding), and under the interpreter, whose bf16 dot is wrong in
     # Triton 3.6 (the operands are the same rounded values)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
+    pdl = pdl_on(q.device)
     _attention_split_kernel[(batch * heads, plan.num_splits)](
         q, k, v, mask_arg, acc, m, l_sum, out,
         q.stride(0), q.stride(1), q.stride(2),
@@ -261,12 +269,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         heads, groups, seq_len, plan.chunk, plan.num_splits, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=plan.block_n,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        DOT_FP32=dot_fp32, SPLIT=split, num_warps=4)
+        DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, num_warps=4, launch_pdl=pdl)
     if split:
         _attention_reduce_kernel[(batch * heads, groups)](
             acc, m, l_sum, out, groups, plan.num_splits,
             HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(plan.num_splits)),
-            num_warps=4)
+            PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 

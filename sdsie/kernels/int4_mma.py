@@ -167,6 +167,21 @@ def _chunk_mma(words, xa, xb, xa_h, xb_h, zg, zg8, acc, acc_h, HALVES: gl.conste
 
 
 @gluon.jit
+def _wait_for_producer():
+    """griddepcontrol.wait: under programmatic dependent launch, block until the kernel before has finished and its
+    writes are visible (at once without that launch)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release_dependents():
+    """griddepcontrol.launch_dependents: the next kernel, launched programmatically, may start its programs once
+    every program of this grid has passed here (they wait for this grid's end before reading what it writes)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _zero_splat(z, HAS_ZEROS: gl.constexpr):
     """bf16x2 bits of (128 + z, 128 + z) for z [W, 32]: the offset the code registers carry, as one subtrahend,
     [W, 32, 1]."""
@@ -254,7 +269,7 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 @gluon.jit
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr):
+                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr, PDL: gl.constexpr):
     # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th pair of chunks (128 codes) of
     # K, each loading its next pair before it multiplies the current one, and their sums meet in one cross-warp
     # reduction. GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
@@ -280,13 +295,19 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     # two pairs in flight a warp, A and B: each is reloaded (pair + 2 W) right after its mmas, into the registers
     # they free (ptxas places a load after the mmas whose registers it reuses, so a buffer rotation would cost moves
     # and one pair ahead would leave the latency exposed)
-    a = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS,
-                    HALVES)
-    b = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
-                    HAS_ZEROS, HALVES)
+    # PDL (programmatic dependent launch): the weights, scales and zero-points of the first two pairs are asked for
+    # before the wait for the kernel that writes x, so their latency overlaps that kernel's end
+    a = _wsz_loads(pw3, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    b = _wsz_loads(pw3, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
     if PER_CHANNEL:  # one scale a row, applied once at the end
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
+    if PDL:
+        _wait_for_producer()
+    a = a + _x_loads(xw3, xw3_h, warp, pairs, HALVES)
+    b = b + _x_loads(xw3, xw3_h, warp + WARPS, pairs, HALVES)
+    if PDL:
+        _release_dependents()
     p = warp
     for _ in range(0, gl.cdiv(pairs, 2 * WARPS)):
         tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
@@ -323,11 +344,11 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
                  mask=om + 8 < M)
 
 
-def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False) -> dict:
+def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
-    fused [gate; up] epilogue, M <= 8)."""
+    fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`)."""
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
-                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul)
+                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul, PDL=pdl)

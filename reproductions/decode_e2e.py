@@ -611,6 +611,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
                    "inductor_options": dict(args.inductor_options), "pdl": args.pdl,
+                   "pdl_preload_pairs": args.pdl_preload,
                    "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
                                                                attention=args.attention), device)},
         "results": [],
@@ -753,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="launch the mma GEMV and decode attention as programmatic dependents "
                         "(sdsie.kernels.device.set_programmatic_launch; inductor's own: "
                         "--inductor-option triton.enable_pdl=true)")
+    p.add_argument("--pdl-preload", type=int, default=0, metavar="PAIRS",
+                   help="with --pdl: pairs of 128 codes each GEMV warp asks L2 for before its wait (-1: all)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")
     p.add_argument("--no-record", dest="record", action="store_false")
@@ -765,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         args.compile_backend = args.compile_backend or "eager"
     if args.trials < 1 or any(n < 2 for n in args.prompt_lens):
         raise SystemExit("--trials must be >= 1 and every --prompt-lens >= 2")
-    set_programmatic_launch(args.pdl)
+    set_programmatic_launch(args.pdl, args.pdl_preload)
     with SigtermStop().installed() as stop:
         doc = run_suite(args, stop)
         print(table(doc["summary"]))

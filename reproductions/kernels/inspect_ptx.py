@@ -138,7 +138,7 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     names = ["x_ptr", "pw_ptr", "s_ptr", "z_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 5
     consts = {"GROUP_PAIRS": 1, "PER_CHANNEL": per_channel, "HAS_ZEROS": has_zeros, "WARPS": warps, "HALVES": halves,
-              "SILU_MUL": silu_mul, "PDL": pdl}
+              "SILU_MUL": silu_mul, "PDL": pdl, "PRELOAD": 0}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "M"}
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(GluonASTSource(_int4_mma_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

@@ -611,7 +611,6 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
                    "inductor_options": dict(args.inductor_options), "pdl": args.pdl,
-                   "pdl_preload_pairs": args.pdl_preload,
                    "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
                                                                attention=args.attention), device)},
         "results": [],
@@ -750,12 +749,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
                    metavar="KEY=VALUE", help="a torch._inductor.config option for every compiled variant (repeat "
                                              "for more), e.g. combo_kernels=true")
-    p.add_argument("--pdl", action="store_true",
-                   help="launch the mma GEMV and decode attention as programmatic dependents "
-                        "(sdsie.kernels.device.set_programmatic_launch; inductor's own: "
+    p.add_argument("--no-pdl", dest="pdl", action="store_false",
+                   help="launch the mma GEMV and decode attention plainly, not as programmatic dependents "
+                        "(sdsie.kernels.device.set_programmatic_launch; inductor's own PDL is "
                         "--inductor-option triton.enable_pdl=true)")
-    p.add_argument("--pdl-preload", type=int, default=0, metavar="PAIRS",
-                   help="with --pdl: pairs of 128 codes each GEMV warp asks L2 for before its wait (-1: all)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")
     p.add_argument("--no-record", dest="record", action="store_false")
@@ -768,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         args.compile_backend = args.compile_backend or "eager"
     if args.trials < 1 or any(n < 2 for n in args.prompt_lens):
         raise SystemExit("--trials must be >= 1 and every --prompt-lens >= 2")
-    set_programmatic_launch(args.pdl, args.pdl_preload)
+    set_programmatic_launch(args.pdl)
     with SigtermStop().installed() as stop:
         doc = run_suite(args, stop)
         print(table(doc["summary"]))

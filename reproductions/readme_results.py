@@ -726,9 +726,10 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
         model, prompt = base.removesuffix(".int4_compiled").rsplit(".", 1)
         options = rec.config.get("inductor_options") or {}
         compiled = "compiled" + (f" ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
+        launch = ", sdsie kernels as programmatic dependents" if rec.config.get("pdl") else ""
         shown = math.floor(mt[key] * 100) / 100  # rounded down: 2.4996 reads 2.49x, as its verdict says
         rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt[1:]}, 128 new tokens): "
-                    f"all linears INT4 against bf16, both {compiled} and graphed | {shown:.2f}x tok/s "
+                    f"all linears INT4 against bf16, both {compiled} and graphed{launch} | {shown:.2f}x tok/s "
                     f"({mt[base + '.decode_tok_s_median']:.0f} tok/s), "
                     f"{mt[base + '.energy_vs_baseline']:.3f}x J/token; "
                     f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'} | `{_rid(rec)}` |")
@@ -768,9 +769,11 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
     lines = ["Decoding end to end, 7-8B shapes (`reproductions/decode_e2e.py`: random weights, batch 1, greedy, 128 "
              "new tokens, static cache, the newest record of each row). x baseline: against the bf16 variant with "
              "the same compilation in the same record. GPU us a token from the profile, as GEMV / attention / other "
-             "kernels:", "",
+             "kernels. PDL: the record launched kernels as programmatic dependents (its sdsie kernels, and "
+             "inductor's where its options say triton.enable_pdl); there a kernel's profiled time includes its "
+             "wait for the one before, so the GPU times overlap and the time outside kernels reads negative:", "",
              "| model | prompt | variant | tok/s | x baseline | J/token | kernels/token | GPU us/token | "
-             "us outside kernels | share of bound | record |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "us outside kernels | share of bound | PDL | record |", "|---" * 12 + "|"]
     for row in sorted(newest_of, key=order):
         rec = newest_of[row]
         mt = rec.metrics
@@ -785,7 +788,8 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
         lines.append(f"| {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
                      f"{cell('per_token.kernels', '.0f')} | {gpu} | {cell('per_token.outside_us', '.0f')} | "
-                     f"{cell('share_of_bound', '.0f', 100, '%')} | `{_rid(rec)}` |")
+                     f"{cell('share_of_bound', '.0f', 100, '%')} | {'yes' if rec.config.get('pdl') else 'no'} | "
+                     f"`{_rid(rec)}` |")
     return lines
 
 

@@ -93,32 +93,42 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
 
     records = load_records(TELEMETRY)
     rows = e2e_rows(records)
-    assert len(rows) == 4 and all("`393c1966`" in r for r in rows)  # the newest has all four
-    assert any("llama3.1-8b" in r and "prompt 32," in r and "2.52x tok/s" in r and "target 2.5x met" in r for r in rows)
-    # 2.4996 is shown rounded down, as its verdict reads
-    assert any("qwen2.5-7b" in r and "prompt 32," in r and "2.49x tok/s" in r and "not met" in r for r in rows)
-    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.41x tok/s" in r and "not met" in r for r in rows)
-    assert all("compiled (combo_kernels=True) and graphed" in r for r in rows)
+    assert len(rows) == 4 and all("`5c68498e`" in r for r in rows)  # the newest has all four
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "2.72x tok/s" in r and "target 2.5x met" in r for r in rows)
+    assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.60x tok/s" in r and "target 2.5x met" in r
+               for r in rows)
+    assert all("compiled (combo_kernels=True, triton.enable_pdl=True) and graphed, sdsie kernels as programmatic "
+               "dependents" in r for r in rows)
+
+    def rid(r) -> str:
+        return r.source.name.split("-", 1)[1][:8]
 
     def with_config(rec_id: str, **config):
-        return [dataclasses.replace(r, config={**r.config, **config}) if r.source.name.split("-", 1)[1][:8] == rec_id
-                else r for r in records]
+        return [dataclasses.replace(r, config={**r.config, **config}) if rid(r) == rec_id else r for r in records]
 
     # a record that ran SDPA is not the default's (split-KV under graphs on CUDA): its rows leave the headline, and
-    # the newest earlier records of the default take their places
-    sdpa = e2e_rows(with_config("393c1966", attention="auto", attention_run="sdpa"))
-    assert len(sdpa) == 4 and not any("`393c1966`" in r for r in sdpa)
-    assert all("`490da153`" in r for r in sdpa)
+    # the newest earlier records of the default take their places (Llama p32 ran alone in the PDL comparisons)
+    sdpa = e2e_rows(with_config("5c68498e", attention="auto", attention_run="sdpa"))
+    assert len(sdpa) == 4 and not any("`5c68498e`" in r for r in sdpa)
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "`3656e127`" in r for r in sdpa)
+    assert all("`393c1966`" in r for r in sdpa if "prompt 32," not in r or "qwen" in r)
     # what ran counts, not what was asked: "auto" that ran split_kv is the default's
-    auto = e2e_rows(with_config("393c1966", attention="auto", attention_run="split_kv"))
-    assert all("`393c1966`" in r for r in auto)
-    older_rows = e2e_rows([r for r in records if r.source.name.split("-", 1)[1][:8] not in ("393c1966", "490da153")])
+    auto = e2e_rows(with_config("5c68498e", attention="auto", attention_run="split_kv"))
+    assert all("`5c68498e`" in r for r in auto)
+    before_pdl = [r for r in records if rid(r) not in ("5c68498e", "3656e127", "296e3593", "0a719e2c")]
+    rows = e2e_rows(before_pdl)
+    # 2.4996 is shown rounded down, as its verdict reads; no PDL named for a record without it
+    assert any("qwen2.5-7b" in r and "prompt 32," in r and "2.49x tok/s" in r and "not met" in r
+               and "`393c1966`" in r for r in rows)
+    assert all("compiled (combo_kernels=True) and graphed |" in r for r in rows)
+    older_rows = e2e_rows([r for r in before_pdl if rid(r) not in ("393c1966", "490da153")])
     assert any("qwen2.5-7b" in r and "prompt 2048," in r and "2.32x tok/s" in r and "`4daf879e`" in r
                and "both compiled and graphed" in r for r in older_rows)  # no inductor options named
     # records before attention_run name what they asked for, which is what ran: the earlier SDPA records stay out
     newer = ("f4467de5", "823109fc", "db1a0553", "0fe13641", "15a164f3", "5c24f3d5", "576930bf", "4449504f",
-             "d6393d04", "6b279afa", "4daf879e", "6c4452a8", "a78e8ea2", "490da153", "393c1966")
-    older = [r for r in records if r.source.name.split("-", 1)[1][:8] not in newer]
+             "d6393d04", "6b279afa", "4daf879e", "6c4452a8", "a78e8ea2", "490da153", "393c1966", "0a719e2c",
+             "296e3593", "3656e127", "5c68498e")
+    older = [r for r in records if rid(r) not in newer]
     assert e2e_rows(older) == []
 
 
@@ -129,9 +139,11 @@ def test_e2e_section_lists_every_variant_from_its_newest_default_attention_recor
     lines = e2e_section(load_records(TELEMETRY))
     rows = [line for line in lines if line.startswith("| llama") or line.startswith("| qwen")]
     assert len(rows) == len({tuple(r.split(" | ")[:4]) for r in rows})  # one row per model, prompt, variant
-    assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 494.7 | 2.52 |") and "`393c1966`" in r for r in rows)
-    assert any(r.startswith("| llama3.1-8b | 32 | tinygemm_compiled |") and "`490da153`" in r for r in rows)
-    assert any(r.startswith("| qwen2.5-7b | 2048 | int4_compiled |") and "`393c1966`" in r for r in rows)
+    assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 539.7 | 2.73 |") and "| yes | `5c68498e`" in r
+               for r in rows)
+    assert any(r.startswith("| llama3.1-8b | 32 | tinygemm_compiled |") and "`5c68498e`" in r for r in rows)
+    assert any(r.startswith("| qwen2.5-7b | 2048 | int4_compiled |") and "`5c68498e`" in r for r in rows)
+    assert any(r.startswith("| qwen2.5-7b | 32 | gated_int4_compiled |") and "| no | `0fe13641`" in r for r in rows)
     # the models in order, prompts by length: 32 before 2048
     assert [r.split(" | ")[1] for r in rows if r.startswith("| llama")] == sorted(
         [r.split(" | ")[1] for r in rows if r.startswith("| llama")], key=int)

@@ -174,6 +174,51 @@ def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zero
     assert r["sass_loop_per_code"] < 2.6, r
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_programmatic_launch_asks_for_the_weights_before_it_waits_for_x(pdl):
+    """Offline sm_90 SASS: launched as a programmatic dependent, the kernel issues the first two pairs' weight loads
+    (4 of 16 bytes), then griddepcontrol.wait (ACQBULK), then x's 8 loads, then launch_dependents (PREEXIT), once
+    each; the loop is the plain kernel's. Without PDL neither instruction is there."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from reproductions.kernels.inspect_ptx import inspect_mma; "
+            f"print(json.dumps(inspect_mma(pdl={pdl})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"compiling the mma GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    order = r["load_order"]
+    if pdl:
+        assert order.count("ACQBULK") == 1 and order.count("PREEXIT") == 1, order
+        wait, release = order.index("ACQBULK"), order.index("PREEXIT")
+        assert order[:wait] == ["LDG.E.128"] * 4, order  # the weights of pairs a and b
+        assert order[wait + 1:release] == ["LDG.E.128"] * 8, order  # x's words of both pairs
+    else:
+        assert "ACQBULK" not in order and "PREEXIT" not in order, order
+    assert r["sass_ops"].get("HMMA.16816.F32.BF16") == 16 and r["local_mem"] == 0, r
+
+
+def test_programmatic_launch_is_on_by_default_for_cuda_only_and_remakes_plans(monkeypatch):
+    """The switch: on by default; never for a CPU tensor or under the interpreter; a plan is keyed on it, so a
+    change takes effect on the next call (here the interpreter's plans, which ignore it, show the key)."""
+    from sdsie.kernels import device
+
+    assert device.programmatic_launch()
+    assert not device.pdl_on(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    w = make_weight(32, 256, 128, False, 0.02, torch.device("cpu"), gen)
+    x = torch.randn(1, 256, generator=gen)
+    try:
+        y_on = int4_matmul(x, w)
+        device.set_programmatic_launch(False)
+        assert not device.programmatic_launch()
+        y_off = int4_matmul(x, w)
+    finally:
+        device.set_programmatic_launch(True)
+    assert torch.equal(y_on, y_off)
+    assert {key[-1] for key in _plans_of(w)} == {True, False}
+
+
 gpu90 = pytest.mark.skipif(not HAS_SM90, reason="the mma kernel needs an sm_90+ GPU")
 
 

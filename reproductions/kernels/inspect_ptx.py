@@ -71,6 +71,21 @@ def sass_loop(cubin: bytes) -> list[str]:
     return body
 
 
+def sass_ops(cubin: bytes) -> list[str]:
+    """Every SASS instruction's opcode of the kernel, in order (nvdisasm, as `sass_loop`)."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = []
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m:
+            ops.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).strip().split()[0])
+    return ops
+
+
 def registers(cubin: bytes) -> int:
     """Registers a thread of the kernel holds (cuobjdump -res-usage, shipped with Triton): what caps warps per SM."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -130,7 +145,9 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
 def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 4,
                 halves: int = 1, silu_mul: bool = False, pdl: bool = False) -> dict[str, object]:
     """The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) compiled for sm_90: its loop's SASS opcode
-    counts (the loop covers two pairs of chunks, 128 codes a thread), registers and local-memory accesses."""
+    counts (the loop covers two pairs of chunks, 128 codes a thread), registers and local-memory accesses, and the
+    order of its 16-byte loads and grid-dependency instructions (ACQBULK: griddepcontrol.wait; PREEXIT:
+    launch_dependents) through the kernel (`pdl`: compiled to launch as a programmatic dependent)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel
@@ -138,14 +155,15 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     names = ["x_ptr", "pw_ptr", "s_ptr", "z_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 5
     consts = {"GROUP_PAIRS": 1, "PER_CHANNEL": per_channel, "HAS_ZEROS": has_zeros, "WARPS": warps, "HALVES": halves,
-              "SILU_MUL": silu_mul, "PDL": pdl, "PRELOAD": 0}
+              "SILU_MUL": silu_mul, "PDL": pdl}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "M"}
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(GluonASTSource(_int4_mma_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": warps})
+                     options={"num_warps": warps, "launch_pdl": pdl})
     sass = sass_loop(kernel.asm["cubin"])
+    order = [op for op in sass_ops(kernel.asm["cubin"]) if op in ("LDG.E.128", "ACQBULK", "PREEXIT")]
     return {"sass_ops": dict(collections.Counter(op.split()[0] for op in sass)),
-            "sass_loop_per_code": len(sass) / 128,
+            "sass_loop_per_code": len(sass) / 128, "load_order": order,
             "local_mem": len(re.findall(r"(?:ld|st)\.local", kernel.asm["ptx"])),
             "registers": registers(kernel.asm["cubin"])}
 

@@ -19,7 +19,7 @@ import torch
 
 from reproductions.kernels.int4_bench import cuda_missing, random_int4
 from sdsie.kernels import int4_matmul, int4_silu_mul
-from sdsie.kernels.device import set_programmatic_launch
+from sdsie.kernels.device import programmatic_launch, set_programmatic_launch
 from sdsie.telemetry.timing import cuda_event_ms
 
 # Llama-3.1-8B's decoder linears, q/k/v and gate/up fused
@@ -42,10 +42,11 @@ def chain(layers: list[tuple], x: torch.Tensor, norm: bool) -> torch.Tensor:
     return h
 
 
-def time_chain(layers: list[tuple], x: torch.Tensor, norm: bool, pdl: bool, reps: int,
-               preload: int = 0) -> tuple[float, torch.Tensor]:
-    """Median replay time of the graphed chain (us) and its output, with PDL (and its L2 preload) as given."""
-    set_programmatic_launch(pdl, preload)
+def time_chain(layers: list[tuple], x: torch.Tensor, norm: bool, pdl: bool,
+               reps: int) -> tuple[float, torch.Tensor]:
+    """Median replay time of the graphed chain (us) and its output, with PDL as given."""
+    before = programmatic_launch()
+    set_programmatic_launch(pdl)
     try:
         out = chain(layers, x, norm)  # warm-up outside the capture: plans, repacking, compilation
         torch.cuda.synchronize()
@@ -57,7 +58,7 @@ def time_chain(layers: list[tuple], x: torch.Tensor, norm: bool, pdl: bool, reps
         times = [cuda_event_ms(graph.replay) * 1e3 for _ in range(reps)]
         return statistics.median(times), out.clone()
     finally:
-        set_programmatic_launch(False)
+        set_programmatic_launch(before)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--m", nargs="*", type=int, default=[1, 4])
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--preload", nargs="*", type=int, default=[],
-                    help="also PDL with these L2 preloads (pairs a warp before the wait; -1: all)")
     args = ap.parse_args(argv)
     if cuda_missing("pdl_chain_probe"):
         return 2
@@ -81,15 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
         for norm in (False, True):
             row: dict = {"m": m, "norm": norm, "layers": args.layers}
-            modes = [("plain", False, 0), ("pdl", True, 0)] + [(f"pdl_preload{p}", True, p) for p in args.preload]
+            modes = [("plain", False), ("pdl", True)]
             outs = {}
-            for name, pdl, preload in modes * 2:  # twice each, interleaved: drift shows as a gap between repeats
-                us, outs[name] = time_chain(layers, x, norm, pdl, args.reps, preload)
+            for name, pdl in modes * 2:  # twice each, interleaved: drift shows as a gap between repeats
+                us, outs[name] = time_chain(layers, x, norm, pdl, args.reps)
                 row.setdefault(f"{name}_us", []).append(us)
             # bit for bit alike (NaN where the chain without norms overflows, so compared as bytes)
             row["same_output"] = all(torch.equal(o.view(torch.int16), outs["plain"].view(torch.int16))
                                      for o in outs.values())
-            for name, _, _ in modes:
+            for name, _ in modes:
                 row[f"{name}_us_per_layer"] = min(row[f"{name}_us"]) / args.layers
                 row[f"{name}_speedup"] = min(row["plain_us"]) / min(row[f"{name}_us"])
             print(json.dumps(row), flush=True)

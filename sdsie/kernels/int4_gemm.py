@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight
-from sdsie.kernels.device import interpreting, launch_key, pdl_on, preload_pairs
+from sdsie.kernels.device import interpreting, pdl_on, programmatic_launch
 from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, gate_up_order, mma_consts, mma_supported, pack_fragments
 
 __all__ = ["Int4KernelConfig", "int4_matmul", "int4_silu_mul", "silu_mul_halves", "int4_dequantize", "select_config",
@@ -1159,7 +1159,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
         words, scales, zeros = _fragments(w, gate_up)
         pdl = pdl_on(x2.device)
         return _Plan(_int4_mma_gemv_kernel, (n // 16, 1, 1), words, zeros if zeros is not None else scales,
-                     (m, n, k), mma_consts(w, cfg.num_warps, m, gate_up, pdl, preload_pairs()),
+                     (m, n, k), mma_consts(w, cfg.num_warps, m, gate_up, pdl),
                      {"num_warps": cfg.num_warps, "launch_pdl": pdl}, 1, 0, (w.qweight, w.scales, w.zeros),
                      scales=scales)
     per_channel = w.group_size >= k
@@ -1362,7 +1362,7 @@ def int4_matmul(
         _dequant_matmul(x2, w, y)
         _CALLS["n"] += 1
         return y if flat else y.reshape(*x.shape[:-1], n)
-    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config, launch_key())
+    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config, programmatic_launch())
     plans = _plans_of(w)
     plan = plans.get(key)
     if plan is None or not plan.built_from(w):
@@ -1395,7 +1395,7 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
         raise ValueError(f"int4_silu_mul: a fused [gate; up] weight has an even N, got N = {n}")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config, launch_key())
+    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config, programmatic_launch())
     plans = _kept_for(_GATE_UP_PLANS, w)
     plan = plans.get(key)
     if key not in plans or (plan is not None and not plan.built_from(w)):  # None: composed, decided once

@@ -166,26 +166,6 @@ def _chunk_mma(words, xa, xb, xa_h, xb_h, zg, zg8, acc, acc_h, HALVES: gl.conste
     return acc, acc_h
 
 
-_PRELOAD_PTX = gl.constexpr("{ .reg .pred p; setp.gt.s32 p, $1, 0; "
-                            "@p cp.async.bulk.prefetch.L2.global [$2], $1; mov.u32 $0, 0; }")
-
-
-@gluon.jit
-def _preload(pwl, lane, warp, pairs, WARPS: gl.constexpr, PRELOAD: gl.constexpr):
-    """Ask L2 for the pairs after the two each warp holds in registers: PRELOAD pairs a warp (-1: the rest of the
-    row block), as one bulk prefetch from each warp's lane 0 of a contiguous run (no register or shared memory
-    holds them). Issued before the wait for x's producer, whose end it overlaps."""
-    if PRELOAD < 0:
-        per_warp = gl.cdiv(gl.maximum(pairs - 2 * WARPS, 0), WARPS)
-    else:
-        per_warp = PRELOAD
-    first = gl.minimum(2 * WARPS + warp * per_warp, pairs)  # [W, 1]
-    count = gl.minimum(first + per_warp, pairs) - first
-    size = gl.where(lane == 0, count * 1024, 0)  # bytes, [W, 32]; 0: no prefetch
-    gl.inline_asm_elementwise(_PRELOAD_PTX, "=r,r,l", [size, pwl + first * 256], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
 @gluon.jit
 def _wait_for_producer():
     """griddepcontrol.wait: under programmatic dependent launch, block until the kernel before has finished and its
@@ -289,8 +269,7 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 @gluon.jit
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr, PDL: gl.constexpr,
-                          PRELOAD: gl.constexpr):
+                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr, PDL: gl.constexpr):
     # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th pair of chunks (128 codes) of
     # K, each loading its next pair before it multiplies the current one, and their sums meet in one cross-warp
     # reduction. GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
@@ -324,8 +303,6 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
     if PDL:
-        if PRELOAD != 0:
-            _preload(pw_ptr + (nb * kcs * 32 + lane) * 4, lane, warp, pairs, WARPS, PRELOAD)
         _wait_for_producer()
     a = a + _x_loads(xw3, xw3_h, warp, pairs, HALVES)
     b = b + _x_loads(xw3, xw3_h, warp + WARPS, pairs, HALVES)
@@ -367,13 +344,11 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
                  mask=om + 8 < M)
 
 
-def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False,
-               preload: int = 0) -> dict:
+def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`)."""
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
-                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul, PDL=pdl,
-                PRELOAD=preload if pdl else 0)
+                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul, PDL=pdl)

@@ -199,15 +199,20 @@ def test_a_programmatic_launch_asks_for_the_weights_before_it_waits_for_x(pdl):
 
 def test_programmatic_launch_is_on_by_default_for_cuda_only_and_remakes_plans(monkeypatch):
     """The switch: on by default; never for a CPU tensor or under the interpreter; a plan is keyed on it, so a
-    change takes effect on the next call (here the interpreter's plans, which ignore it, show the key)."""
+    change takes effect on the next call, with the same output (on a CPU machine the interpreter's plans, which
+    ignore it, show the key)."""
     from sdsie.kernels import device
 
     assert device.programmatic_launch()
     assert not device.pdl_on(torch.device("cpu"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if torch.cuda.is_available():
+        where, dtype = torch.device("cuda"), torch.bfloat16
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        where, dtype = torch.device("cpu"), torch.float32
     gen = torch.Generator().manual_seed(0)
-    w = make_weight(32, 256, 128, False, 0.02, torch.device("cpu"), gen)
-    x = torch.randn(1, 256, generator=gen)
+    w = make_weight(32, 256, 128, False, 0.02, where, gen)
+    x = torch.randn(1, 256, generator=gen).to(dtype).to(where)
     try:
         y_on = int4_matmul(x, w)
         device.set_programmatic_launch(False)
@@ -252,7 +257,7 @@ def test_bf16_x_takes_the_mma_kernel_and_other_x_do_not():
         plan = next(p for key, p in _plans_of(w).items() if key[1] == dtype)
         assert (plan.kernel is _int4_mma_gemv_kernel) is mma, dtype
         if mma:
-            assert plan.consts == mma_consts(w, 4, 1)
+            assert plan.consts == mma_consts(w, 4, 1, pdl=True)  # programmatic launch: on by default
 
 
 @pytest.mark.gpu

@@ -341,6 +341,24 @@ def outside_kernels_us(decode_tok_s: float | None, gpu_us: float) -> float | Non
     return 1e6 / decode_tok_s - gpu_us if decode_tok_s else None
 
 
+def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyMeter, window_s: float,
+                  run_j: float, new_tokens: int) -> dict[str, Any]:
+    """J a decoded token without the prefill's share: a second window of runs that stop at the first token (the
+    prefill and its one token) prices the prefill, and (J a run - J a prefill) / (new tokens - 1) is a decode step's
+    energy. The J/token of the whole runs counts the prefill, which for an eager INT4 prefill is a large share."""
+    if new_tokens < 2:
+        return {}
+    timed = [_run_once(v, prompt, 1, graphs) for _ in range(2)]
+    n_runs = calls_to_fill(min(p + d for _, p, d, _ in timed) or 1e-3, window_s)
+    window = meter.start()
+    for _ in range(n_runs):
+        _run_once(v, prompt, 1, graphs)
+    w = meter.stop(window, tokens=n_runs)
+    prefill_j = w.energy_j / n_runs
+    return {"prefill_j": prefill_j, "prefill_energy_window_s": w.duration_s, "prefill_energy_runs": n_runs,
+            "j_per_token_decode": (run_j - prefill_j) / (new_tokens - 1)}
+
+
 def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, graphs: bool, meter: EnergyMeter | None,
             energy_window_s: float, copy_gbs: float | None, profile: bool) -> dict[str, Any]:
     device = prompt.device
@@ -369,6 +387,8 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
         w = meter.stop(window, tokens=tokens)
         result.update(j_per_token=w.j_per_token, energy_window_s=w.duration_s, energy_runs=n_runs,
                       mean_power_w=w.mean_power_w)
+        result.update(decode_energy(v, prompt, graphs, meter, energy_window_s, w.energy_j / n_runs,
+                                    result["new_tokens"]))
     if profile and not v.hf:
         full = profile_kernels(lambda: _run_once(v, prompt, new_tokens, graphs), device)
         prefill = profile_kernels(lambda: _run_once(v, prompt, 1, graphs), device)
@@ -547,12 +567,13 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key = {(r["model"], r["prompt_len"], r["variant"]): r for r in results if "error" not in r}
     for r in results:
         row = {k: r.get(k) for k in ("model", "prompt_len", "variant", "decode_tok_s_median", "e2e_tok_s_median",
-                                     "j_per_token", "share_of_bound", "error")}
+                                     "j_per_token", "j_per_token_decode", "share_of_bound", "error")}
         row["kernels_per_token"] = (r.get("per_token") or {}).get("kernels")
         row["gpu_us_per_token"] = (r.get("per_token") or {}).get("gpu_us")
         row["outside_us_per_token"] = (r.get("per_token") or {}).get("outside_us")
         base = by_key.get((r["model"], r["prompt_len"], BASELINE.get(r["variant"], "bf16")))
-        for key, out in (("decode_tok_s_median", "speedup_vs_baseline"), ("j_per_token", "energy_vs_baseline")):
+        for key, out in (("decode_tok_s_median", "speedup_vs_baseline"), ("j_per_token", "energy_vs_baseline"),
+                         ("j_per_token_decode", "decode_energy_vs_baseline")):
             if base and r.get(key) and base.get(key):
                 row[out] = r[key] / base[key]
         rows.append(row)
@@ -560,19 +581,20 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | prompt | variant | tok/s | x baseline | J/token | kernels/token | GPU us/token | us outside "
-             "kernels | share of bound |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
+             "GPU us/token | us outside kernels | share of bound |", "|---" * 11 + "|"]
 
     def f(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {r['error']} ||||||")
+            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {r['error']} |||||||")
             continue
         lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {f(r['decode_tok_s_median'], '.1f')} | "
                      f"{f(r.get('speedup_vs_baseline'), '.2f')} | {f(r['j_per_token'], '.3f')} | "
-                     f"{f(r['kernels_per_token'], '.0f')} | {f(r['gpu_us_per_token'], '.0f')} | "
+                     f"{f(r.get('j_per_token_decode'), '.3f')} | {f(r['kernels_per_token'], '.0f')} | "
+                     f"{f(r['gpu_us_per_token'], '.0f')} | "
                      f"{f(r['outside_us_per_token'], '.0f')} | {f(r['share_of_bound'], '.0%')} |")
     return "\n".join(lines)
 
@@ -693,7 +715,8 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
             continue
         samples[f"{key}.decode_tok_s"] = [float(x) for x in r["decode_tok_s"]]
         samples[f"{key}.e2e_tok_s"] = [float(x) for x in r["e2e_tok_s"]]
-        for k in ("decode_tok_s_median", "e2e_tok_s_median", "j_per_token", "share_of_bound", "bound_tok_s"):
+        for k in ("decode_tok_s_median", "e2e_tok_s_median", "j_per_token", "j_per_token_decode", "prefill_j",
+                  "share_of_bound", "bound_tok_s"):
             if r.get(k) is not None:
                 metrics[f"{key}.{k}"] = float(r[k])
         for k, v in (r.get("per_token") or {}).items():
@@ -701,7 +724,7 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
                 metrics[f"{key}.per_token.{k}"] = float(v)
     for row in doc["summary"]:
         key = f"{row['model']}.p{row['prompt_len']}.{row['variant']}"
-        for k in ("speedup_vs_baseline", "energy_vs_baseline"):
+        for k in ("speedup_vs_baseline", "energy_vs_baseline", "decode_energy_vs_baseline"):
             if row.get(k) is not None:
                 metrics[f"{key}.{k}"] = float(row[k])
     model = ",".join(f"{m}-config-random-weights" for m in doc["config"]["models"])

@@ -731,9 +731,15 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
         rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt[1:]}, 128 new tokens): "
                     f"all linears INT4 against bf16, both {compiled} and graphed{launch} | {shown:.2f}x tok/s "
                     f"({mt[base + '.decode_tok_s_median']:.0f} tok/s), "
-                    f"{mt[base + '.energy_vs_baseline']:.3f}x J/token; "
+                    f"{mt[base + '.energy_vs_baseline']:.3f}x J/token{_decode_energy(mt, base)}; "
                     f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'} | `{_rid(rec)}` |")
     return rows
+
+
+def _decode_energy(mt: dict, base: str) -> str:
+    """The decode steps' J/token ratio, as " (0.400x decode alone)", where the record priced the prefill apart."""
+    v = mt.get(base + ".decode_energy_vs_baseline")
+    return "" if v is None else f" ({v:.3f}x decode alone)"
 
 
 def _default_attention_e2e(records: list[RunRecord]) -> list[RunRecord]:
@@ -772,8 +778,8 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
              "kernels. PDL: the record launched kernels as programmatic dependents (its sdsie kernels, and "
              "inductor's where its options say triton.enable_pdl); there a kernel's profiled time includes its "
              "wait for the one before, so the GPU times overlap and the time outside kernels reads negative:", "",
-             "| model | prompt | variant | tok/s | x baseline | J/token | kernels/token | GPU us/token | "
-             "us outside kernels | share of bound | PDL | record |", "|---" * 12 + "|"]
+             "| model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
+             "GPU us/token | us outside kernels | share of bound | PDL | record |", "|---" * 13 + "|"]
     for row in sorted(newest_of, key=order):
         rec = newest_of[row]
         mt = rec.metrics
@@ -787,7 +793,8 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
             f"{mt[f'{row}.per_token.{kind}.us']:.0f}" for kind in ("gemv_gemm", "attention", "other"))
         lines.append(f"| {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
-                     f"{cell('per_token.kernels', '.0f')} | {gpu} | {cell('per_token.outside_us', '.0f')} | "
+                     f"{cell('j_per_token_decode', '.2f')} | {cell('per_token.kernels', '.0f')} | {gpu} | "
+                     f"{cell('per_token.outside_us', '.0f')} | "
                      f"{cell('share_of_bound', '.0f', 100, '%')} | {'yes' if rec.config.get('pdl') else 'no'} | "
                      f"`{_rid(rec)}` |")
     return lines

@@ -117,7 +117,7 @@ def test_time_outside_kernels_is_wall_time_per_token_less_gpu_time():
                                                                     "outside_us": 200.0}}
     (summary,) = summarize([row])
     assert summary["outside_us_per_token"] == 200.0
-    assert table([summary]).splitlines()[-1].split(" | ")[8] == "200"
+    assert table([summary]).splitlines()[-1].split(" | ")[9] == "200"  # after J/token and J/token decode
 
 
 def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
@@ -211,3 +211,40 @@ def test_inductor_options_reach_every_compiled_variant_and_the_record(tmp_path: 
     assert seen == [{"combo_kernels": True, "combo_kernel_max_num_nodes": 4}]
     with pytest.raises(SystemExit):
         main(_argv(tmp_path, "--inductor-option", "combo_kernels"))
+
+
+def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens():
+    """A prefill-only window prices the prefill: with a prefill (and its token) of P joules and D joules for every
+    later token, J a decoded token is D, where the whole run's J/token is (P + 127 D) / 128."""
+    from reproductions import decode_e2e
+    from sdsie.telemetry.energy import EnergyWindow
+
+    prefill_j, step_j, counter = 40.0, 0.5, {"j": 0.0, "calls": []}
+
+    def run_once(v, prompt, new_tokens, graphs):
+        counter["j"] += prefill_j + (new_tokens - 1) * step_j
+        counter["calls"].append(new_tokens)
+        return new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens
+
+    class Meter:
+        def start(self):
+            return counter["j"]
+
+        def stop(self, start, tokens=None):
+            return EnergyWindow("fake", 1.0, counter["j"] - start, tokens, None, {}, {})
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(decode_e2e, "_run_once", run_once)
+    try:
+        out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, prefill_j + 127 * step_j, 128)
+    finally:
+        mp.undo()
+    assert out["prefill_j"] == pytest.approx(prefill_j)
+    assert out["j_per_token_decode"] == pytest.approx(step_j)
+    assert set(counter["calls"]) == {1} and out["prefill_energy_runs"] == len(counter["calls"]) - 2  # 2 timed
+    assert decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, 1.0, 1) == {}
+    rows = decode_e2e.summarize([
+        {"model": "m", "prompt_len": 32, "variant": "bf16_compiled", "j_per_token": 2.0, "j_per_token_decode": 1.6},
+        {"model": "m", "prompt_len": 32, "variant": "int4_compiled", "j_per_token": 1.0, "j_per_token_decode": 0.6}])
+    assert rows[1]["energy_vs_baseline"] == pytest.approx(0.5)
+    assert rows[1]["decode_energy_vs_baseline"] == pytest.approx(0.375)

@@ -115,6 +115,12 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     # what ran counts, not what was asked: "auto" that ran split_kv is the default's
     auto = e2e_rows(with_config("5c68498e", attention="auto", attention_run="split_kv"))
     assert all("`5c68498e`" in r for r in auto)
+    # where a record priced the prefill apart, the decode steps' own J/token ratio is named beside the whole runs'
+    assert not any("decode alone" in r for r in rows)
+    key = "llama3.1-8b.p32.int4_compiled.decode_energy_vs_baseline"
+    priced = e2e_rows([dataclasses.replace(r, metrics={**r.metrics, key: 0.3871}) if rid(r) == "5c68498e" else r
+                       for r in records])
+    assert any("prompt 32," in r and "0.499x J/token (0.387x decode alone)" in r for r in priced)
     before_pdl = [r for r in records if rid(r) not in ("5c68498e", "3656e127", "296e3593", "0a719e2c")]
     rows = e2e_rows(before_pdl)
     # 2.4996 is shown rounded down, as its verdict reads; no PDL named for a record without it

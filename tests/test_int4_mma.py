@@ -155,19 +155,24 @@ VARIANTS = [(pc, hz, 1, False) for pc, hz in itertools.product([False, True], [F
     (False, True, 2, False), (False, True, 1, True)]
 
 
+def inspect_offline(args: str) -> dict:
+    """`inspect_mma(<args>)` in a subprocess (the test run interprets kernels; this compiles for sm_90 offline)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from reproductions.kernels.inspect_ptx import inspect_mma; "
+            f"print(json.dumps(inspect_mma({args})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"compiling the mma GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("per_channel, has_zeros, halves, silu_mul", VARIANTS)
 def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zeros, halves, silu_mul):
     """Offline (no GPU; a subprocess, as the test run interprets kernels): every variant compiles; the two-pair loop
     issues 16 HMMA per half of B's columns (4 per 64-code chunk, 2 chunks a pair), loads each chunk's weights and x's
     words in 16-byte loads, spills nothing, and stays near 2.1-2.4 SASS a code (the CUDA-core GEMV: 3.4,
     docs/kernel-log.md)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.inspect_ptx import inspect_mma; "
-            f"print(json.dumps(inspect_mma({per_channel}, {has_zeros}, 4, {halves}, {silu_mul})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"compiling the mma GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = inspect_offline(f"{per_channel}, {has_zeros}, 4, {halves}, {silu_mul}")
     assert r["sass_ops"].get("HMMA.16816.F32.BF16") == 16 * halves, r
     assert r["sass_ops"].get("LDG.E.128") == 4 + 8 * halves, r  # per pair: 2 weight chunks, 4 of x's words a half
     assert r["local_mem"] == 0
@@ -179,13 +184,7 @@ def test_a_programmatic_launch_asks_for_the_weights_before_it_waits_for_x(pdl):
     """Offline sm_90 SASS: launched as a programmatic dependent, the kernel issues the first two pairs' weight loads
     (4 of 16 bytes), then griddepcontrol.wait (ACQBULK), then x's 8 loads, then launch_dependents (PREEXIT), once
     each; the loop is the plain kernel's. Without PDL neither instruction is there."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.inspect_ptx import inspect_mma; "
-            f"print(json.dumps(inspect_mma(pdl={pdl})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"compiling the mma GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = inspect_offline(f"pdl={pdl}")
     order = r["load_order"]
     if pdl:
         assert order.count("ACQBULK") == 1 and order.count("PREEXIT") == 1, order

@@ -55,35 +55,34 @@ def loop_body(ptx: str) -> list[str]:
     return longest_loop(ptx.splitlines(), r"^\s*\$(\w+):", r"bra(?:\.uni)?\s+\$(\w+);")
 
 
-def sass_loop(cubin: bytes) -> list[str]:
-    """The K loop's SASS instructions (opcode and operands), disassembled with the nvdisasm Triton ships."""
+def _disassembly(cubin: bytes) -> list[str]:
+    """nvdisasm's lines for the cubin (the nvdisasm Triton ships)."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    loop = longest_loop(text.splitlines(), r"^\s*(\.L_x_\d+):", r"\bBRA\b.*?(\.L_x_\d+)")
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+
+
+def _instructions(lines: list[str]) -> list[str]:
+    """The instructions (opcode and operands, predicate dropped) among disassembly lines."""
     body = []
-    for line in loop:
+    for line in lines:
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
         if m:
             body.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).strip())
     return body
 
 
+def sass_loop(cubin: bytes) -> list[str]:
+    """The K loop's SASS instructions (opcode and operands)."""
+    return _instructions(longest_loop(_disassembly(cubin), r"^\s*(\.L_x_\d+):", r"\bBRA\b.*?(\.L_x_\d+)"))
+
+
 def sass_ops(cubin: bytes) -> list[str]:
-    """Every SASS instruction's opcode of the kernel, in order (nvdisasm, as `sass_loop`)."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    ops = []
-    for line in text.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
-        if m:
-            ops.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).strip().split()[0])
-    return ops
+    """Every SASS instruction's opcode of the kernel, in order."""
+    return [ins.split()[0] for ins in _instructions(_disassembly(cubin))]
 
 
 def registers(cubin: bytes) -> int:

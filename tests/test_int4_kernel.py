@@ -43,6 +43,7 @@ from sdsie.kernels.int4_gemm import (
     CODE_MAGIC,
     DEQUANT_MIN_M,
     _code_pair_f32,
+    _plan_key,
     _plans_of,
     int4_dequantize,
     tuned_key,
@@ -341,13 +342,11 @@ def test_planes_reads_x_as_words_only_where_its_pairs_are_aligned(kernel_device,
         for name, (x, words) in cases.items():
             out = torch.full((x.shape[0], n), float("nan"), dtype=dtype, device=kernel_device)
             assert_close_to_reference(int4_matmul(x, w, config=config, out=out), x, w)
-            key = (x.shape[0], dtype, x.stride(0), x.stride(1), x.data_ptr() % 16 == 0, config)
-            assert _plans_of(w)[key].consts["X_WORDS"] is words, (name, n, k)
+            assert _plans_of(w)[_plan_key(x, config)].consts["X_WORDS"] is words, (name, n, k)
         gathers = Int4KernelConfig(**{**asdict(config), "x_tile": False})  # the configuration asks for the gathers
         x = cases["contiguous"][0]
         assert_close_to_reference(int4_matmul(x, w, config=gathers), x, w)
-        key = (x.shape[0], dtype, x.stride(0), x.stride(1), True, gathers)
-        assert _plans_of(w)[key].consts["X_WORDS"] is False
+        assert _plans_of(w)[_plan_key(x, gathers)].consts["X_WORDS"] is False
 
 
 def test_planes_reads_scales_as_words_only_on_wgmma_tiles_whose_threads_hold_under_a_word(kernel_device):

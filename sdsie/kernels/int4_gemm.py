@@ -1240,6 +1240,12 @@ def _kept_for(store: dict[int, dict], w: Int4Weight) -> dict:
     return entry
 
 
+def _plan_key(x2: torch.Tensor, config: Int4KernelConfig | None) -> tuple:
+    """Everything a plan depends on besides the weight: M (value), x's dtype, strides and 16-byte alignment, whether
+    kernels launch as programmatic dependents, and the config asked for (None: the one select_config picks)."""
+    return (x2.shape[0], x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, programmatic_launch(), config)
+
+
 def _plans_of(w: Int4Weight) -> dict:
     """The launch plans of one weight object."""
     return _kept_for(_PLANS, w)
@@ -1362,7 +1368,7 @@ def int4_matmul(
         _dequant_matmul(x2, w, y)
         _CALLS["n"] += 1
         return y if flat else y.reshape(*x.shape[:-1], n)
-    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config, programmatic_launch())
+    key = _plan_key(x2, config)
     plans = _plans_of(w)
     plan = plans.get(key)
     if plan is None or not plan.built_from(w):
@@ -1395,7 +1401,7 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
         raise ValueError(f"int4_silu_mul: a fused [gate; up] weight has an even N, got N = {n}")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    key = (m, x2.dtype, x2.stride(0), x2.stride(1), x2.data_ptr() % 16 == 0, config, programmatic_launch())
+    key = _plan_key(x2, config)
     plans = _kept_for(_GATE_UP_PLANS, w)
     plan = plans.get(key)
     if key not in plans or (plan is not None and not plan.built_from(w)):  # None: composed, decided once

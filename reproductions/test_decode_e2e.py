@@ -213,7 +213,7 @@ def test_inductor_options_reach_every_compiled_variant_and_the_record(tmp_path: 
         main(_argv(tmp_path, "--inductor-option", "combo_kernels"))
 
 
-def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens():
+def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
     """A prefill-only window prices the prefill: with a prefill (and its token) of P joules and D joules for every
     later token, J a decoded token is D, where the whole run's J/token is (P + 127 D) / 128."""
     from reproductions import decode_e2e
@@ -233,12 +233,8 @@ def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens():
         def stop(self, start, tokens=None):
             return EnergyWindow("fake", 1.0, counter["j"] - start, tokens, None, {}, {})
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(decode_e2e, "_run_once", run_once)
-    try:
-        out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, prefill_j + 127 * step_j, 128)
-    finally:
-        mp.undo()
+    monkeypatch.setattr(decode_e2e, "_run_once", run_once)
+    out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, prefill_j + 127 * step_j, 128)
     assert out["prefill_j"] == pytest.approx(prefill_j)
     assert out["j_per_token_decode"] == pytest.approx(step_j)
     assert set(counter["calls"]) == {1} and out["prefill_energy_runs"] == len(counter["calls"]) - 2  # 2 timed

@@ -296,21 +296,27 @@ ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr"), "*bf
         **dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32")}
 consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "HAS_MASK": True, "MASK_BOOL": False,
           "DOT_FP32": False}
-split = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True})
-single = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": False})
-reduce = build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64})
+split = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True, "PDL": True})
+single = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": False, "PDL": True})
+reduce = build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64, "PDL": True})
+plain = [build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True, "PDL": False}),
+         build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64, "PDL": False})]
 ptx = split.asm["ptx"]
+grid_dep = lambda k: [k.asm["ptx"].count("griddepcontrol.wait"), k.asm["ptx"].count("griddepcontrol.launch_dependents")]
 print(json.dumps({"mma_bf16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
                   "local": sum(k.asm["ptx"].count(op) for k in (split, single, reduce)
                                for op in ("ld.local", "st.local")),
-                  "shared": max(split.metadata.shared, single.metadata.shared)}))
+                  "shared": max(split.metadata.shared, single.metadata.shared),
+                  "grid_dep_pdl": [grid_dep(k) for k in (split, single, reduce)],
+                  "grid_dep_plain": [grid_dep(k) for k in plain]}))
 """
 
 
 def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_spills():
     """The interpreter runs the products in fp32 (its bf16 dot is wrong), so the GPU's own path, bf16 operands on the
     tensor cores, is compiled here offline (Triton's bundled ptxas; no GPU) for the Llama/Qwen decode shape (D 128,
-    G padded to 16, 64-position tiles), split and one chunk: scores and P @ V as bf16 MMAs, nothing in local memory."""
+    G padded to 16, 64-position tiles), split and one chunk: scores and P @ V as bf16 MMAs, nothing in local memory,
+    and the programmatic launch's wait and release where PDL asks for them."""
     import os
     import subprocess
     import sys
@@ -323,3 +329,6 @@ def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_sp
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["mma_bf16"] > 0 and r["local"] == 0 and 0 < r["shared"] <= 64 * 1024, r
+    # PDL (the default on sm_90+): each kernel waits for its producer and releases its dependents once; without it,
+    # neither instruction is there
+    assert r["grid_dep_pdl"] == [[1, 1]] * 3 and r["grid_dep_plain"] == [[0, 0]] * 2, r

@@ -223,6 +223,33 @@ def test_programmatic_launch_is_on_by_default_for_cuda_only_and_remakes_plans(mo
     assert {key[5] for key in _plans_of(w)} == {True, False}
 
 
+def test_pdl_is_decided_by_the_switch_the_device_and_its_capability(monkeypatch):
+    """pdl_on: the switch on, a CUDA device of sm_90 or newer, not interpreted; anything else launches plainly. A
+    switch value that is not a bool is refused, not read as truthy."""
+    from sdsie.kernels import device
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for major, expected in ((9, True), (10, True), (8, False)):
+        device._sm90.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, major=major: (major, 0))
+        assert device.pdl_on(cuda) is expected, major
+    device._sm90.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    try:
+        device.set_programmatic_launch(False)
+        assert not device.pdl_on(cuda)
+        device.set_programmatic_launch(True)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert not device.pdl_on(cuda)
+        with pytest.raises(TypeError, match="True or False"):
+            device.set_programmatic_launch("false")
+        assert device.programmatic_launch()
+    finally:
+        device.set_programmatic_launch(True)
+        device._sm90.cache_clear()
+
+
 gpu90 = pytest.mark.skipif(not HAS_SM90, reason="the mma kernel needs an sm_90+ GPU")
 
 
@@ -257,6 +284,7 @@ def test_bf16_x_takes_the_mma_kernel_and_other_x_do_not():
         assert (plan.kernel is _int4_mma_gemv_kernel) is mma, dtype
         if mma:
             assert plan.consts == mma_consts(w, 4, 1, pdl=True)  # programmatic launch: on by default
+            assert plan.options["launch_pdl"] is True
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ dependents (PDL) on sm_90+."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,7 +34,9 @@ def set_programmatic_launch(enabled: bool) -> None:
 
     Kernel profiles change meaning with it: a kernel's time includes its wait for the one before, so per-kernel
     times overlap and sum to more than the wall time."""
-    _PDL["on"] = bool(enabled)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_programmatic_launch takes True or False, got {enabled!r}")
+    _PDL["on"] = enabled
 
 
 def programmatic_launch() -> bool:
@@ -43,5 +46,11 @@ def programmatic_launch() -> bool:
 
 def pdl_on(device: torch.device) -> bool:
     """Programmatic launch for a kernel on `device`: switched on, a CUDA device of sm_90 or newer, not interpreted."""
-    return (_PDL["on"] and device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _PDL["on"] and device.type == "cuda" and not interpreting() and _sm90(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    """sm_90 or newer (memoized: asked on every attention launch)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9

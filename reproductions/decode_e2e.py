@@ -7,7 +7,8 @@ depend on their values; rotary settings stay at the library's default), in bf16,
 once and taken through its variants in this order, each variant reusing the previous one's modules:
 
     bf16                 nn.Linear layers, the engine's static cache and graphs
-    bf16_compiled        the same, the decode step compiled by torch.compile (inductor) and captured in the graphs
+    bf16_compiled        the same, the decode step compiled by torch.compile (inductor) and captured in the graphs,
+                         the prefill compiled too (one dynamic-length graph; --eager-prefill runs it eagerly)
     gated_full           every decoder linear and the LM head as GatedLinear, the gear pinned to bf16 by the clutch
     gated_int4           ... pinned to INT4 (one graph per precision, as in gated decoding)
     gated_*_compiled     the two gears with the compiled decode step
@@ -20,14 +21,18 @@ once and taken through its variants in this order, each variant reusing the prev
 
 Timing: the engine's prefill and decode seconds (device synchronized at both ends); tok/s is decode tokens over
 decode time (medians over trials), end-to-end tok/s beside it. Energy: one NVML window per variant of back-to-back
-runs filling --energy-window-s, J per generated token (prefill included). Kernels: torch.profiler over a full run
-minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention, other), and the wall time a token
-spends outside kernels (`per_token.outside_us`: 1 / tok/s less that GPU time). Bound: the bytes a decode token reads
-(every weight but the input embedding, plus the KV cache at the run's mean position) at the measured copy rate.
+runs filling --energy-window-s, J per generated token (prefill included), and a second window of prefill-only runs
+that prices the prefill, for J per decoded token without it (`j_per_token_decode`, decode_energy). Kernels:
+torch.profiler over a full run minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention,
+other), and the wall time a token spends outside kernels (`per_token.outside_us`: 1 / tok/s less that GPU time).
+Bound: the bytes a decode token reads (every weight but the input embedding, plus the KV cache at the run's mean
+position) at the measured copy rate.
 
 Compilation: the decode step is compiled with static shapes (dynamic=False), so each prompt length gets its own graph
 (as gpt-fast's decode step), not a dynamic-shape recompilation after the first length (GatedLinear leaves its call
-counters alone while dynamo traces, so a gated step compiles once). The HF peer compiles its own forward (inductor,
+counters alone while dynamo traces, so a gated step compiles once). The prefill is compiled separately with a dynamic
+length (dynamic=True, as gpt-fast's --compile_prefill), one graph for every prompt length; --eager-prefill runs it
+eagerly, and the record's config says which (`compile_prefill`). The HF peer compiles its own forward (inductor,
 HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and its row says whether HF did
 (`hf_compiled`).
 
@@ -180,14 +185,19 @@ def _tinygemm_pack_cpu(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 
 
 class DecodeCompiled(nn.Module):
-    """`model` whose one-token forwards (the decode step) run through torch.compile; other forwards (the prefill)
-    run eagerly, as gpt-fast compiles its decode step. The engine captures the compiled step in its graphs."""
+    """`model` whose one-token forwards (the decode step) run through torch.compile with static shapes, and whose
+    longer forwards (the prefill) run through a second compilation with a dynamic length (one graph for every prompt
+    length), as gpt-fast compiles its decode step and, with --compile_prefill, its prefill. The engine captures the
+    compiled step in its graphs; the prefill runs uncaptured. compile_prefill=False leaves the prefill eager."""
 
-    def __init__(self, model: nn.Module, **compile_kwargs: Any) -> None:
+    def __init__(self, model: nn.Module, compile_prefill: bool = True, **compile_kwargs: Any) -> None:
         super().__init__()
         self.model = model
         compile_kwargs.setdefault("dynamic", False)  # a graph per shape (prompt length), never a dynamic-shape one
         self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
+        # An eager prefill is host-bound at short prompts: 28 ms (bf16) and 52 ms (INT4) for 8 and 13 ms of GPU
+        # work at 32 tokens of Llama-3.1-8B on the H200 (telemetry/raw/prefill_probe_eager_h200.json).
+        self._prefill = (torch.compile(model, **{**compile_kwargs, "dynamic": True}),) if compile_prefill else None
 
     @property
     def config(self) -> Any:
@@ -197,7 +207,10 @@ class DecodeCompiled(nn.Module):
         return self.model.get_output_embeddings()
 
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
-        run = self._step[0] if input_ids.shape[-1] == 1 else self.model
+        if input_ids.shape[-1] == 1:
+            run = self._step[0]
+        else:
+            run = self._prefill[0] if self._prefill is not None else self.model
         return run(input_ids=input_ids, **kwargs)
 
 
@@ -503,9 +516,13 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     compile_kwargs: dict[str, Any] = {"backend": args.compile_backend} if args.compile_backend else {}
     if args.inductor_options:
         compile_kwargs["options"] = dict(args.inductor_options)
+
+    def compiled(m: nn.Module) -> DecodeCompiled:
+        return DecodeCompiled(m, args.compile_prefill, **compile_kwargs)
+
     model = build_model(name, args.tiny, device, dtype)
     yield "bf16", lambda: Variant("bf16", model)
-    yield "bf16_compiled", lambda: Variant("bf16_compiled", DecodeCompiled(model, **compile_kwargs))
+    yield "bf16_compiled", lambda: Variant("bf16_compiled", compiled(model))
     later = wanted - {"bf16", "bf16_compiled"}
     if not later:
         return
@@ -520,7 +537,7 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
 
     yield "gated_full", lambda: Variant("gated_full", model, state, PIN_FULL, read_skip=not_int4)
     yield "gated_int4", lambda: Variant("gated_int4", model, state, PIN_INT4, read_skip=not_full)
-    gated_compiled = DecodeCompiled(model, **compile_kwargs) if wanted & {"gated_full_compiled",
+    gated_compiled = compiled(model) if wanted & {"gated_full_compiled",
                                                                              "gated_int4_compiled"} else None
     yield "gated_full_compiled", lambda: Variant("gated_full_compiled", gated_compiled, state, PIN_FULL,
                                                  read_skip=not_int4)
@@ -535,13 +552,13 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     yield "int4_unfused", lambda: Variant("int4_unfused", model)
     fuse_projections(model)
     yield "int4", lambda: Variant("int4", model)
-    yield "int4_compiled", lambda: Variant("int4_compiled", DecodeCompiled(model, **compile_kwargs))
+    yield "int4_compiled", lambda: Variant("int4_compiled", compiled(model))
     if not wanted & {"tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled"}:
         return
     torch._dynamo.reset()
     to_tinygemm(model)
     yield "tinygemm", lambda: Variant("tinygemm", model)
-    yield "tinygemm_compiled", lambda: Variant("tinygemm_compiled", DecodeCompiled(model, **compile_kwargs))
+    yield "tinygemm_compiled", lambda: Variant("tinygemm_compiled", compiled(model))
     torch._dynamo.reset()
     yield "hf_tinygemm_compiled", lambda: Variant("hf_tinygemm_compiled", model, hf=True,
                                                   hf_compile=hf_compile_config(args, device))
@@ -629,6 +646,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "new_tokens": new_tokens, "trials": args.trials, "tiny": args.tiny, "device": str(device),
                    "dtype": str(dtype), "group_size": GROUP_SIZE, "linears": LINEARS, "cuda_graphs": args.graphs,
                    "compile_backend": args.compile_backend or "inductor", "compile_dynamic": False,
+                   "compile_prefill": args.compile_prefill,
                    "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
@@ -769,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-launch-ahead", dest="launch_ahead", action="store_false",
                    help="launch each plain step after reading the previous one (DecodeConfig.launch_ahead=False)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
+    p.add_argument("--eager-prefill", dest="compile_prefill", action="store_false",
+                   help="run the compiled variants' prefill eagerly (by default it is compiled with a dynamic length)")
     p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
                    metavar="KEY=VALUE", help="a torch._inductor.config option for every compiled variant (repeat "
                                              "for more), e.g. combo_kernels=true")

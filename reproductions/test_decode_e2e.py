@@ -178,6 +178,32 @@ def test_the_tiny_models_are_built_in_the_asked_dtype_and_compiled_wrappers_keep
     assert [n for n, _ in wrapped.named_children()] == ["model"]
 
 
+@pytest.mark.parametrize("compile_prefill", [True, False])
+def test_compiled_wrappers_send_one_token_to_the_static_step_and_prompts_to_the_dynamic_prefill(
+        monkeypatch, compile_prefill: bool):
+    calls = []
+
+    def fake_compile(model, **kw):
+        return lambda **inputs: calls.append((kw["dynamic"], inputs["input_ids"].shape[-1])) or model(**inputs)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = build_model("llama3.1-8b", tiny=True, device=torch.device("cpu"), dtype=torch.float32)
+    wrapped = DecodeCompiled(model, compile_prefill)
+    for n in (5, 1, 7):
+        wrapped(input_ids=torch.ones(1, n, dtype=torch.long))
+    assert calls == ([(True, 5), (False, 1), (True, 7)] if compile_prefill else [(False, 1)])
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("flag", "expected"), [((), True), (("--eager-prefill",), False)])
+def test_the_record_says_whether_the_prefill_was_compiled(tmp_path: Path, flag: tuple, expected: bool):
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16_compiled", "--no-record", "--no-profile",
+                      "--no-energy", *flag)) == 0
+    doc = json.loads((tmp_path / "decode_e2e.json").read_text())
+    assert doc["config"]["compile_prefill"] is expected
+    assert all("error" not in r for r in doc["results"]), doc["results"]
+
+
 @pytest.mark.parametrize(("name", "category"), [
     ("_int4_gemv_kernel", "gemv_gemm"), ("void tinygemm_m16n8k16_chunk_kernel<...>", "gemv_gemm"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemv_gemm"), ("pytorch_flash::flash_fwd_splitkv_kernel", "attention"),
@@ -208,7 +234,7 @@ def test_inductor_options_reach_every_compiled_variant_and_the_record(tmp_path: 
                       "--inductor-option", "combo_kernel_max_num_nodes=4")) == 0
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())
     assert doc["config"]["inductor_options"] == {"combo_kernels": True, "combo_kernel_max_num_nodes": 4}
-    assert seen == [{"combo_kernels": True, "combo_kernel_max_num_nodes": 4}]
+    assert seen == [{"combo_kernels": True, "combo_kernel_max_num_nodes": 4}] * 2  # the decode step, the prefill
     with pytest.raises(SystemExit):
         main(_argv(tmp_path, "--inductor-option", "combo_kernels"))
 

@@ -7,8 +7,7 @@ depend on their values; rotary settings stay at the library's default), in bf16,
 once and taken through its variants in this order, each variant reusing the previous one's modules:
 
     bf16                 nn.Linear layers, the engine's static cache and graphs
-    bf16_compiled        the same, the decode step compiled by torch.compile (inductor) and captured in the graphs,
-                         the prefill compiled too (one dynamic-length graph; --eager-prefill runs it eagerly)
+    bf16_compiled        the same, the decode step compiled by torch.compile (inductor) and captured in the graphs
     gated_full           every decoder linear and the LM head as GatedLinear, the gear pinned to bf16 by the clutch
     gated_int4           ... pinned to INT4 (one graph per precision, as in gated decoding)
     gated_*_compiled     the two gears with the compiled decode step
@@ -30,11 +29,13 @@ position) at the measured copy rate.
 
 Compilation: the decode step is compiled with static shapes (dynamic=False), so each prompt length gets its own graph
 (as gpt-fast's decode step), not a dynamic-shape recompilation after the first length (GatedLinear leaves its call
-counters alone while dynamo traces, so a gated step compiles once). The prefill is compiled separately with a dynamic
-length (dynamic=True, as gpt-fast's --compile_prefill), one graph for every prompt length; --eager-prefill runs it
-eagerly, and the record's config says which (`compile_prefill`). The HF peer compiles its own forward (inductor,
-HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and its row says whether HF did
-(`hf_compiled`).
+counters alone while dynamo traces, so a gated step compiles once). The prefill runs eagerly; --compile-prefill
+compiles it separately with a dynamic length (dynamic=True, as gpt-fast's --compile_prefill), one graph for every
+prompt length, and the record's config says which (`compile_prefill`). An eager prefill is host-bound at short
+prompts: 28 ms (bf16) and 52 ms (INT4) for 8 and 13 ms of GPU work at 32 tokens of Llama-3.1-8B on the H200
+(telemetry/raw/prefill_probe_eager_h200.json); the compiled prefill is tested on CPU (tiny configuration, inductor),
+not yet timed on a GPU. The HF peer compiles its own forward (inductor, HF's defaults) on CUDA; off CUDA it is told to
+compile with --compile-backend, and its row says whether HF did (`hf_compiled`).
 
 Attention: --attention picks the engine's one-token attention over its static cache (DecodeConfig.attention; the
 HF peer keeps its own). The default, auto, is the split-KV kernel under graphs on CUDA and SDPA otherwise; the
@@ -187,16 +188,15 @@ def _tinygemm_pack_cpu(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 class DecodeCompiled(nn.Module):
     """`model` whose one-token forwards (the decode step) run through torch.compile with static shapes, and whose
     longer forwards (the prefill) run through a second compilation with a dynamic length (one graph for every prompt
-    length), as gpt-fast compiles its decode step and, with --compile_prefill, its prefill. The engine captures the
-    compiled step in its graphs; the prefill runs uncaptured. compile_prefill=False leaves the prefill eager."""
+    length) where compile_prefill is set, as gpt-fast compiles its decode step and, with --compile_prefill, its
+    prefill; otherwise the prefill runs eagerly. The engine captures the compiled step in its graphs; the prefill runs
+    uncaptured."""
 
-    def __init__(self, model: nn.Module, compile_prefill: bool = True, **compile_kwargs: Any) -> None:
+    def __init__(self, model: nn.Module, compile_prefill: bool = False, **compile_kwargs: Any) -> None:
         super().__init__()
         self.model = model
         compile_kwargs.setdefault("dynamic", False)  # a graph per shape (prompt length), never a dynamic-shape one
         self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
-        # An eager prefill is host-bound at short prompts: 28 ms (bf16) and 52 ms (INT4) for 8 and 13 ms of GPU
-        # work at 32 tokens of Llama-3.1-8B on the H200 (telemetry/raw/prefill_probe_eager_h200.json).
         self._prefill = (torch.compile(model, **{**compile_kwargs, "dynamic": True}),) if compile_prefill else None
 
     @property
@@ -787,8 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-launch-ahead", dest="launch_ahead", action="store_false",
                    help="launch each plain step after reading the previous one (DecodeConfig.launch_ahead=False)")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
-    p.add_argument("--eager-prefill", dest="compile_prefill", action="store_false",
-                   help="run the compiled variants' prefill eagerly (by default it is compiled with a dynamic length)")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="compile the compiled variants' prefill too, with a dynamic length (default: eager prefill)")
     p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
                    metavar="KEY=VALUE", help="a torch._inductor.config option for every compiled variant (repeat "
                                              "for more), e.g. combo_kernels=true")

@@ -195,7 +195,7 @@ def test_compiled_wrappers_send_one_token_to_the_static_step_and_prompts_to_the_
 
 
 @CPU_ONLY
-@pytest.mark.parametrize(("flag", "expected"), [((), True), (("--eager-prefill",), False)])
+@pytest.mark.parametrize(("flag", "expected"), [((), False), (("--compile-prefill",), True)])
 def test_the_record_says_whether_the_prefill_was_compiled(tmp_path: Path, flag: tuple, expected: bool):
     assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16_compiled", "--no-record", "--no-profile",
                       "--no-energy", *flag)) == 0
@@ -230,7 +230,7 @@ def test_inductor_options_reach_every_compiled_variant_and_the_record(tmp_path: 
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw.get("options")) or real(model, **kw))
     assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16_compiled", "--no-record", "--no-profile",
-                      "--no-energy", "--inductor-option", "combo_kernels=true",
+                      "--no-energy", "--compile-prefill", "--inductor-option", "combo_kernels=true",
                       "--inductor-option", "combo_kernel_max_num_nodes=4")) == 0
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())
     assert doc["config"]["inductor_options"] == {"combo_kernels": True, "combo_kernel_max_num_nodes": 4}

@@ -156,8 +156,9 @@ def test_shape_bench_can_time_the_rule_alone_and_names_its_output_apart():
 
 
 def test_prefill_bench_dry_run_times_every_path_and_checks_the_int4_ones(tmp_path):
-    """The CPU dry run (interpreter, one tiny shape) times bf16, the fused kernel, unpack + matmul and the unpack
-    alone at M below and at DEQUANT_MIN_M, and each INT4 path's output agrees with bf16 over the same weights."""
+    """The CPU dry run (interpreter, one tiny shape) times bf16, the fused kernel, unpack + matmul, the row slices and
+    the unpack alone at M below and at DEQUANT_MIN_M, and each INT4 path's output agrees with bf16 over the same
+    weights."""
     import json
     import os
 
@@ -171,6 +172,6 @@ def test_prefill_bench_dry_run_times_every_path_and_checks_the_int4_ones(tmp_pat
     data = json.loads(out.read_text())
     assert data["dequant_min_m"] == DEQUANT_MIN_M and [r["m"] for r in data["rows"]] == [17, DEQUANT_MIN_M]
     for row in data["rows"]:
-        assert set(row["us"]) == {"bf16", "fused", "unpack_mm", "unpack_only"}
+        assert set(row["us"]) == {"bf16", "fused", "unpack_mm", "slices", "unpack_only"}
         assert all(v["median"] > 0 for v in row["us"].values())
-        assert set(row["rel_err"]) == {"fused", "unpack_mm"} and max(row["rel_err"].values()) < 2e-2
+        assert set(row["rel_err"]) == {"fused", "unpack_mm", "slices"} and max(row["rel_err"].values()) < 2e-2

@@ -42,6 +42,7 @@ from sdsie.kernels.int4_gemm import (
     CODE_LO,
     CODE_MAGIC,
     DEQUANT_MIN_M,
+    ROW_SLICE,
     _code_pair_f32,
     _plan_key,
     _plans_of,
@@ -88,8 +89,8 @@ def tolerance(x: torch.Tensor, w: Int4Weight, ref: torch.Tensor, dtype: torch.dt
 
 
 def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, w: Int4Weight, unpacked: bool = False) -> None:
-    """y within `tolerance` of the reference; `unpacked`: within `dequant_tolerance` (the M > 16 path rounds each
-    weight to x's dtype before the matmul)."""
+    """y within `tolerance` of the reference; `unpacked`: within `dequant_tolerance` (the M >= DEQUANT_MIN_M path
+    rounds each weight to x's dtype before the matmul)."""
     ref = int4_matmul_reference(x, w)
     assert y.dtype == x.dtype, f"output dtype {y.dtype} != activation dtype {x.dtype}"
     assert y.shape == ref.shape
@@ -859,6 +860,22 @@ def test_the_unpack_path_takes_m_from_dequant_min_m_and_only_without_a_named_con
         int4_matmul(torch.randn(m, 64, generator=gen).to(kernel_device), w)
     int4_matmul(torch.randn(DEQUANT_MIN_M, 64, generator=gen).to(kernel_device), w, Int4KernelConfig(16, 32, 64))
     assert unpacked == [DEQUANT_MIN_M]
+
+
+@pytest.mark.parametrize("m", [ROW_SLICE + 1, 2 * ROW_SLICE, DEQUANT_MIN_M - 1])
+def test_rows_between_the_small_m_kernels_and_the_unpack_path_run_row_slice_at_a_time(kernel_device, monkeypatch, m):
+    """M = ROW_SLICE + 1 .. DEQUANT_MIN_M - 1 is ROW_SLICE-row calls of the small-M choice (one launch each, no
+    unpack): the same bits as those calls made one by one, within the kernels' tolerance of the reference."""
+    monkeypatch.setattr(int4_gemm, "_dequant_matmul", lambda *a: pytest.fail("the unpack path ran"))
+    gen = torch.Generator().manual_seed(m)
+    w = make_weight(40, 64, 32, False, 0.1, kernel_device, gen)
+    x = torch.randn(m, 64, generator=gen).to(kernel_device)
+    calls = kernel_calls()
+    y = int4_matmul(x, w, out=torch.full((m, 40), float("nan"), device=kernel_device))
+    assert kernel_calls() == calls + -(-m // ROW_SLICE)
+    one_by_one = torch.cat([int4_matmul(x[r:r + ROW_SLICE], w) for r in range(0, m, ROW_SLICE)])
+    assert torch.equal(y, one_by_one)
+    assert_close_to_reference(y, x, w)
 
 
 def test_prompt_rows_unpack_a_large_weight_in_slices(kernel_device, monkeypatch):

@@ -1,9 +1,10 @@
 """INT4 at prompt sizes (M = 17 .. 2048 rows): which path `int4_matmul` should take, side by side in one run.
 
 Per shape and M: cuBLAS bf16 (`F.linear`), the fused bytes tl.dot kernel (`_LARGE_M_CONFIG`), the unpack + cuBLAS
-path (`int4_dequantize` then `torch.mm`, what M >= DEQUANT_MIN_M runs), torch's tinygemm INT4 on the same weights,
-and the unpack alone. do_bench medians (L2 flushed before each call) with p10/p90; each INT4 path's output checked
-against bf16 `F.linear` over the same dequantized weights (relative error).
+path (`int4_dequantize` then `torch.mm`, what M >= DEQUANT_MIN_M runs), the rows ROW_SLICE at a time through the
+small-M kernels (`_row_slices`, what M = ROW_SLICE + 1 .. DEQUANT_MIN_M - 1 runs), torch's tinygemm INT4 on the same
+weights, and the unpack alone. do_bench medians (L2 flushed before each call) with p10/p90; each INT4 path's output
+checked against bf16 `F.linear` over the same dequantized weights (relative error).
 
     python -m reproductions.kernels.prefill_bench --out telemetry/raw/prefill_paths_h200.json
     python -m reproductions.kernels.prefill_bench --tiny --device cpu --out /tmp/prefill.json   (CPU dry run)
@@ -38,7 +39,7 @@ SHAPES: dict[str, tuple[int, int]] = {
     "qwen2.5-7b down 3584x18944": (3584, 18944),
 }
 TINY_SHAPES = {"tiny 96x128": (96, 128)}
-M_VALUES = (17, 32, 64, 128, 256, 512, 2048)
+M_VALUES = (17, 32, 48, 64, 128, 256, 512, 2048)
 
 
 def time_us(fn: Callable[[], object], device: str) -> dict:
@@ -59,6 +60,7 @@ def paths_for(x: torch.Tensor, y: torch.Tensor, w, wd: torch.Tensor, tg) -> dict
         "bf16": lambda: F.linear(x, wd),
         "fused": lambda: int4_matmul(x, w, _LARGE_M_CONFIG),
         "unpack_mm": lambda: int4_gemm._dequant_matmul(x, w, y),
+        "slices": lambda: int4_gemm._row_slices(x, w, y),
         "unpack_only": lambda: int4_dequantize(w, x.dtype),
     }
     if tg is not None:
@@ -83,7 +85,7 @@ def run(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...], device: str, gr
                 out = fn()
                 if path in ("fused", "tinygemm"):
                     row["rel_err"][path] = rel_error(out, ref)
-                elif path == "unpack_mm":
+                elif path in ("unpack_mm", "slices"):  # both write y
                     row["rel_err"][path] = rel_error(y, ref)
                 row["us"][path] = time_us(fn, device)
             med = {p: v["median"] for p, v in row["us"].items()}
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = run(TINY_SHAPES if args.tiny else SHAPES, tuple(args.m), args.device)
     write_raw(args.out, {"suite": "int4_prefill_paths", "dequant_min_m": int4_gemm.DEQUANT_MIN_M,
+                         "row_slice": int4_gemm.ROW_SLICE,
                          "fused_config": str(_LARGE_M_CONFIG), "environment": capture_environment(), "rows": rows})
     return 0
 

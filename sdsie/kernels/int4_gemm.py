@@ -21,9 +21,10 @@ weight, with silu(gate) * up in the mma kernel's epilogue where that kernel take
   two dots, dequantized in the wgmma's registers by inline PTX on a GPU and by the same bit operations in Triton
   ops under the interpreter. (A kernel whose codes went through shared memory ran slower: docs/kernel-log.md.)
 
-* `_int4_dequant_kernel` (M >= DEQUANT_MIN_M, i.e. M > 16: prompts): unpacks the weight to x's dtype for one
-  cuBLAS matmul. At that many rows the matmul leans on arithmetic, where cuBLAS's tensor-core GEMM leads, and the
-  unpack costs 2.5 bytes a weight once per call.
+* `_int4_dequant_kernel` (M >= DEQUANT_MIN_M: prompts): unpacks the weight to x's dtype for one cuBLAS matmul. At
+  that many rows the matmul leans on arithmetic, where cuBLAS's tensor-core GEMM leads, and the unpack costs 2.5
+  bytes a weight once per call. Between the two (M = 17 .. DEQUANT_MIN_M - 1: short prompts, wide tree
+  verifications) the rows go ROW_SLICE at a time through the small-M kernels (`_row_slices`).
 
 `int4_matmul` keeps a launch plan per (weight object, M, x layout, config) and, after the first
 call, hands arguments straight to Triton's compiled kernel (host time before a launch is latency
@@ -55,7 +56,8 @@ from sdsie.kernels.device import interpreting, pdl_on, programmatic_launch
 from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, gate_up_order, mma_consts, mma_supported, pack_fragments
 
 __all__ = ["Int4KernelConfig", "int4_matmul", "int4_silu_mul", "silu_mul_halves", "int4_dequantize", "select_config",
-           "select_config_with_source", "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M"]
+           "select_config_with_source", "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M",
+           "ROW_SLICE"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -818,8 +820,14 @@ class Int4KernelConfig:
 # M >= DEQUANT_MIN_M (a prompt's rows) unpacks the weight and runs one cuBLAS matmul (`_dequant_matmul`): on the H200
 # at M = 17-2048 it beats the bytes tl.dot kernel below 1.7-27x on the 7-8B shapes (telemetry/raw/
 # prefill_paths_h200.json, docs/kernel-log.md). That kernel, with this tile, runs only when a call names it; M <= 16
-# takes a configuration the rule (`rule_config`) or the tuned table picks.
-DEQUANT_MIN_M = 17
+# takes a configuration the rule (`rule_config`) or the tuned table picks, and M = 17 .. DEQUANT_MIN_M - 1 runs
+# ROW_SLICE rows at a time through that choice (`_row_slices`). The bound is a prediction from two records, not yet
+# timed side by side: on the six 7-8B shapes both time, two 16-row calls (graphed, shape_table_mma_m1_to_m16_h200.json)
+# take 19.6-81 us where the unpack path at M = 32 took 66.9-464 (eager do_bench, prefill_paths_h200.json), 2.1x-5.7x
+# longer; at M = 64 four calls against the unpack path's M = 64 leave 1.09x (Qwen2.5-7B down), too thin a margin
+# across two timers, so slices stop at three (docs/kernel-log.md).
+ROW_SLICE = 16  # the largest M the small-M kernels and their configuration choice take
+DEQUANT_MIN_M = 3 * ROW_SLICE + 1
 # Weights unpacked at a time (512 MiB in bf16: every 7-8B decoder linear in one piece); a larger weight (an LM head)
 # goes in slices of a multiple of 256 rows, so each slice's matmul keeps cuBLAS's aligned kernels (an odd N does not).
 DEQUANT_CHUNK = 1 << 28
@@ -1317,6 +1325,13 @@ def int4_dequantize(w: Int4Weight, dtype: torch.dtype, rows: slice = slice(None)
     return out[:, :k]
 
 
+def _row_slices(x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
+    """y [M, N] = x2 [M, K] @ dequant(W).T, ROW_SLICE rows at a time through `int4_matmul`'s small-M choice (each
+    slice's own M picks its configuration; the last slice takes the remainder)."""
+    for r0 in range(0, x2.shape[0], ROW_SLICE):
+        int4_matmul(x2[r0 : r0 + ROW_SLICE], w, out=y[r0 : r0 + ROW_SLICE])
+
+
 def _dequant_matmul(x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
     """y [M, N] = x2 [M, K] @ dequant(W).T through cuBLAS, unpacking at most DEQUANT_CHUNK weights at a time."""
     n, k = w.out_features, w.in_features
@@ -1336,7 +1351,8 @@ def int4_matmul(
 
     `config` overrides the automatic choice (tests use it to cover every candidate). Without one, M >= DEQUANT_MIN_M
     unpacks the weight to x's dtype (at most DEQUANT_CHUNK weights at a time, a temporary of that size) and runs
-    one cuBLAS matmul.
+    one cuBLAS matmul, and M = ROW_SLICE + 1 .. DEQUANT_MIN_M - 1 runs ROW_SLICE rows at a time through the small-M
+    kernels.
     `out`, if given, is a contiguous [M, N] (M = prod of leading dims) tensor of x's dtype to write.
     Empty inputs (any leading dim 0) return an empty [..., N] without launching.
     Launches on one weight are meant for one stream at a time (split K reuses a semaphore buffer).
@@ -1364,9 +1380,12 @@ def int4_matmul(
     # Everything Triton specializes on: M (value), x's dtype, strides and 16-byte alignment, the config (None:
     # the one select_config picks, fixed for M on this weight); the weight's tensors, N, K and the group are
     # fixed for the object the plans live on.
-    if config is None and m >= DEQUANT_MIN_M:
-        _dequant_matmul(x2, w, y)
-        _CALLS["n"] += 1
+    if config is None and m > ROW_SLICE:
+        if m >= DEQUANT_MIN_M:
+            _dequant_matmul(x2, w, y)
+            _CALLS["n"] += 1
+        else:
+            _row_slices(x2, w, y)  # counts its own launches
         return y if flat else y.reshape(*x.shape[:-1], n)
     key = _plan_key(x2, config)
     plans = _plans_of(w)

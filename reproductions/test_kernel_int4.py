@@ -87,7 +87,41 @@ def test_shape_bench_summary_sets_each_arm_against_bf16_and_sdsie_against_the_sw
     assert math.isclose(g["sdsie_geomean_speedup"], math.sqrt(4.0 * 3.0)) and g["sdsie_min_speedup"] == 3.0
     assert math.isclose(g["tinygemm_geomean_speedup"], math.sqrt(2.0 * 4.5)) and g["ceiling_geomean_speedup"] == 4.0
     assert math.isclose(g["sdsie_over_best_geomean"], math.sqrt(1.5)) and g["sdsie_over_best_max"] == 1.5
+    assert g["sdsie_within_90pct_of_best"] == "1/2"  # 1.0 is within 1 / 0.9 of the best, 1.5 is not
     assert s["m1.gpc"]["shapes"] == 1
+
+
+def test_the_held_out_shapes_are_none_of_the_fitted_ones_and_name_their_own_output():
+    """--shape-set heldout: 29 shapes from five other models, none of the 30 the choice was fitted on (the rule),
+    tuned on (the table) or the mma GEMV's warps were set on; its results go to a file of their own."""
+    from reproductions.kernels.shape_bench import HELD_OUT_LINEARS, output_name, shape_table
+
+    fit = {(s.n, s.k) for s in shape_table()}
+    held = shape_table(HELD_OUT_LINEARS)
+    assert len(held) == 29 and not fit & {(s.n, s.k) for s in held}
+    assert not any(s.tuned for s in held)
+    assert {a.rsplit(".", 1)[0] for s in held for a in s.aliases} == {"Llama-3.2-3B", "Qwen2.5-14B", "Mistral-Nemo-12B",
+                                                                  "Phi-3-mini", "Gemma-2-2B"}
+    assert output_name(True, [1, 2], (1, 1), sweep_set="choice", shape_set="heldout") == \
+        "shape_bench.heldout.sweep.choice.m1-2.json"
+
+
+def test_the_choice_sweep_holds_every_configuration_the_choice_returns_on_the_held_out_shapes():
+    """The exhaustive sweep a held-out shape is judged against (`choice_configs`) contains what select_config picks
+    there at every M and group: the mma GEMV's configuration where it applies, else the rule's (the tuned table has
+    none of these shapes), and the mma configurations are timed at exactly the M the choice gives them."""
+    from reproductions.kernels.int4_bench import choice_configs, fits
+    from reproductions.kernels.shape_bench import HELD_OUT_LINEARS, shape_table
+    from sdsie.kernels.int4_gemm import MMA_CONFIGS, mma_config, rule_config
+
+    configs = choice_configs()
+    assert set(MMA_CONFIGS.values()) <= set(configs)
+    for s in shape_table(HELD_OUT_LINEARS):
+        for m in (1, 2, 4, 8, 16):
+            for group in (128, s.k):
+                picked = mma_config(m, s.n, s.k, group) or rule_config(m, s.n, s.k, min(group, s.k), 132)
+                assert picked in configs and fits(picked, m), (s.name, m, group, picked)
+    assert all(fits(c, m) == (m <= 8) for c in MMA_CONFIGS.values() for m in range(1, 17))
 
 
 @pytest.mark.parametrize("argv, named", [(["--part", "3/2"], "--part"), (["--device", "cpu"], "--tiny"),

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
+from sdsie.kernels.int4_gemm import _LARGE_M_CONFIG, MMA_CONFIGS
 from sdsie.telemetry.energy import calls_to_fill
 from sdsie.telemetry.timing import cuda_event_ms
 
@@ -467,7 +468,16 @@ def register_cap_configs() -> list[Int4KernelConfig]:
     return cfgs
 
 
-SWEEP_SETS = {"full": sweep_configs, "regcap": register_cap_configs}  # --sweep-set: which configurations a sweep times
+def choice_configs() -> list[Int4KernelConfig]:
+    """Every configuration `select_config` can return at M <= 16: the rule's terms and the tuned tables' entries
+    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's two (`MMA_CONFIGS`). A
+    sweep of these per shape is the exhaustive best of the choice's own candidates, which a shape the choice never
+    saw is judged against."""
+    return [c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values())
+
+
+# --sweep-set: which configurations a sweep times
+SWEEP_SETS = {"full": sweep_configs, "regcap": register_cap_configs, "choice": choice_configs}
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
@@ -475,6 +485,8 @@ def fits(cfg: Int4KernelConfig, m: int) -> bool:
     at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2. Planes, timed at M = 1, lost all 20
     cases to the GEMV, by 15-67% (kernel_sweep_s12_planes_m1_m16_h200.json, kernel_sweep_s13_xwords_h200.json), so a
     sweep spends no GPU time on it there."""
+    if cfg.mma:  # the choice takes the mma GEMV at M <= 8 only (`mma_config`)
+        return m <= 8
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
     if cfg.gemv:

@@ -91,6 +91,31 @@ def test_shape_bench_summary_sets_each_arm_against_bf16_and_sdsie_against_the_sw
     assert s["m1.gpc"]["shapes"] == 1
 
 
+def test_the_per_shape_table_prints_each_case_and_marks_choices_under_90pct_of_the_sweeps_best(tmp_path, capsys):
+    import json
+
+    from reproductions.kernels.shape_bench import main
+
+    def rec(shape: str, sdsie: float, best: float | None, tinygemm: bool = True) -> dict:
+        g = {"bf16": 20.0, "sdsie": sdsie, "copy": 4.0, **({"tinygemm": 12.0} if tinygemm else {})}
+        r = {"shape": shape, "n": 4096, "k": 4096, "m": 1, "group": "128", "sdsie_config_source": "mma",
+             "graph_us": g}
+        if best is not None:
+            r["sweep"] = {"best_us": best, "sdsie_over_best": sdsie / best}
+        return r
+
+    path = tmp_path / "run.json"
+    cases = [rec("a", 8.0, 8.0), rec("b", 10.0, 8.0, tinygemm=False), rec("c", 5.0, None)]
+    path.write_text(json.dumps({"cases": cases}))
+    assert main(["table", str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5 and lines[0].endswith("| sweep's best | sdsie over best |")
+    assert lines[2] == "| a | 4096x4096 | 1 | 128 | 20.0 | 8.0 (mma) | 12.0 | 4.0 | 2.50x | 8.0 | 1.00 |"
+    assert lines[3].endswith("| - | 4.0 | 2.00x | 8.0 | 1.25* |")  # 10 / 8 > 1 / 0.9: under 90% of the best
+    assert lines[4].endswith("| 4.00x | - | - |")
+    assert main(["table"]) == 2
+
+
 def test_the_held_out_shapes_are_none_of_the_fitted_ones_and_name_their_own_output():
     """--shape-set heldout: 29 shapes from five other models, none of the 30 the choice was fitted on (the rule),
     tuned on (the table) or the mma GEMV's warps were set on; its results go to a file of their own."""

@@ -25,6 +25,7 @@ compiles run first, in parallel worker processes (--jobs) that fill Triton's on-
 
     PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.run/triton python -m reproductions.kernels.shape_bench --out DIR --sweep
     TRITON_INTERPRET=1 python -m reproductions.kernels.shape_bench --out DIR --device cpu --tiny --sweep  # dry run
+    python -m reproductions.kernels.shape_bench table DIR/shape_bench....json   # a run's per-shape Markdown table
 """
 
 from __future__ import annotations
@@ -518,6 +519,33 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
+def markdown_rows(records: list[dict]) -> list[str]:
+    """The per-shape table the kernel issue asks for, from a run's `cases`: shape, N x K, M, group, bf16, sdsie (its
+    configuration's source), tinygemm and the graphed copy in us, sdsie over bf16, and where the case was swept, the
+    sweep's best time and sdsie's time over it (a * past 1 / 0.9: under 90% of the best's speed)."""
+    swept = any("best_us" in r.get("sweep", {}) for r in records)
+    head = "| shape | N x K | M | group | bf16 | sdsie | tinygemm | copy | sdsie over bf16 |"
+    rule = "|---|---|---|---|---|---|---|---|---|"
+    if swept:
+        head, rule = head + " sweep's best | sdsie over best |", rule + "---|---|"
+    lines = [head, rule]
+    for r in records:
+        t = r["graph_us"]
+        tg = f"{t['tinygemm']:.1f}" if "tinygemm" in t else "-"
+        line = (f"| {r['shape']} | {r['n']}x{r['k']} | {r['m']} | {r['group']} | {t['bf16']:.1f} | "
+                f"{t['sdsie']:.1f} ({r.get('sdsie_config_source', '?')}) | {tg} | {t['copy']:.1f} | "
+                f"{t['bf16'] / t['sdsie']:.2f}x |")
+        if swept:
+            sw = r.get("sweep", {})
+            if "best_us" in sw:
+                over = sw["sdsie_over_best"]
+                line += f" {sw['best_us']:.1f} | {over:.2f}{'*' if over > 1 / 0.9 else ''} |"
+            else:
+                line += " - | - |"
+        lines.append(line)
+    return lines
+
+
 def write_json(path: Path, payload: dict) -> None:
     """Replace `path` whole (a temporary file renamed over it): a run cut mid-write keeps the previous version."""
     import json
@@ -576,6 +604,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["table"]:  # shape_bench table FILE: print a written run's per-shape table
+        import json
+
+        if len(argv) != 2:
+            print("usage: python -m reproductions.kernels.shape_bench table FILE.json", file=sys.stderr)
+            return 2
+        print("\n".join(markdown_rows(json.loads(Path(argv[1]).read_text())["cases"])))
+        return 0
     a = parse_args(argv)
     t_start = time.monotonic()
     deadline = t_start + a.max_seconds
@@ -602,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.estimate_only:
         return 0
     path = a.out / output_name(a.sweep, m_values, a.part, a.choice, a.sweep_set, a.shape_set)
-    meta = {"tool": "reproductions.kernels.shape_bench", "argv": sys.argv[1:] if argv is None else argv,
+    meta = {"tool": "reproductions.kernels.shape_bench", "argv": argv,
             "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter dry run)",
             "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None, "l2_bytes": l2,
             "torch": torch.__version__, "triton": __import__("triton").__version__, "python": platform.python_version(),

@@ -281,19 +281,25 @@ def profile_kernels(run: Callable[[], Any], device: torch.device) -> tuple[dict[
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         sync_device(device)
+    names = kernel_times(prof)
     out = {f"{cat}.{what}": 0.0 for cat in ("gemv_gemm", "attention", "other") for what in ("kernels", "us")}
+    for name, (launches, us) in names.items():
+        cat = kernel_category(name)
+        out[f"{cat}.kernels"] += launches
+        out[f"{cat}.us"] += us
+    return out, names
+
+
+def kernel_times(prof: Any) -> dict[str, list]:
+    """A finished torch.profiler session's GPU kernels by name: {name: [launches, summed microseconds]}."""
     names: dict[str, list] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        cat = kernel_category(e.name)
-        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        out[f"{cat}.kernels"] += 1
-        out[f"{cat}.us"] += us
         entry = names.setdefault(e.name, [0, 0.0])
         entry[0] += 1
-        entry[1] += us
-    return out, names
+        entry[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return names
 
 
 def top_kernels(full: dict[str, list], prefill: dict[str, list], steps: int, n: int = 30) -> list[dict[str, Any]]:

@@ -216,6 +216,19 @@ def test_kernels_are_sorted_into_the_three_categories(name: str, category: str):
     assert kernel_category(name) == category
 
 
+def test_kernel_times_counts_launches_and_sums_gpu_time_by_name_and_skips_host_events():
+    from types import SimpleNamespace
+
+    from reproductions.decode_e2e import kernel_times
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="gemv", device_type=cuda, device_time_total=2.0),
+              SimpleNamespace(name="gemv", device_type=cuda, device_time_total=3.0),
+              SimpleNamespace(name="norm", device_type=cuda, device_time_total=1.5),
+              SimpleNamespace(name="aten::mm", device_type=cpu, device_time_total=9.0)]
+    assert kernel_times(SimpleNamespace(events=lambda: events)) == {"gemv": [2, 5.0], "norm": [1, 1.5]}
+
+
 def test_the_split_kv_attention_kernels_are_profiled_as_attention():
     """The profile names a Triton kernel by its function's name: both split-KV kernels must land in attention."""
     import importlib

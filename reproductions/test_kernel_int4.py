@@ -114,6 +114,18 @@ def test_the_per_shape_table_prints_each_case_and_marks_choices_under_90pct_of_t
     assert lines[3].endswith("| - | 4.0 | 2.00x | 8.0 | 1.25* |")  # 10 / 8 > 1 / 0.9: under 90% of the best
     assert lines[4].endswith("| 4.00x | - | - |")
     assert main(["table"]) == 2
+    (tmp_path / "other.json").write_text(json.dumps({"results": []}))
+    assert main(["table", str(tmp_path / "other.json")]) == 2
+    assert "not a shape_bench run" in capsys.readouterr().err
+
+
+def test_the_shape_set_option_picks_which_shapes_a_run_plans(tmp_path, capsys):
+    from reproductions.kernels.shape_bench import main
+
+    for shape_set, count in (("fit", 30), ("heldout", 29)):
+        assert main(["--out", str(tmp_path), "--shape-set", shape_set, "--m", "1", "--groups", "128",
+                     "--jobs", "0", "--estimate-only"]) == 0
+        assert f"plan: {count} shapes" in capsys.readouterr().out
 
 
 def test_the_held_out_shapes_are_none_of_the_fitted_ones_and_name_their_own_output():

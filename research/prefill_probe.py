@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from reproductions.decode_e2e import GROUP_SIZE, LINEARS, build_model
+from reproductions.decode_e2e import GROUP_SIZE, LINEARS, build_model, kernel_times
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.quant import QuantConfig, fuse_projections, quantize_model
 from sdsie.telemetry.records import capture_environment
@@ -46,12 +46,7 @@ def profiled(model: torch.nn.Module, prompt: torch.Tensor, top: int = 25) -> dic
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine_prefill_s(model, prompt)
         torch.cuda.synchronize()
-    kernels: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = kernels.setdefault(e.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.device_time_total
+    kernels = kernel_times(prof)
     host = [{"name": a.key, "calls": a.count, "self_cpu_us": a.self_cpu_time_total, "cpu_us": a.cpu_time_total}
             for a in prof.key_averages()]
     return {

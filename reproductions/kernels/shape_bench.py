@@ -612,7 +612,11 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) != 2:
             print("usage: python -m reproductions.kernels.shape_bench table FILE.json", file=sys.stderr)
             return 2
-        print("\n".join(markdown_rows(json.loads(Path(argv[1]).read_text())["cases"])))
+        doc = json.loads(Path(argv[1]).read_text())
+        if not isinstance(doc, dict) or "cases" not in doc:
+            print(f"shape_bench table: {argv[1]} is not a shape_bench run (no 'cases')", file=sys.stderr)
+            return 2
+        print("\n".join(markdown_rows(doc["cases"])))
         return 0
     a = parse_args(argv)
     t_start = time.monotonic()

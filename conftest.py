@@ -6,6 +6,7 @@
   with one). Override with SDSIE_HYPOTHESIS_PROFILE.
 - Tests that take the `kernel_device` fixture run on the GPU when one is present and are then
   marked `gpu` (so `pytest -m gpu` selects them): the same test functions, not a copied suite.
+- The local INT4 tuned cache is off (SDSIE_INT4_CACHE=off) unless the environment names one.
 - Tests marked `cpu_kernels` run a CPU model through Triton kernels, which a CPU runs only under the
   interpreter: on a GPU host (no interpreter) they are skipped with that reason; the GPU suite runs the kernels.
 """
@@ -19,6 +20,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The INT4 configuration choice reads a local tuned cache first (`sdsie tune-int4`); the suite judges the shipped
+# choice, so it reads none unless a run names one.
+os.environ.setdefault("SDSIE_INT4_CACHE", "off")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

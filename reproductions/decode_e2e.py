@@ -80,6 +80,7 @@ from torch import nn
 
 import sdsie.kernels
 import sdsie.kernels.ops
+from reproductions.kernels.int4_bench import tuned_table_provenance
 from sdsie.clutch import ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeConfig, generate, run_attention
 from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
@@ -671,6 +672,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
     cut: str | None = None
     with int4_kernel(device) as kernel:
         doc["config"]["int4_kernel"] = kernel
+        doc["config"]["int4_tuned_tables"] = tuned_table_provenance()
         if stop is not None:
             stop.armed = True
         try:

@@ -4,6 +4,7 @@
     sdsie claims list  [--records ...] [--registry ...]   both judgments per claim, with conditions and record
     sdsie claims pin RECORD [--claim ID ...]     print a [[reference]] block pinned from a reviewed record
     sdsie report [--records telemetry] [--registry ...] [--out reports]
+    sdsie tune-int4 --shape NxK [--gate-up NxK] [--m 1 2 4 8 16] [--group 128 pc]   the INT4 kernel, for this GPU
 
 Adding a subcommand: write `configure(parser)` and `run(args) -> exit code`, then
 `register(Subcommand("name", "help", configure, run))` (at import of this module, or from a
@@ -276,6 +277,66 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 register(Subcommand("serve", "OpenAI-compatible server (batch 1) where the clutch gates the scout and the gear",
                     _configure_serve, _run_serve))
+
+
+# -- tune-int4 (torch and Triton are imported only when it runs: sdsie.kernels.int4_tune) ------------------------
+
+TUNED_M = (1, 2, 4, 8, 16)  # sdsie.kernels.int4_gemm.TUNED_M, the M buckets a tuned entry serves
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is NxK (out x in features), e.g. 4096x4096; got {text!r}") \
+            from None
+    if n < 1 or k < 1:
+        raise argparse.ArgumentTypeError(f"a shape's N and K are >= 1, got {text!r}")
+    return n, k
+
+
+def _group(text: str) -> int | None:
+    if text == "pc":
+        return None
+    try:
+        g = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a group is a number of codes (128) or pc (per channel), got {text!r}") \
+            from None
+    if g < 1:
+        raise argparse.ArgumentTypeError(f"a group size is >= 1, got {g}")
+    return g
+
+
+def _configure_tune(p: argparse.ArgumentParser) -> None:
+    p.description = ("Time every configuration the INT4 kernel's choice can return for each shape, on this GPU, and "
+                     "keep the fastest in the local tuned cache that select_config reads first "
+                     "(sdsie.kernels.int4_tune).")
+    p.add_argument("--shape", type=_shape, action="append", default=[], metavar="NxK",
+                   help="a weight of N out and K in features (repeat for more)")
+    p.add_argument("--gate-up", type=_shape, action="append", default=[], metavar="NxK",
+                   help="a fused [gate; up] weight whose layer asks for silu(gate) * up (repeat for more)")
+    p.add_argument("--m", type=int, nargs="+", choices=TUNED_M, default=list(TUNED_M),
+                   help="rows of x: the buckets to tune (default all)")
+    p.add_argument("--group", type=_group, nargs="+", default=[128], metavar="G",
+                   help="group sizes along K, or pc for per channel (default 128)")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu: a dry run under the Triton "
+                   "interpreter, whose times mean nothing")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="the tuned cache to write (default $SDSIE_INT4_CACHE, else $SDSIE_CACHE/int4_tuned.json)")
+    p.add_argument("--no-write", dest="write", action="store_false", help="time and report, keep nothing")
+    p.add_argument("--out", type=Path, default=None, help="also write every case's times and errors as JSON here")
+    p.add_argument("--list", action="store_true", help="print the cases and their candidates, time nothing")
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from sdsie.kernels.int4_tune import run
+
+    return run(args)
+
+
+register(Subcommand("tune-int4", "tune the INT4 kernel's configurations for this GPU and these shapes (local cache)",
+                    _configure_tune, _run_tune))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
-from sdsie.kernels.int4_gemm import _LARGE_M_CONFIG, MMA_CONFIGS
+from sdsie.kernels.int4_tune import choice_configs, config_name, fits
 from sdsie.telemetry.energy import calls_to_fill
-from sdsie.telemetry.timing import cuda_event_ms
+from sdsie.telemetry.timing import graph_us, l2_busting_copies
 
 # Llama-3.1-8B linear shapes, N x K (out x in)
 LLAMA_SHAPES: dict[str, tuple[int, int]] = {
@@ -182,40 +182,6 @@ def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
     return out
 
 
-def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,rREGS)(,mma)].
-    (Older raw sweeps also name ',planes', a flag that swap_ab replaced: docs/kernel-log.md.)"""
-    return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
-            f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
-            f"{',swap' if cfg.swap_ab else ''}{'' if cfg.max_registers is None else f',r{cfg.max_registers}'}"
-            f"{',mma' if cfg.mma else ''}]")
-
-
-def l2_busting_copies(device: str, bytes_per_copy: int, lo: int = 2, hi: int = 64) -> int:
-    """How many copies of `bytes_per_copy` a rotation needs to cover 4x the L2 (so none is served from
-    L2), clamped to [lo, hi]."""
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return max(lo, min(hi, math.ceil(4 * l2 / bytes_per_copy)))
-
-
-def graph_us(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int, device: str,
-             reps: int = 20, max_copies: int = 64) -> float:
-    """Per-call time with launch overhead removed: one CUDA graph replays calls that cycle over enough
-    weight copies (> 4x L2, at most `max_copies`) that none is served from L2; time per call = replay time / calls."""
-    calls = [make_call(i) for i in range(l2_busting_copies(device, bytes_per_call, hi=max_copies))]
-    for c in calls:  # warm-up outside the capture: compilation, workspaces, semaphores
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = [cuda_event_ms(graph.replay) * 1e3 / len(calls) for _ in range(reps)]  # one replay per pair of events
-    return statistics.median(times)
-
-
 def weight_rotation(case: Case, gen: torch.Generator, device: str) -> tuple[list[Int4Weight], list[torch.Tensor]]:
     """INT4 weight copies covering > 4x L2 (graph_us cycles through them so none is read from L2), and bf16
     copies of the same shape (as many, at most 16: each is 4x the bytes)."""
@@ -357,8 +323,6 @@ def energy_case(n: int, k: int, device: str, gen: torch.Generator, meter, window
 # Tuned buckets timed by --sweep. M = 8 is one: the untuned heuristic ran it at 0.43-0.83x of bf16 (record
 # 22f3a099); K+1 = 6-token verification forwards land in that bucket.
 SWEEP_M = (1, 2, 4, 8, 16)
-GEMV_SWEEP_M = (1, 2)  # the one-row GEMV kernel is timed at these M; the tl.dot kernel at M >= 2
-MULTI_ROW_SWEEP_M = (2, 4, 8)  # GEMV programs of 2 or 4 rows
 
 
 # (block_n, block_k, split_k, num_warps) of the wide programs (sweep_configs), all one-row, num_stages 1
@@ -468,30 +432,8 @@ def register_cap_configs() -> list[Int4KernelConfig]:
     return cfgs
 
 
-def choice_configs() -> list[Int4KernelConfig]:
-    """Every configuration `select_config` can return at M <= 16: the rule's terms and the tuned tables' entries
-    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's two (`MMA_CONFIGS`). A
-    sweep of these per shape is the exhaustive best of the choice's own candidates, which a shape the choice never
-    saw is judged against."""
-    return [c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values())
-
-
 # --sweep-set: which configurations a sweep times
 SWEEP_SETS = {"full": sweep_configs, "regcap": register_cap_configs, "choice": choice_configs}
-
-
-def fits(cfg: Int4KernelConfig, m: int) -> bool:
-    """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2. Planes, timed at M = 1, lost all 20
-    cases to the GEMV, by 15-67% (kernel_sweep_s12_planes_m1_m16_h200.json, kernel_sweep_s13_xwords_h200.json), so a
-    sweep spends no GPU time on it there."""
-    if cfg.mma:  # the choice takes the mma GEMV at M <= 8 only (`mma_config`)
-        return m <= 8
-    if cfg.block_m == 1:
-        return m in GEMV_SWEEP_M
-    if cfg.gemv:
-        return m in MULTI_ROW_SWEEP_M
-    return m >= 2
 
 
 def focus_configs(configs: list[Int4KernelConfig], only: list[str] | None) -> list[Int4KernelConfig]:
@@ -611,13 +553,18 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
 
 
 def tuned_table_provenance() -> dict:
-    """Which tuned table the run's automatic choices came from: its path (the shipped one, or $SDSIE_TUNED_CONFIGS
-    when gpu_run.sh runs on a table its sweep just wrote) and the sha256 of its bytes (null when there is none)."""
-    from sdsie.kernels.int4_gemm import SHIPPED_TUNED_PATH, tuned_path
+    """Which tuned tables the run's automatic choices came from: the shipped one's path (or $SDSIE_TUNED_CONFIGS
+    when gpu_run.sh runs on a table its sweep just wrote) and the sha256 of its bytes (null when there is none), and
+    the local tuned cache `sdsie tune-int4` writes, which the choice reads first (`local_cache`: null when off or
+    absent)."""
+    from sdsie.kernels.int4_gemm import SHIPPED_TUNED_PATH, tuned_cache_path, tuned_path
 
     path = tuned_path()
+    local = tuned_cache_path()
     return {"path": str(path), "shipped": path == SHIPPED_TUNED_PATH,
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None}
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None,
+            "local_cache": ({"path": str(local), "sha256": hashlib.sha256(local.read_bytes()).hexdigest()}
+                            if local is not None and local.exists() else None)}
 
 
 def best_configs(results: list[dict], device_name: str | None = None) -> dict:

@@ -57,8 +57,6 @@ from reproductions.kernels.int4_bench import (
     copy_graph_us,
     fits,
     geomean,
-    graph_us,
-    l2_busting_copies,
     rel_error,
     sweep_configs,
     tinygemm_pack,
@@ -68,6 +66,7 @@ from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
 from sdsie.kernels.int4_gemm import _num_sms, _plan, _plans_of, rule_config, select_config_with_source
 from sdsie.kernels.int4_mma import mma_consts
+from sdsie.telemetry.timing import graph_us, l2_busting_copies
 
 # (model, layer, N, K) of decoder linears, N x K = out x in. Fused rows are q/k/v or gate/up stacked along N.
 DECODER_LINEARS: tuple[tuple[str, str, int, int], ...] = (
@@ -268,8 +267,8 @@ def case_configs(case: Case, configs: list[Int4KernelConfig]) -> list[Int4Kernel
 
 
 def auto_config(case: Case, device: str) -> tuple[Int4KernelConfig, str]:
-    """sdsie's configuration for the case and where it came from: "mma" (the tensor-core GEMV), "table" (a tuned
-    entry for this GPU) or "rule"."""
+    """sdsie's configuration for the case and where it came from: "tuned" (the local tuned cache), "mma" (the
+    tensor-core GEMV), "table" (the shipped table's entry for this GPU) or "rule"."""
     s = case.shape
     if case.choice == "rule":
         return rule_config(case.m, s.n, s.k, min(case.group_size, s.k), _num_sms(torch.device(device))), "rule"

@@ -118,7 +118,8 @@ def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool,
 def time_arm(fn: Arm, q: torch.Tensor, kvs: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
              scale: float, kv_bytes: int, device: str) -> dict:
     """do_bench median (us, L2 flushed) on the first K/V, and the graphed per-call time cycling over all of them."""
-    from reproductions.kernels.int4_bench import bench, graph_us
+    from reproductions.kernels.int4_bench import bench
+    from sdsie.telemetry.timing import graph_us
 
     k, v = kvs[0]
     samples = bench(lambda: fn(q, k, v, mask, scale), rep_ms=100)
@@ -140,7 +141,7 @@ def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden:
     table, plans = arms(seq_len, h_kv, sms, tiny, previous)
     kvs = [(k, v)]
     if timed:
-        from reproductions.kernels.int4_bench import l2_busting_copies
+        from sdsie.telemetry.timing import l2_busting_copies
 
         kvs += [(torch.randn_like(k), torch.randn_like(v)) for _ in range(l2_busting_copies(device, kv_bytes) - 1)]
     out = {"model": model, "h_kv": h_kv, "g": groups, "d": dim, "s": seq_len, "hidden": hidden,

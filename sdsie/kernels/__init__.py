@@ -3,7 +3,8 @@ op, which torch.compile traces); `int4_silu_mul` is a fused gate/up projection's
 epilogue. On sm_90+ both run bf16 calls of M <= 8 on most decoder shapes through `int4_mma`'s tensor-core GEMV
 (weights repacked to mma fragment order on first use); `fuse_rmsnorm` swaps a model's RMSNorms for one kernel each
 (`rms_norm`); `decode_attention` is split-KV attention for a one-token step (`sdsie::decode_attention` as an op);
-`logit_stats` is the argmax and entropy of logits in one pass."""
+`logit_stats` is the argmax and entropy of logits in one pass. `tune` / `tune_model` (`sdsie tune-int4`) time the
+INT4 choice's candidates on this GPU and keep the fastest per shape in a local cache the choice reads first."""
 
 from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_gemm import (
@@ -12,9 +13,11 @@ from sdsie.kernels.int4_gemm import (
     int4_matmul,
     int4_silu_mul,
     kernel_calls,
+    refresh_choice,
     select_config,
     silu_mul_halves,
 )
+from sdsie.kernels.int4_tune import tune, tune_model
 from sdsie.kernels.logit_stats import logit_stats
 from sdsie.kernels.ops import int4_mm, register_weight
 from sdsie.kernels.reference import int4_matmul_reference
@@ -33,8 +36,11 @@ __all__ = [
     "silu_mul_halves",
     "kernel_calls",
     "logit_stats",
+    "refresh_choice",
     "register_weight",
     "rms_norm",
     "select_config",
     "split_rule",
+    "tune",
+    "tune_model",
 ]

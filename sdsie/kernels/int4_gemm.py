@@ -56,8 +56,8 @@ from sdsie.kernels.device import interpreting, pdl_on, programmatic_launch
 from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, gate_up_order, mma_consts, mma_supported, pack_fragments
 
 __all__ = ["Int4KernelConfig", "int4_matmul", "int4_silu_mul", "silu_mul_halves", "int4_dequantize", "select_config",
-           "select_config_with_source", "rule_config", "candidate_configs", "kernel_calls", "DEQUANT_MIN_M",
-           "ROW_SLICE"]
+           "select_config_with_source", "rule_config", "candidate_configs", "kernel_calls", "refresh_choice",
+           "tuned_cache_path", "DEQUANT_MIN_M", "ROW_SLICE"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -952,6 +952,75 @@ def _tuned_table() -> dict[str, dict[str, Int4KernelConfig]]:
     return {dev: {key: Int4KernelConfig(**cfg) for key, cfg in table.items()} for dev, table in raw.items()}
 
 
+# The local cache `sdsie tune-int4` writes (`sdsie.kernels.int4_tune`): per GPU model, the fastest of the choice's own
+# candidates for each shape and M bucket, timed on this machine. It comes first in `select_config`: it is a
+# measurement on the user's GPU of every configuration the other sources could return. "off" reads none.
+TUNED_CACHE_ENV = "SDSIE_INT4_CACHE"
+TUNED_CACHE_FORMAT = "sdsie-int4-tuned-v1"
+
+
+def tuned_cache_path() -> Path | None:
+    """The local tuned cache: $SDSIE_INT4_CACHE ("off": none), else `$SDSIE_CACHE/int4_tuned.json` (default
+    `~/.cache/sdsie/int4_tuned.json`). It need not exist."""
+    override = os.environ.get(TUNED_CACHE_ENV)
+    if override is not None and override.strip().lower() == "off":
+        return None
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("SDSIE_CACHE")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "sdsie") / "int4_tuned.json"
+
+
+def read_tuned_cache(path: Path) -> dict:
+    """The cache file's document ({"format", "devices": {device name: {"configs": {key: config fields}, ...}}}),
+    or an empty one where the file does not exist. A file of another shape is an error naming it."""
+    if not path.exists():
+        return {"format": TUNED_CACHE_FORMAT, "devices": {}}
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the INT4 tuned cache {path} is not JSON ({err}); delete it or point {TUNED_CACHE_ENV} "
+                         f"elsewhere") from None
+    if not isinstance(doc, dict) or doc.get("format") != TUNED_CACHE_FORMAT or not isinstance(doc.get("devices"), dict):
+        raise ValueError(f"the INT4 tuned cache {path} is not a {TUNED_CACHE_FORMAT} document (written by sdsie "
+                         f"tune-int4); delete it or point {TUNED_CACHE_ENV} elsewhere")
+    return doc
+
+
+@functools.cache
+def _local_table() -> dict[str, dict[str, Int4KernelConfig]]:
+    """{device name: {tuned key: config}} from the local tuned cache (empty when there is none)."""
+    path = tuned_cache_path()
+    if path is None:
+        return {}
+    devices = read_tuned_cache(path)["devices"]
+    try:
+        return {dev: {key: Int4KernelConfig(**cfg) for key, cfg in entry["configs"].items()}
+                for dev, entry in devices.items()}
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"the INT4 tuned cache {path} holds an entry that is not a configuration ({err}); delete "
+                         f"it or point {TUNED_CACHE_ENV} elsewhere") from None
+
+
+def device_name(device: torch.device) -> str:
+    """The name tuned tables key a device by: the CUDA device's name, or "cpu" (the Triton interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type
+
+
+def refresh_choice() -> None:
+    """Forget every memoized choice: the tuned cache is read again and each weight's next call without a named
+    configuration chooses again (its launch plans for a named configuration stay). CUDA graphs already captured keep
+    the launches they recorded."""
+    _local_table.cache_clear()
+    _select_config.cache_clear()
+    for store in (_PLANS, _GATE_UP_PLANS):
+        for plans in store.values():
+            for key in [key for key in plans if key[-1] is None]:
+                del plans[key]
+
+
 TUNED_M = (1, 2, 4, 8, 16)  # M buckets the sweep tunes; M in (2, 4] uses the m4 entry, and so on
 GEMV_MAX_M = 2  # M up to this runs GEMV programs (tables and rule), M in 3..16 the planes kernel
 
@@ -1001,17 +1070,19 @@ def _num_sms(device: torch.device) -> int:
 
 def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
                   allow_mma: bool = True) -> Int4KernelConfig:
-    """On sm_90+, the tensor-core GEMV where `mma_config` takes the shape (for bf16 x); else the tuned configuration
-    for this GPU and shape if one was measured (M <= 16), else the rule's (`rule_config`: the candidate of least
-    fitted cost from the shape's arithmetic). Memoized: it runs on every call, and host time before the launch is
-    latency at batch 1."""
+    """The local tuned cache's entry for this GPU model, shape and M bucket if `sdsie tune-int4` wrote one (M <= 16);
+    else on sm_90+ the tensor-core GEMV where `mma_config` takes the shape (for bf16 x); else the shipped tuned
+    configuration for this GPU and shape if one was measured (M <= 16), else the rule's (`rule_config`: the
+    candidate of least fitted cost from the shape's arithmetic). Memoized: it runs on every call, and host time
+    before the launch is latency at batch 1 (`refresh_choice` forgets it)."""
     return select_config_with_source(m, n, k, device, group_size, allow_mma)[0]
 
 
 def select_config_with_source(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
                               allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
-    """`select_config`'s choice and where it came from: "mma" (the tensor-core GEMV, taken by bf16 x; `allow_mma`
-    False for other x), "table" (a tuned entry for this GPU) or "rule"."""
+    """`select_config`'s choice and where it came from: "tuned" (this GPU model's entry in the local tuned cache,
+    `sdsie tune-int4`), "mma" (the tensor-core GEMV, taken by bf16 x; `allow_mma` False for other x), "table" (the
+    shipped table's entry for this GPU) or "rule"."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
     return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k, allow_mma)
 
@@ -1043,6 +1114,11 @@ def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | No
 @functools.lru_cache(maxsize=4096)
 def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_size: int,
                    allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
+    if m <= TUNED_M[-1]:
+        local = _local_table().get(device_name(torch.device(device_type, index)), {})
+        cfg = local.get(tuned_key(m, n, k, group_size))
+        if cfg is not None and (allow_mma or not cfg.mma):
+            return cfg, "tuned"
     if allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9:
         cfg = mma_config(m, n, k, group_size)
         if cfg is not None:
@@ -1356,7 +1432,8 @@ def int4_matmul(
     `out`, if given, is a contiguous [M, N] (M = prod of leading dims) tensor of x's dtype to write.
     Empty inputs (any leading dim 0) return an empty [..., N] without launching.
     Launches on one weight are meant for one stream at a time (split K reuses a semaphore buffer).
-    First-use cost: choosing a configuration is arithmetic, memoized per shape; the first launch of each
+    First-use cost: choosing a configuration is arithmetic (or a lookup in the local tuned cache that `sdsie
+    tune-int4` writes ahead of time; nothing tunes here), memoized per shape; the first launch of each
     configuration (and of the unpack kernel, per group layout and dtype) compiles it with Triton's JIT, which takes
     seconds on a cold Triton cache and is read back from that disk cache in later processes. A decode pays it in its
     first steps, or during CUDA-graph capture; warm up once per shape and M to keep it out of timed or served tokens.

@@ -221,7 +221,8 @@ def tune_case(case: TuneCase, device: torch.device, timer: Timer | None = None,
     if case.gate_up:
         ref = silu_mul_halves(ref)
     op = int4_silu_mul if case.gate_up else int4_matmul
-    for cfg in case_candidates(case, device):
+    candidates = case_candidates(case, device)
+    for cfg in candidates:
         name = config_name(cfg)
         try:
             err = _rel_error(op(x, w, config=cfg), ref)
@@ -238,8 +239,7 @@ def tune_case(case: TuneCase, device: torch.device, timer: Timer | None = None,
                 _plans_of(wi).clear()
     timed = {n: us for n, us in result.times_us.items() if math.isfinite(us)}
     if timed:
-        by_name = {config_name(c): c for c in case_candidates(case, device)}
-        result.best = by_name[min(timed, key=timed.get)]
+        result.best = {config_name(c): c for c in candidates}[min(timed, key=timed.get)]
     result.seconds = time.monotonic() - t0
     return result
 

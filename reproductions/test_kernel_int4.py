@@ -25,21 +25,29 @@ def test_int4_kernel_suite(tmp_path: Path):
 
 def test_the_kernel_record_names_the_tuned_table_it_ran_on(tmp_path: Path, monkeypatch):
     """The suite record's config.tuned_table says which table chose the configurations: the shipped one, or the one
-    $SDSIE_TUNED_CONFIGS names (gpu_run.sh after a sweep), with the sha256 of its bytes."""
+    $SDSIE_TUNED_CONFIGS names (gpu_run.sh after a sweep), with the sha256 of its bytes, and the local tuned cache
+    when one was read."""
     import hashlib
 
     from reproductions.kernels.int4_bench import tuned_table_provenance
     from sdsie.kernels.int4_gemm import SHIPPED_TUNED_PATH
 
     monkeypatch.delenv("SDSIE_TUNED_CONFIGS", raising=False)
+    monkeypatch.setenv("SDSIE_INT4_CACHE", "off")
     shipped = tuned_table_provenance()
     assert shipped == {"path": str(SHIPPED_TUNED_PATH), "shipped": True,
-                       "sha256": hashlib.sha256(SHIPPED_TUNED_PATH.read_bytes()).hexdigest()}
+                       "sha256": hashlib.sha256(SHIPPED_TUNED_PATH.read_bytes()).hexdigest(), "local_cache": None}
     swept = tmp_path / "tuned_configs.json"
     swept.write_text("{}")
     monkeypatch.setenv("SDSIE_TUNED_CONFIGS", str(swept))
     assert tuned_table_provenance() == {"path": str(swept), "shipped": False,
-                                        "sha256": hashlib.sha256(b"{}").hexdigest()}
+                                        "sha256": hashlib.sha256(b"{}").hexdigest(), "local_cache": None}
+    local = tmp_path / "int4_tuned.json"  # the local cache `sdsie tune-int4` writes, read first by the choice
+    monkeypatch.setenv("SDSIE_INT4_CACHE", str(local))
+    assert tuned_table_provenance()["local_cache"] is None  # named but absent: nothing read
+    local.write_text('{"format": "sdsie-int4-tuned-v1", "devices": {}}')
+    assert tuned_table_provenance()["local_cache"] == {"path": str(local),
+                                                       "sha256": hashlib.sha256(local.read_bytes()).hexdigest()}
 
 
 def test_the_shape_table_lists_each_decoder_shape_once_with_every_model_that_has_it_and_untuned_shapes_first():

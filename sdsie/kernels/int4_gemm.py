@@ -1114,9 +1114,9 @@ def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | No
 @functools.lru_cache(maxsize=4096)
 def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_size: int,
                    allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
-    if m <= TUNED_M[-1]:
-        local = _local_table().get(device_name(torch.device(device_type, index)), {})
-        cfg = local.get(tuned_key(m, n, k, group_size))
+    local = _local_table()
+    if local and m <= TUNED_M[-1]:
+        cfg = local.get(device_name(torch.device(device_type, index)), {}).get(tuned_key(m, n, k, group_size))
         if cfg is not None and (allow_mma or not cfg.mma):
             return cfg, "tuned"
     if allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9:

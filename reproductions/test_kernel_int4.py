@@ -30,7 +30,7 @@ def test_the_kernel_record_names_the_tuned_table_it_ran_on(tmp_path: Path, monke
     import hashlib
 
     from reproductions.kernels.int4_bench import tuned_table_provenance
-    from sdsie.kernels.int4_gemm import SHIPPED_TUNED_PATH
+    from sdsie.kernels.int4_config import SHIPPED_TUNED_PATH
 
     monkeypatch.delenv("SDSIE_TUNED_CONFIGS", raising=False)
     monkeypatch.setenv("SDSIE_INT4_CACHE", "off")
@@ -157,7 +157,7 @@ def test_the_choice_sweep_holds_every_configuration_the_choice_returns_on_the_he
     none of these shapes), and the mma configurations are timed at exactly the M the choice gives them."""
     from reproductions.kernels.int4_bench import choice_configs, fits
     from reproductions.kernels.shape_bench import HELD_OUT_LINEARS, shape_table
-    from sdsie.kernels.int4_gemm import MMA_CONFIGS, mma_config, rule_config
+    from sdsie.kernels.int4_config import MMA_CONFIGS, mma_config, rule_config
 
     configs = choice_configs()
     assert set(MMA_CONFIGS.values()) <= set(configs)
@@ -224,7 +224,7 @@ def test_shape_bench_summary_per_m_pools_both_groups_and_counts_where_each_choic
 
 def test_shape_bench_can_time_the_rule_alone_and_names_its_output_apart():
     from reproductions.kernels.shape_bench import Case, Shape, auto_config, output_name
-    from sdsie.kernels.int4_gemm import rule_config
+    from sdsie.kernels.int4_config import rule_config
 
     shape = Shape("Qwen2.5-7B.down", 3584, 18944, ("Qwen2.5-7B.down",))
     cfg, source = auto_config(Case(shape, 1, "pc", "rule"), "cpu")

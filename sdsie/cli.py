@@ -281,7 +281,7 @@ register(Subcommand("serve", "OpenAI-compatible server (batch 1) where the clutc
 
 # -- tune-int4 (torch and Triton are imported only when it runs: sdsie.kernels.int4_tune) ------------------------
 
-TUNED_M = (1, 2, 4, 8, 16)  # sdsie.kernels.int4_gemm.TUNED_M, the M buckets a tuned entry serves
+TUNED_M = (1, 2, 4, 8, 16)  # sdsie.kernels.int4_config.TUNED_M, the M buckets a tuned entry serves
 
 
 def _shape(text: str) -> tuple[int, int]:

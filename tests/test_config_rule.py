@@ -1,5 +1,5 @@
-"""The INT4 kernel's configuration rule (sdsie.kernels.int4_gemm.rule_config) and the tables shipped beside it, checked
-against the committed H200 shape sweep (reproductions/kernels/fit_config_rule.py fits the rule from it)."""
+"""The INT4 kernel's configuration rule (sdsie.kernels.int4_config.rule_config) and the tables shipped beside it,
+checked against the committed H200 shape sweep (reproductions/kernels/fit_config_rule.py fits the rule from it)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from reproductions.kernels.fit_config_rule import (
     scores,
 )
 from sdsie.kernels import Int4KernelConfig, candidate_configs
-from sdsie.kernels.int4_gemm import (
+from sdsie.kernels.int4_config import (
     _LARGE_M_CONFIG,
     GEMV_MAX_M,
     RULE_FAMILIES,
@@ -116,7 +116,7 @@ def test_the_shipped_table_holds_the_sweep_best_of_every_measured_case_and_only_
     shipped = json.loads(SHIPPED_TUNED_PATH.read_text())[meta["device"]]
     for key, cfg in best_table(cases, configs).items():
         assert Int4KernelConfig(**shipped[key]) == cfg, key
-    from sdsie.kernels.int4_gemm import _tuned_table
+    from sdsie.kernels.int4_config import _tuned_table
 
     table = _tuned_table()[meta["device"]]
     for c in cases:

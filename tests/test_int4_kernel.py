@@ -37,6 +37,7 @@ from sdsie.kernels import (
     int4_matmul_reference,
     kernel_calls,
 )
+from sdsie.kernels.int4_config import tuned_key, tuned_lookup
 from sdsie.kernels.int4_gemm import (
     CODE_HI,
     CODE_LO,
@@ -47,8 +48,6 @@ from sdsie.kernels.int4_gemm import (
     _plan_key,
     _plans_of,
     int4_dequantize,
-    tuned_key,
-    tuned_lookup,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -616,7 +615,7 @@ def test_dispatch_on_a_gpu_takes_the_fallback_bucket(monkeypatch):
     """select_config's CUDA branch, for x the tensor-core GEMV does not take, uses tuned_lookup: M = 8 with only an
     M = 16 entry runs that entry, and a shape with no entry falls to the rule; the source says which. (The table and
     device name are stand-ins; no GPU needed.)"""
-    import sdsie.kernels.int4_gemm as ig
+    import sdsie.kernels.int4_config as ig
 
     m16 = Int4KernelConfig(16, 128, 64, split_k=2, num_warps=8)  # in no heuristic list
     table = {"m16|4096|4096|128": m16}
@@ -786,24 +785,24 @@ def test_k_tiles_of_several_groups_split_across_warps(kernel_device, config: Int
 def test_sdsie_tuned_configs_points_the_selector_at_another_table(tmp_path, monkeypatch):
     """$SDSIE_TUNED_CONFIGS replaces the shipped table (gpu_run.sh runs its tests and suite on a table its sweep just
     wrote); a path that is not a file is an error naming the variable, not a silent fall back to the shipped one."""
-    from sdsie.kernels import int4_gemm
+    from sdsie.kernels import int4_config
 
     cfg = Int4KernelConfig(1, 64, 256, split_k=4, num_warps=2)
     table = tmp_path / "tuned_configs.json"
     table.write_text(json.dumps({"Some GPU": {tuned_key(1, 4096, 4096, 128): asdict(cfg)}}))
-    int4_gemm._tuned_table.cache_clear()
+    int4_config._tuned_table.cache_clear()
     try:
         monkeypatch.setenv("SDSIE_TUNED_CONFIGS", str(table))
-        assert int4_gemm.tuned_path() == table
-        assert int4_gemm._tuned_table() == {"Some GPU": {tuned_key(1, 4096, 4096, 128): cfg}}
-        int4_gemm._tuned_table.cache_clear()
+        assert int4_config.tuned_path() == table
+        assert int4_config._tuned_table() == {"Some GPU": {tuned_key(1, 4096, 4096, 128): cfg}}
+        int4_config._tuned_table.cache_clear()
         monkeypatch.setenv("SDSIE_TUNED_CONFIGS", str(tmp_path / "missing.json"))
         with pytest.raises(FileNotFoundError, match="SDSIE_TUNED_CONFIGS"):
-            int4_gemm._tuned_table()
+            int4_config._tuned_table()
         monkeypatch.delenv("SDSIE_TUNED_CONFIGS")
-        assert int4_gemm.tuned_path() == int4_gemm.SHIPPED_TUNED_PATH
+        assert int4_config.tuned_path() == int4_config.SHIPPED_TUNED_PATH
     finally:
-        int4_gemm._tuned_table.cache_clear()  # the next caller reads the shipped table again
+        int4_config._tuned_table.cache_clear()  # the next caller reads the shipped table again
 
 
 def dequant_tolerance(x: torch.Tensor, w: Int4Weight, ref: torch.Tensor) -> torch.Tensor:

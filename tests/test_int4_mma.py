@@ -20,7 +20,8 @@ import torch
 
 from sdsie.int4_format import Int4Weight
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference, int4_silu_mul
-from sdsie.kernels.int4_gemm import MMA_CONFIGS, _plans_of, mma_config, select_config_with_source
+from sdsie.kernels.int4_config import MMA_CONFIGS, mma_config, select_config_with_source
+from sdsie.kernels.int4_gemm import _plans_of
 from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, emulate_fragments, gate_up_order, mma_consts, pack_fragments
 from tests.test_int4_kernel import EPS, TINY, assert_close_to_reference, make_weight, tolerance
 
@@ -120,7 +121,7 @@ def test_mma_config_takes_large_n_at_any_small_m_and_every_n_from_three_rows():
 def test_on_sm90_the_choice_is_mma_where_mma_config_takes_the_shape_and_the_table_elsewhere(monkeypatch):
     """The CUDA branch of the choice, on a stand-in device (no GPU needed): sm_90 takes `mma_config`'s shapes,
     an older GPU or allow_mma=False never does."""
-    import sdsie.kernels.int4_gemm as ig
+    import sdsie.kernels.int4_config as ig
 
     capability = {"major": 9}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (capability["major"], 0))

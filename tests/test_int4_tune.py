@@ -12,9 +12,10 @@ import torch
 
 from sdsie import cli
 from sdsie.int4_format import Int4Weight, pack_int4
-from sdsie.kernels import int4_gemm, int4_matmul, int4_matmul_reference
+from sdsie.kernels import int4_config, int4_gemm, int4_matmul, int4_matmul_reference
 from sdsie.kernels import int4_tune as tu
-from sdsie.kernels.int4_gemm import _plans_of, select_config_with_source
+from sdsie.kernels.int4_config import select_config_with_source
+from sdsie.kernels.int4_gemm import _plans_of
 from sdsie.models import tiny_llama
 from sdsie.quant import QuantConfig, fuse_projections, gate_model, quantize_model
 
@@ -25,10 +26,10 @@ N, K = 64, 256
 def cache(tmp_path, monkeypatch):
     """A fresh tuned cache for the test, forgotten again after it."""
     path = tmp_path / "int4_tuned.json"
-    monkeypatch.setenv(int4_gemm.TUNED_CACHE_ENV, str(path))
+    monkeypatch.setenv(int4_config.TUNED_CACHE_ENV, str(path))
     int4_gemm.refresh_choice()
     yield path
-    monkeypatch.setenv(int4_gemm.TUNED_CACHE_ENV, "off")
+    monkeypatch.setenv(int4_config.TUNED_CACHE_ENV, "off")
     int4_gemm.refresh_choice()
 
 
@@ -82,7 +83,7 @@ def test_tuning_keeps_the_fastest_candidate_and_select_config_takes_it_first(cac
     assert all(err < tu.CORRECT_REL_ERROR for err in result.errors.values()) and not result.failed
     doc = json.loads(cache.read_text())
     entry = doc["devices"]["cpu"]
-    assert int4_gemm.Int4KernelConfig(**entry["configs"][case.key]) == favourite
+    assert int4_config.Int4KernelConfig(**entry["configs"][case.key]) == favourite
     assert entry["evidence"][case.key]["builtin_us"] == 20.0
     assert select_config_with_source(1, N, K, cpu, 128) == (favourite, "tuned")
     assert select_config_with_source(2, N, K, cpu, 128)[1] == "rule"  # M = 2 is another bucket, not tuned
@@ -109,8 +110,8 @@ def test_a_candidate_with_a_wrong_result_is_never_kept(cache, monkeypatch):
 
 
 def test_the_cache_merges_by_device_and_key(cache):
-    cfg_a, cfg_b = int4_gemm.Int4KernelConfig(1, 32, 256), int4_gemm.Int4KernelConfig(1, 64, 256)
-    cache.write_text(json.dumps({"format": int4_gemm.TUNED_CACHE_FORMAT, "devices": {
+    cfg_a, cfg_b = int4_config.Int4KernelConfig(1, 32, 256), int4_config.Int4KernelConfig(1, 64, 256)
+    cache.write_text(json.dumps({"format": int4_config.TUNED_CACHE_FORMAT, "devices": {
         "NVIDIA A100-SXM4-80GB": {"configs": {"m1|64|256|128": {"block_m": 1, "block_n": 16, "block_k": 256}}},
         "cpu": {"configs": {"m1|64|256|128": {"block_m": 1, "block_n": 16, "block_k": 256},
                             "m2|64|256|128": {"block_m": 1, "block_n": 16, "block_k": 256}}}}}))
@@ -134,23 +135,23 @@ def test_an_unreadable_cache_is_an_error_naming_it_and_off_reads_none(cache, mon
     int4_gemm.refresh_choice()
     with pytest.raises(ValueError, match="is not a sdsie-int4-tuned-v1 document"):
         select_config_with_source(1, N, K, torch.device("cpu"), 128)
-    cache.write_text(json.dumps({"format": int4_gemm.TUNED_CACHE_FORMAT,
+    cache.write_text(json.dumps({"format": int4_config.TUNED_CACHE_FORMAT,
                                  "devices": {"cpu": {"configs": {"m1|64|256|128": {"block_m": 3}}}}}))
     int4_gemm.refresh_choice()
     with pytest.raises(ValueError, match="holds an entry that is not a configuration"):
         select_config_with_source(1, N, K, torch.device("cpu"), 128)
-    monkeypatch.setenv(int4_gemm.TUNED_CACHE_ENV, "off")
+    monkeypatch.setenv(int4_config.TUNED_CACHE_ENV, "off")
     int4_gemm.refresh_choice()
-    assert int4_gemm.tuned_cache_path() is None
+    assert int4_config.tuned_cache_path() is None
     assert select_config_with_source(1, N, K, torch.device("cpu"), 128)[1] == "rule"
     with pytest.raises(ValueError, match="cache is off"):
         tu.write_tuned([])
 
 
 def test_the_default_cache_lives_under_sdsie_cache(monkeypatch, tmp_path):
-    monkeypatch.delenv(int4_gemm.TUNED_CACHE_ENV)
+    monkeypatch.delenv(int4_config.TUNED_CACHE_ENV)
     monkeypatch.setenv("SDSIE_CACHE", str(tmp_path))
-    assert int4_gemm.tuned_cache_path() == tmp_path / "int4_tuned.json"
+    assert int4_config.tuned_cache_path() == tmp_path / "int4_tuned.json"
 
 
 def test_tune_cases_are_buckets_and_a_fused_gate_up_has_an_even_n():
@@ -186,7 +187,7 @@ def test_model_cases_find_the_int4_layers_of_gated_ones():
 
 
 def test_the_command_lists_cases_and_refuses_bad_input(capsys, cache):
-    assert cli.TUNED_M == int4_gemm.TUNED_M
+    assert cli.TUNED_M == int4_config.TUNED_M
     assert cli.main(["tune-int4", "--shape", "64x256", "--gate-up", "128x256", "--m", "1", "4", "--device", "cpu",
                      "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -210,7 +211,7 @@ def test_the_command_tunes_and_writes_the_cache_and_a_report(cache, tmp_path):
     assert result["key"] == "m4|64|256|pc" and result["best"] in result["times_us"]
     assert result["best_us"] == min(result["times_us"].values())
     configs = json.loads(cache.read_text())["devices"]["cpu"]["configs"]
-    assert tu.config_name(int4_gemm.Int4KernelConfig(**configs["m4|64|256|pc"])) == result["best"]
+    assert tu.config_name(int4_config.Int4KernelConfig(**configs["m4|64|256|pc"])) == result["best"]
 
 
 def test_a_tune_on_the_kernel_device_with_its_own_timer_is_taken_and_correct(cache, kernel_device):

@@ -5,7 +5,7 @@ per kernel family (one-row GEMV programs from the M = 1 cases, planes from the M
 
 1. picks a short list of candidates greedily (each added where it most lowers the geometric mean of the list's best
    time over the exhaustive best),
-2. fits their costs, linear in the shape's arithmetic (`sdsie.kernels.int4_gemm.rule_features`: kilobytes the busiest
+2. fits their costs, linear in the shape's arithmetic (`sdsie.kernels.int4_config.rule_features`: kilobytes the busiest
    SM reads, the chain of K tiles), by non-negative least squares on relative error,
 3. scores the rule leave-one-model-family-out: both steps rerun without a family, then that family's shapes are chosen
    for by the rule fitted without them.
@@ -32,7 +32,7 @@ import numpy as np
 
 from reproductions.kernels.int4_bench import config_name, geomean
 from sdsie.kernels import Int4KernelConfig
-from sdsie.kernels.int4_gemm import GEMV_MAX_M, RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
+from sdsie.kernels.int4_config import GEMV_MAX_M, RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "telemetry/raw/shape_sweep_m1_m16_h200.json"
 CORRECT = 2e-2  # a configuration's result counts when its relative error is under this (shape_bench's bound)
@@ -218,7 +218,7 @@ def write_table(path: Path, device: str, table: dict[str, Int4KernelConfig]) -> 
 
 
 def emit(rule: tuple[RuleFamily, ...]) -> str:
-    """RULE_FAMILIES as Python source (sdsie/kernels/int4_gemm.py)."""
+    """RULE_FAMILIES as Python source (sdsie/kernels/int4_config.py)."""
     def cfg(c: Int4KernelConfig) -> str:
         d = Int4KernelConfig(c.block_m, c.block_n, c.block_k)
         extra = [f"{f}={getattr(c, f)!r}" for f in ("split_k", "num_warps", "num_stages", "x_tile", "swap_ab")

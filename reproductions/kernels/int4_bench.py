@@ -466,7 +466,7 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
     """The record suite, or with `sweep` the tuning sweep: every sweep configuration at every SWEEP_M case,
     or a focused one (`sweep_m`, `only`) whose cases are timed beside their incumbent configuration and whose
     table is merged into the installed one."""
-    from sdsie.kernels.int4_gemm import tuned_path
+    from sdsie.kernels.int4_config import tuned_path
     from sdsie.telemetry.energy import EnergyMeter
     from sdsie.telemetry.records import RunRecord, capture_environment
     from sdsie.telemetry.records import write_record as write
@@ -557,7 +557,7 @@ def tuned_table_provenance() -> dict:
     when gpu_run.sh runs on a table its sweep just wrote) and the sha256 of its bytes (null when there is none), and
     the local tuned cache `sdsie tune-int4` writes, which the choice reads first (`local_cache`: null when off or
     absent)."""
-    from sdsie.kernels.int4_gemm import SHIPPED_TUNED_PATH, tuned_cache_path, tuned_path
+    from sdsie.kernels.int4_config import SHIPPED_TUNED_PATH, tuned_cache_path, tuned_path
 
     path = tuned_path()
     local = tuned_cache_path()
@@ -569,7 +569,7 @@ def tuned_table_provenance() -> dict:
 
 def best_configs(results: list[dict], device_name: str | None = None) -> dict:
     """{device: {tuned_key: config}} from a sweep: the fastest correct configuration per case."""
-    from sdsie.kernels.int4_gemm import tuned_key
+    from sdsie.kernels.int4_config import tuned_key
 
     table = {}
     for r in results:

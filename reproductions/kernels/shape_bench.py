@@ -64,7 +64,8 @@ from reproductions.kernels.int4_bench import (
 )
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
-from sdsie.kernels.int4_gemm import _num_sms, _plan, _plans_of, rule_config, select_config_with_source
+from sdsie.kernels.int4_config import _num_sms, rule_config, select_config_with_source
+from sdsie.kernels.int4_gemm import _plan, _plans_of
 from sdsie.kernels.int4_mma import mma_consts
 from sdsie.telemetry.timing import graph_us, l2_busting_copies
 

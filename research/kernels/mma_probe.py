@@ -27,7 +27,7 @@ from reproductions.kernels.int4_bench import (
     weight_rotation,
 )
 from sdsie.kernels import int4_matmul, int4_matmul_reference, int4_silu_mul
-from sdsie.kernels.int4_gemm import MMA_CONFIGS
+from sdsie.kernels.int4_config import MMA_CONFIGS
 
 SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
           "3584x3584", "4608x3584", "18944x3584", "3584x18944", "512x3584", "8960x1536", "2048x3584")

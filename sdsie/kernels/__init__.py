@@ -7,16 +7,8 @@ epilogue. On sm_90+ both run bf16 calls of M <= 8 on most decoder shapes through
 INT4 choice's candidates on this GPU and keep the fastest per shape in a local cache the choice reads first."""
 
 from sdsie.kernels.decode_attention import decode_attention, split_rule
-from sdsie.kernels.int4_gemm import (
-    Int4KernelConfig,
-    candidate_configs,
-    int4_matmul,
-    int4_silu_mul,
-    kernel_calls,
-    refresh_choice,
-    select_config,
-    silu_mul_halves,
-)
+from sdsie.kernels.int4_config import Int4KernelConfig, candidate_configs, select_config
+from sdsie.kernels.int4_gemm import int4_matmul, int4_silu_mul, kernel_calls, refresh_choice, silu_mul_halves
 from sdsie.kernels.int4_tune import tune, tune_model
 from sdsie.kernels.logit_stats import logit_stats
 from sdsie.kernels.ops import int4_mm, register_weight

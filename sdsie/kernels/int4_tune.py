@@ -30,24 +30,20 @@ import torch
 from torch import nn
 
 from sdsie.int4_format import Int4Weight, pack_int4
-from sdsie.kernels.int4_gemm import (
+from sdsie.kernels.int4_config import (
     _LARGE_M_CONFIG,
     MMA_CONFIGS,
     TUNED_CACHE_FORMAT,
     TUNED_M,
     Int4KernelConfig,
-    _plans_of,
     candidate_configs,
     device_name,
-    int4_matmul,
-    int4_silu_mul,
     read_tuned_cache,
-    refresh_choice,
     select_config_with_source,
-    silu_mul_halves,
     tuned_cache_path,
     tuned_key,
 )
+from sdsie.kernels.int4_gemm import _plans_of, int4_matmul, int4_silu_mul, refresh_choice, silu_mul_halves
 from sdsie.kernels.int4_mma import mma_supported
 from sdsie.kernels.reference import int4_matmul_reference
 

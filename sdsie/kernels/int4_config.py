@@ -1,0 +1,379 @@
+"""Which launch configuration an INT4 call runs: `Int4KernelConfig`, and `select_config`'s sources in the order it
+asks them.
+
+1. The local tuned cache (`tuned_cache_path`), written ahead of time by `sdsie tune-int4` (`sdsie.kernels.int4_tune`):
+   this GPU model's measured best among the candidates below, per shape and M bucket.
+2. On sm_90+, the fragment-order tensor-core GEMV (`mma_config`) for bf16 x at M <= 8, where it beat the others on
+   the H200.
+3. The shipped tuned table (`tuned_configs.json`, or `$SDSIE_TUNED_CONFIGS`): per GPU name, the sweeps' best for
+   measured shapes.
+4. The rule (`rule_config`): the candidate of least fitted cost from the shape's arithmetic (bytes the busiest SM
+   reads, K tiles in the longest chain), for any shape on any GPU.
+
+`candidate_configs` lists every configuration 2-4 can return; every one of them passes the kernel's property tests.
+The launcher (`sdsie.kernels.int4_gemm`) asks once per (weight, M, x layout) and keeps the answer in a launch plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+__all__ = ["Int4KernelConfig", "MMA_CONFIGS", "TUNED_M", "candidate_configs", "device_name", "mma_config",
+           "read_tuned_cache", "rule_config", "select_config", "select_config_with_source", "tuned_cache_path",
+           "tuned_key", "tuned_lookup", "tuned_path"]
+
+
+GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
+
+
+@dataclass(frozen=True)
+class Int4KernelConfig:
+    """Launch configuration. block_m in GEMV_ROWS selects the GEMV kernel with that many rows per program (each
+    weight tile loaded and its codes extracted once for them; 1 suits M == 1, 2 and 4 small M), block_m >= 16
+    the tl.dot kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2  # GEMV: <= 2 prefetches the next weight tile in registers; >= 3 pipelines through cp.async
+    # GEMV: x as one contiguous tile split in registers, else eight gathers. planes (swap_ab): x's pairs as int32
+    # words through cp.async where x allows it, else two strided gathers (loaded in each K tile, not staged)
+    x_tile: bool = True
+    swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
+    # ptxas's cap on registers per thread (Triton's maxnreg; None: its own choice). The M = 1 GEMV is latency-bound
+    # for lack of warps, and its 160 registers a thread allow 12 warps an SM (docs/kernel-log.md); a cap trades
+    # spills for warps. Ignored by the interpreter.
+    max_registers: int | None = None
+    # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, a 16-row block a program and
+    # num_warps warps along K; block_m 8, block_n 16, block_k 128 name that tile
+    mma: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mma:
+            if (self.block_m, self.block_n, self.block_k, self.split_k, self.swap_ab) != (8, 16, 128, 1, False):
+                raise ValueError(f"an mma configuration is block_m 8, block_n 16, block_k 128, no split, no swap_ab, "
+                                 f"got {self}")
+            if self.num_warps not in (4, 8):
+                raise ValueError(f"an mma configuration takes 4 or 8 warps, got {self.num_warps}")
+            return
+        if self.max_registers is not None and (not isinstance(self.max_registers, int)
+                                               or not 24 <= self.max_registers <= 255 or self.max_registers % 8):
+            raise ValueError(f"Int4KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], got "
+                             f"{self.max_registers!r}")
+        for flag in ("x_tile", "swap_ab"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
+        for name in ("block_m", "block_n", "block_k", "split_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"Int4KernelConfig.{name} must be a positive power of two, got {v}")
+        if self.block_k < 2:
+            raise ValueError(f"Int4KernelConfig.block_k must be >= 2 (two codes per byte), got {self.block_k}")
+        if self.block_m not in GEMV_ROWS and (self.block_m < 16 or self.block_k < 32 or self.block_n < 16):
+            raise ValueError(f"block_m must be a GEMV row count {GEMV_ROWS} or a tl.dot tile (block_m >= 16, block_n "
+                             f">= 16, block_k >= 32), got {self}")
+        if self.swap_ab and self.block_m in GEMV_ROWS:
+            raise ValueError(f"swap_ab is a tl.dot layout (block_m >= 16), got {self}")
+
+    @property
+    def gemv(self) -> bool:
+        return self.block_m in GEMV_ROWS
+
+
+# the bytes tl.dot tile for M > 16: what the rule returns there, though `int4_matmul` runs it only when a call names
+# it (more rows go 16 at a time through the small-M choice, or unpack the weight for one cuBLAS matmul)
+_LARGE_M_CONFIG = Int4KernelConfig(64, 64, 64, split_k=1, num_warps=4)
+
+
+def _k_tiling(cfg: Int4KernelConfig, k: int, group_size: int) -> tuple[int, int, int]:
+    """(block_k, split_k, k_per_split) of a launch of `cfg` over K codes: a tl.dot tile never straddles two groups,
+    and K splits stop at the power of two that leaves each split one tile."""
+    block_k = cfg.block_k
+    if not cfg.gemv and group_size < k:
+        block_k = min(block_k, group_size)
+    split_k = min(cfg.split_k, triton.next_power_of_2(triton.cdiv(k, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return block_k, split_k, k_per_split
+
+
+@dataclass(frozen=True)
+class RuleTerm:
+    """One candidate of the configuration rule with its fitted cost: per_kb microseconds per kilobyte the busiest SM
+    reads, plus fixed_us (launch, K-split reduction, the pipeline's fill)."""
+
+    config: Int4KernelConfig
+    per_kb: float
+    fixed_us: float
+
+
+@dataclass(frozen=True)
+class RuleFamily:
+    """The rule's candidates for M up to max_m, and the constants their costs share (`rule_features`):
+    spread, how many times its fair share of the bandwidth one SM can draw; programs_per_sm, how many programs an SM
+    runs at once; per_tile_us, the time a program's chain of K tiles costs per tile."""
+
+    max_m: int
+    spread: float
+    programs_per_sm: int
+    per_tile_us: float
+    terms: tuple[RuleTerm, ...]
+
+
+def rule_features(cfg: Int4KernelConfig, m: int, n: int, k: int, group_size: int, sms: int, spread: float,
+                  programs_per_sm: int) -> tuple[float, float]:
+    """(kilobytes the busiest SM reads, K tiles in the longest chain) for `cfg` on this shape: the shape's arithmetic
+    the rule's costs are linear in. Programs = N tiles x K splits x M tiles, dealt round robin over the SMs; a program
+    reads whole tiles (a partial last tile costs a whole one); an SM draws at most `spread` times its fair share."""
+    block_k, split_k, k_per_split = _k_tiling(cfg, k, group_size)
+    programs = triton.cdiv(n, cfg.block_n) * split_k * triton.cdiv(m, cfg.block_m)
+    per_program = cfg.block_n * k_per_split / 2
+    busiest = max(n * k / 2 / sms, -(-programs // sms) * per_program / spread)
+    chain = k_per_split // block_k * -(-programs // (sms * programs_per_sm))
+    return busiest / 1024, float(chain)
+
+
+def rule_cost(family: RuleFamily, term: RuleTerm, m: int, n: int, k: int, group_size: int, sms: int) -> float:
+    """The fitted time in microseconds of `term`'s configuration on this shape."""
+    kb, chain = rule_features(term.config, m, n, k, group_size, sms, family.spread, family.programs_per_sm)
+    return term.per_kb * kb + family.per_tile_us * chain + term.fixed_us
+
+
+def rule_choice(family: RuleFamily, m: int, n: int, k: int, group_size: int, sms: int) -> Int4KernelConfig:
+    """The family's candidate of least fitted cost (the first listed on a tie)."""
+    return min(family.terms, key=lambda t: rule_cost(family, t, m, n, k, group_size, sms)).config
+
+
+# The rule: per kernel family, the H200 sweep's winners and their costs, fitted by
+# reproductions/kernels/fit_config_rule.py on telemetry/raw/shape_sweep_m1_m16_h200.json (leave-one-model-family-out
+# scores: docs/kernel-log.md, 2026-12-03). M <= 2: one-row GEMV programs (fitted at M = 1; a second row doubles the
+# programs); M in 3..16: planes (fitted at M = 16; rows past M are masked).
+RULE_FAMILIES: tuple[RuleFamily, ...] = (
+    RuleFamily(2, 1.0, 2, 0.18959, (
+        RuleTerm(Int4KernelConfig(1, 32, 1024, num_stages=3), 0.0404095, 2.67241),
+        RuleTerm(Int4KernelConfig(1, 8, 2048, num_warps=8, num_stages=1), 0.0586749, 1.95658),
+        RuleTerm(Int4KernelConfig(1, 64, 512, num_stages=3), 0.0381503, 2.62633),
+        RuleTerm(Int4KernelConfig(1, 4, 4096, num_warps=8, num_stages=1), 0.0701188, 1.81633),
+        RuleTerm(Int4KernelConfig(1, 128, 256, split_k=8), 0.0573233, 3.10384),
+        RuleTerm(Int4KernelConfig(1, 128, 256, num_stages=3), 0.0363105, 2.6564),
+    )),
+    RuleFamily(16, 1.5, 2, 0.374556, (
+        RuleTerm(Int4KernelConfig(16, 128, 128, split_k=4, num_stages=4, swap_ab=True), 0.0460965, 4.35678),
+        RuleTerm(Int4KernelConfig(16, 64, 128, split_k=8, num_stages=3, swap_ab=True), 0.0373138, 4.23478),
+        RuleTerm(Int4KernelConfig(16, 128, 128, num_stages=3, swap_ab=True), 0.0361715, 3.00689),
+        RuleTerm(Int4KernelConfig(16, 128, 128, split_k=8, num_stages=4, swap_ab=True), 0.0612892, 4.7506),
+        RuleTerm(Int4KernelConfig(16, 256, 128, split_k=4, num_stages=3, swap_ab=True), 0.061076, 5.00026),
+        RuleTerm(Int4KernelConfig(16, 64, 128, split_k=8, num_stages=4, swap_ab=True), 0.0408614, 4.18003),
+    )),
+)
+
+
+def rule_config(m: int, n: int, k: int, group_size: int, sms: int) -> Int4KernelConfig:
+    """The configuration the rule picks for this shape on a GPU of `sms` SMs (any shape: no table needed)."""
+    if m < 1 or n < 1 or k < 1 or group_size < 1 or sms < 1:
+        raise ValueError(f"rule_config: M, N, K, group_size and sms must be >= 1, got {(m, n, k, group_size, sms)}")
+    family = next((f for f in RULE_FAMILIES if m <= f.max_m), None)
+    return _LARGE_M_CONFIG if family is None else rule_choice(family, m, n, k, group_size, sms)
+
+
+SHIPPED_TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
+TUNED_ENV = "SDSIE_TUNED_CONFIGS"  # a table to use instead of the shipped one (a sweep output, not yet committed)
+
+
+def tuned_path() -> Path:
+    """The tuned table in use: $SDSIE_TUNED_CONFIGS if set (it must exist), else the one shipped with the package."""
+    override = os.environ.get(TUNED_ENV)
+    if not override:
+        return SHIPPED_TUNED_PATH
+    path = Path(override)
+    if not path.is_file():
+        raise FileNotFoundError(f"{TUNED_ENV}={override!r} is not a file (a tuned_configs.json written by a sweep)")
+    return path
+
+
+@functools.cache
+def _tuned_table() -> dict[str, dict[str, Int4KernelConfig]]:
+    """Per-GPU, per-shape configurations measured by `reproductions/kernels/int4_bench.py --sweep` (tuned_path()).
+
+    {device name: {"m1|N|K|group": config, "m16|N|K|group": config}}; group is "pc" per channel.
+    """
+    path = tuned_path()
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    return {dev: {key: Int4KernelConfig(**cfg) for key, cfg in table.items()} for dev, table in raw.items()}
+
+
+# The local cache `sdsie tune-int4` writes (`sdsie.kernels.int4_tune`): per GPU model, the fastest of the choice's own
+# candidates for each shape and M bucket, timed on this machine. It comes first in `select_config`: it is a
+# measurement on the user's GPU of every configuration the other sources could return. "off" reads none.
+TUNED_CACHE_ENV = "SDSIE_INT4_CACHE"
+TUNED_CACHE_FORMAT = "sdsie-int4-tuned-v1"
+
+
+def tuned_cache_path() -> Path | None:
+    """The local tuned cache: $SDSIE_INT4_CACHE ("off": none), else `$SDSIE_CACHE/int4_tuned.json` (default
+    `~/.cache/sdsie/int4_tuned.json`). It need not exist."""
+    override = os.environ.get(TUNED_CACHE_ENV)
+    if override is not None and override.strip().lower() == "off":
+        return None
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("SDSIE_CACHE")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "sdsie") / "int4_tuned.json"
+
+
+def read_tuned_cache(path: Path) -> dict:
+    """The cache file's document ({"format", "devices": {device name: {"configs": {key: config fields}, ...}}}),
+    or an empty one where the file does not exist. A file of another shape is an error naming it."""
+    if not path.exists():
+        return {"format": TUNED_CACHE_FORMAT, "devices": {}}
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the INT4 tuned cache {path} is not JSON ({err}); delete it or point {TUNED_CACHE_ENV} "
+                         f"elsewhere") from None
+    if not isinstance(doc, dict) or doc.get("format") != TUNED_CACHE_FORMAT or not isinstance(doc.get("devices"), dict):
+        raise ValueError(f"the INT4 tuned cache {path} is not a {TUNED_CACHE_FORMAT} document (written by sdsie "
+                         f"tune-int4); delete it or point {TUNED_CACHE_ENV} elsewhere")
+    return doc
+
+
+@functools.cache
+def _local_table() -> dict[str, dict[str, Int4KernelConfig]]:
+    """{device name: {tuned key: config}} from the local tuned cache (empty when there is none)."""
+    path = tuned_cache_path()
+    if path is None:
+        return {}
+    devices = read_tuned_cache(path)["devices"]
+    try:
+        return {dev: {key: Int4KernelConfig(**cfg) for key, cfg in entry["configs"].items()}
+                for dev, entry in devices.items()}
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"the INT4 tuned cache {path} holds an entry that is not a configuration ({err}); delete "
+                         f"it or point {TUNED_CACHE_ENV} elsewhere") from None
+
+
+def device_name(device: torch.device) -> str:
+    """The name tuned tables key a device by: the CUDA device's name, or "cpu" (the Triton interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type
+
+
+TUNED_M = (1, 2, 4, 8, 16)  # M buckets the sweep tunes; M in (2, 4] uses the m4 entry, and so on
+GEMV_MAX_M = 2  # M up to this runs GEMV programs (tables and rule), M in 3..16 the planes kernel
+
+
+def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
+    if not 1 <= m <= TUNED_M[-1]:
+        raise ValueError(f"tuned_key: M={m} is outside the tuned buckets 1..{TUNED_M[-1]}")
+    bucket = next(b for b in TUNED_M if m <= b)
+    return f"m{bucket}|{n}|{k}|{'pc' if group_size >= k else group_size}"
+
+
+def tuned_lookup(
+    table: dict[str, Int4KernelConfig], m: int, n: int, k: int, group_size: int
+) -> Int4KernelConfig | None:
+    """M's own bucket for this shape, else the nearest larger bucket of the same kernel family (GEMV rows: M <= 2;
+    planes: M in 3..16) the sweep tuned for it, else None.
+
+    A configuration tuned for more rows is correct for fewer. On the H200, M = 8, which no sweep had tuned,
+    ran the heuristic GEMM at 0.43-0.83x of bf16; on 14336x4096 it took 74.4 us where the tuned M = 16
+    configuration took 48.4 us with twice the rows (records ca1fd3d4 and 22f3a099 agree within 1%). An M = 2 call
+    does not borrow an M = 4-16 planes entry: the rule's GEMV serves it (docs/kernel-log.md, 2026-12-03).
+    """
+    key = tuned_key(m, n, k, group_size)
+    bucket = int(key.split("|", 1)[0][1:])
+    limit = GEMV_MAX_M if bucket <= GEMV_MAX_M else TUNED_M[-1]
+    for b in (b for b in TUNED_M if bucket <= b <= limit):
+        cfg = table.get(f"m{b}|{key.split('|', 1)[1]}")
+        if cfg is not None:
+            return cfg
+    return None
+
+
+def candidate_configs() -> tuple[Int4KernelConfig, ...]:
+    """Every configuration of the rule and the tuned tables that `select_config` can pick, each once. (The mma
+    configurations, `MMA_CONFIGS`, take only shapes their kernel tiles: tests/test_int4_mma.py covers them.)"""
+    base = tuple(t.config for f in RULE_FAMILIES for t in f.terms) + (_LARGE_M_CONFIG,)
+    tuned = {cfg for table in _tuned_table().values() for cfg in table.values()}
+    base = tuple(dict.fromkeys(base))
+    return base + tuple(sorted(tuned - set(base), key=lambda c: dataclasses.astuple(c)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter has no SMs; pick as for an H200 so CPU tests cover the same paths
+
+
+def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
+                  allow_mma: bool = True) -> Int4KernelConfig:
+    """The local tuned cache's entry for this GPU model, shape and M bucket if `sdsie tune-int4` wrote one (M <= 16);
+    else on sm_90+ the tensor-core GEMV where `mma_config` takes the shape (for bf16 x); else the shipped tuned
+    configuration for this GPU and shape if one was measured (M <= 16), else the rule's (`rule_config`: the
+    candidate of least fitted cost from the shape's arithmetic). Memoized: it runs on every call, and host time
+    before the launch is latency at batch 1 (`refresh_choice` forgets it)."""
+    return select_config_with_source(m, n, k, device, group_size, allow_mma)[0]
+
+
+def select_config_with_source(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
+                              allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
+    """`select_config`'s choice and where it came from: "tuned" (this GPU model's entry in the local tuned cache,
+    `sdsie tune-int4`), "mma" (the tensor-core GEMV, taken by bf16 x; `allow_mma` False for other x), "table" (the
+    shipped table's entry for this GPU) or "rule"."""
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k, allow_mma)
+
+
+# M <= 8 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core GEMV
+# and the planes kernel on the H200 (telemetry/raw/shape_table_mma16_m1_to_m16_h200.json, docs/kernel-log.md):
+# N >= MMA_MIN_N at any such M (1024 x 4096 at M = 1 is 1.4x slower on it: 64 programs), and every N from M = 3,
+# except the LM heads (N >= MMA_MAX_N) at M = 1, where the CUDA-core GEMV's tuned tiles keep 80% of the copy rate and
+# the mma kernel is up to 1.3x slower (Qwen2.5-1.5B's 151936 x 1536: 56.4 against 42.1 us), and at any M when K <
+# 2048 (that head at M = 4 and 8: 67.7 and 75.1 us against 51.3 and 50.4; a program's warps get three pairs of K
+# each). M = 9-16 stays on
+# the planes kernel: the mma kernel's second half of B's columns ran it at 1.31x bf16 against the planes' 1.56x
+# (geomean of 30 shapes). Its warps split K: 8 where K >= 2N (the down projections, the small k/v), else 4.
+MMA_MIN_N = 3072
+MMA_MAX_N = 65536
+MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
+
+
+def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | None:
+    """The mma configuration for a bf16 call of this shape on an sm_90+ GPU, or None where the kernel does not
+    apply (shape or group) or is not the faster one."""
+    shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
+    lm_head = n >= MMA_MAX_N and (m == 1 or k < 2048)
+    if not (1 <= m <= 8 and shape_ok) or lm_head or (m < 3 and n < MMA_MIN_N):
+        return None
+    return MMA_CONFIGS[8 if k >= 2 * n else 4]
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_size: int,
+                   allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
+    local = _local_table()
+    if local and m <= TUNED_M[-1]:
+        cfg = local.get(device_name(torch.device(device_type, index)), {}).get(tuned_key(m, n, k, group_size))
+        if cfg is not None and (allow_mma or not cfg.mma):
+            return cfg, "tuned"
+    if allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9:
+        cfg = mma_config(m, n, k, group_size)
+        if cfg is not None:
+            return cfg, "mma"
+    if device_type == "cuda" and m <= TUNED_M[-1]:
+        cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size)
+        if cfg is not None:
+            return cfg, "table"
+    return rule_config(m, n, k, min(group_size, k), _num_sms(torch.device(device_type, index))), "rule"

@@ -22,7 +22,7 @@ IDS = torch.tensor([3, 17, 5, 42, 8, 11])
 @pytest.mark.parametrize("widths", [None, (3, 2)])
 def test_split_counts_every_cycle_restores_the_engine_and_its_parts_add_up(widths, separate):
     def state():
-        return (engine.forward, TreeStep.__call__, TreeStep.catch_up, TreeStep.can_catch_up, engine.to_host,
+        return (engine.forward, TreeStep.__call__, TreeStep.catch_up, TreeStep.can_catch_up, engine._wait,
                 StaticKV._consolidate)
 
     originals = state()

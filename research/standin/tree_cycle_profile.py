@@ -45,7 +45,8 @@ from sdsie.kernels.rmsnorm import fuse_rmsnorm
 from sdsie.models import compiled_copy
 from sdsie.standin import build_model, get_preset
 
-PARTS = ("forward", "tree_step", "to_host")  # engine.forward: a tree cycle's scout catch-up; plain's target step
+PARTS = ("forward", "tree_step", "to_host")  # engine.forward: a tree cycle's scout catch-up; plain's target step;
+# to_host: the host's wait for a cycle's device->host read (engine._wait)
 
 
 class _HostEvent:
@@ -121,11 +122,11 @@ def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> 
     per_run = []
     for _ in range(runs):
         timer = Timer(ids.device)
-        originals = engine.forward, TreeStep.__call__, TreeStep.catch_up, engine.to_host
+        originals = engine.forward, TreeStep.__call__, TreeStep.catch_up, engine._wait
         engine.forward = timer.wrap("forward", engine.forward)
         TreeStep.__call__ = timer.wrap("tree_step", TreeStep.__call__)  # a cycle runs one of these two
         TreeStep.catch_up = timer.wrap("tree_step", TreeStep.catch_up)
-        engine.to_host = timer.wrap("to_host", engine.to_host)
+        engine._wait = timer.wrap("to_host", engine._wait)  # the cycle's wait for its device->host read
         try:
             sync_device(ids.device)
             t0 = time.perf_counter()
@@ -133,7 +134,7 @@ def split(target, scout, ids: torch.Tensor, config: DecodeConfig, runs: int) -> 
             sync_device(ids.device)
             wall = time.perf_counter() - t0
         finally:
-            engine.forward, TreeStep.__call__, TreeStep.catch_up, engine.to_host = originals
+            engine.forward, TreeStep.__call__, TreeStep.catch_up, engine._wait = originals
         n = len(r.cycles)
         row = {"cycles": n, "tokens": len(r.tokens), "wall_ms_per_cycle": 1e3 * wall / n,
                "accepted_per_cycle": sum(c.accepted for c in r.cycles) / n,

@@ -44,7 +44,8 @@ def register(sub: Subcommand) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdsie", description="SDSIE: claims gate, reports and reproductions.")
+    parser = argparse.ArgumentParser(prog="sdsie", description="SDSIE: the claims gate, reports, the server and "
+                                     "INT4 kernel tuning.")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for sub in SUBCOMMANDS.values():
         p = subs.add_parser(sub.name, help=sub.help, description=sub.help)

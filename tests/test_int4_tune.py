@@ -207,7 +207,9 @@ def test_the_command_tunes_and_writes_the_cache_and_a_report(cache, tmp_path):
     out = tmp_path / "report.json"
     assert cli.main(["tune-int4", "--shape", "64x256", "--m", "4", "--group", "pc", "--device", "cpu", "--out",
                      str(out)]) == 0
-    [result] = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    assert doc["planned_cases"] == 1
+    [result] = doc["results"]
     assert result["key"] == "m4|64|256|pc" and result["best"] in result["times_us"]
     assert result["best_us"] == min(result["times_us"].values())
     configs = json.loads(cache.read_text())["devices"]["cpu"]["configs"]
@@ -229,3 +231,12 @@ def test_a_tune_on_the_kernel_device_with_its_own_timer_is_taken_and_correct(cac
     w = tu._weight_like(case, kernel_device, gen)
     x = torch.randn(1, 256, generator=gen, device=kernel_device).to(torch.bfloat16)
     torch.testing.assert_close(int4_matmul(x, w).double(), int4_matmul_reference(x, w), rtol=2e-2, atol=2e-3)
+
+
+def test_a_cpu_without_the_interpreter_is_refused_before_anything_runs(monkeypatch, capsys, cache):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        tu.tune([tu.TuneCase(1, N, K, 128)], "cpu")
+    assert cli.main(["tune-int4", "--shape", "64x256", "--device", "cpu"]) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+    assert not cache.exists()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from sdsie.int4_format import Int4Weight, pack_int4
+from sdsie.kernels.device import kernel_runs_on
 from sdsie.kernels.int4_config import (
     _LARGE_M_CONFIG,
     MMA_CONFIGS,
@@ -272,6 +273,9 @@ def tune(cases: Iterable[TuneCase], device: torch.device | str = "cuda", *, time
     """Tune each case (`tune_case`) and, with `write`, keep the picks in the tuned cache (`write_tuned`). Cases
     that differ only in `gate_up` share a key: the last one tuned wins."""
     device = torch.device(device)
+    if not kernel_runs_on(device):
+        raise ValueError(f"tune: Triton kernels do not run on {device} here: a CPU runs them only under the "
+                         f"interpreter (TRITON_INTERPRET=1, set before Python starts), where times mean nothing")
     results = []
     for case in dict.fromkeys(cases):
         results.append(tune_case(case, device, timer, copies, seed))
@@ -332,19 +336,27 @@ def run(args: argparse.Namespace) -> int:
             names = [config_name(cfg) for cfg in case_candidates(c, device)]
             print(f"{c.key}{' gate_up' if c.gate_up else ''}: {len(names)} candidates: {' '.join(names)}")
         return 0
+    if not kernel_runs_on(device):
+        print("sdsie tune-int4: --device cpu runs the kernels only under Triton's interpreter: set TRITON_INTERPRET=1 "
+              "(a dry run; its times mean nothing)", file=sys.stderr)
+        return 2
 
-    def show(r: CaseResult) -> None:
+    done: list[CaseResult] = []
+
+    def show(r: CaseResult) -> None:  # each case as it ends; --out is rewritten then, so a stopped run keeps its cases
         best = "none correct" if r.best is None else f"{config_name(r.best)} {r.best_us:.1f} us"
         builtin = "-" if r.builtin_us is None else f"{r.builtin_us:.1f} us"
         print(f"{r.case.key}{' gate_up' if r.case.gate_up else ''}: best {best}; built-in {r.builtin} "
               f"({r.builtin_source}) {builtin}; {len(r.times_us)} timed, {len(r.failed)} failed, {r.seconds:.1f} s",
               flush=True)
+        done.append(r)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"device": device_name(device), "torch": torch.__version__,
+                                            "planned_cases": len(cases), "results": [d.as_dict() for d in done]},
+                                           indent=1) + "\n")
 
     results = tune(cases, device, write=False, progress=show)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": device_name(device), "torch": torch.__version__,
-                                        "results": [r.as_dict() for r in results]}, indent=1) + "\n")
     if args.write:
         print(f"wrote {write_tuned(results, args.cache)}")
     return 0 if all(r.best is not None for r in results) else 1

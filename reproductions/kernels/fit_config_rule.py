@@ -33,9 +33,10 @@ import numpy as np
 from reproductions.kernels.int4_bench import config_name, geomean
 from sdsie.kernels import Int4KernelConfig
 from sdsie.kernels.int4_config import GEMV_MAX_M, RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
+from sdsie.kernels.int4_tune import CORRECT_REL_ERROR
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "telemetry/raw/shape_sweep_m1_m16_h200.json"
-CORRECT = 2e-2  # a configuration's result counts when its relative error is under this (shape_bench's bound)
+CORRECT = CORRECT_REL_ERROR  # a configuration's result counts when its relative error is under this
 TARGET = 1 / 0.9  # a held-out shape should run at >= 90% of its exhaustive best's speed
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
-from sdsie.kernels.int4_tune import choice_configs, config_name, fits
+from sdsie.kernels.int4_tune import CORRECT_REL_ERROR, choice_configs, config_name, fits
 from sdsie.telemetry.energy import calls_to_fill
 from sdsie.telemetry.timing import graph_us, l2_busting_copies
 
@@ -577,7 +577,8 @@ def best_configs(results: list[dict], device_name: str | None = None) -> dict:
         # graphed time where measured: eager medians of tiny shapes measure host time, and picked a config
         # 2.5x slower than the heuristic's for kv_1024x4096 (docs/kernel-log.md, v3 run 4)
         times = r.get("graph_us_by_config") or r["median_us"]
-        timed = [(times[name], name) for name in r.get("configs", {}) if r["errors"][name] < 2e-2 and name in times]
+        timed = [(times[name], name) for name in r.get("configs", {})
+                 if r["errors"][name] < CORRECT_REL_ERROR and name in times]
         if not timed:
             continue
         best = min(timed)[1]

@@ -67,6 +67,7 @@ from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
 from sdsie.kernels.int4_config import _num_sms, rule_config, select_config_with_source
 from sdsie.kernels.int4_gemm import _plan, _plans_of
 from sdsie.kernels.int4_mma import mma_consts
+from sdsie.kernels.int4_tune import CORRECT_REL_ERROR
 from sdsie.telemetry.timing import graph_us, l2_busting_copies
 
 # (model, layer, N, K) of decoder linears, N x K = out x in. Fused rows are q/k/v or gate/up stacked along N.
@@ -151,7 +152,7 @@ SWEEP_DEFAULT_M = (1, 16)
 GROUP_NAMES = ("128", "pc")  # group 128, per output channel
 CHOICES = ("auto", "rule")  # select_config (table, else rule), or the rule alone
 TINYGEMM_PC_NOTE = "_weight_int4pack_mm takes group sizes 32-256 only: per channel is not timed"
-CORRECT = 2e-2  # relative error under which a bf16 result counts as correct (int4_bench.best_configs' bound)
+CORRECT = CORRECT_REL_ERROR  # relative error under which a bf16 result counts as correct
 # Rough costs behind the printed estimate (host work per timing grows with the copies a graph cycles over); the
 # JSON's progress block records the measured phase times to correct them.
 COMPILE_S = 2.5  # one Triton specialization

@@ -71,8 +71,12 @@ def test_tuning_keeps_the_fastest_candidate_and_select_config_takes_it_first(cac
     assert all(c.block_m == 1 for c in candidates)  # M = 1 times only the one-row GEMVs (`fits`)
     favourite = next(c for c in candidates if c != builtin)
     w, x = _weight(), torch.randn(1, K).to(torch.bfloat16)
+    launched = []  # the configuration of every launch plan int4_matmul builds
+    real_plan = int4_gemm._plan
+    monkeypatch.setattr(int4_gemm, "_plan", lambda x2, w_, cfg, *a, **kw: (launched.append(cfg),
+                                                                           real_plan(x2, w_, cfg, *a, **kw))[1])
     int4_matmul(x, w)  # an automatic plan, chosen before tuning
-    assert any(key[-1] is None for key in _plans_of(w))
+    assert launched == [builtin] and any(key[-1] is None for key in _plans_of(w))
 
     timer, timed = _timer_favouring(tu.config_name(favourite), monkeypatch)
     [result] = tu.tune([case], cpu, timer=timer, copies=lambda nbytes: 1)
@@ -88,7 +92,10 @@ def test_tuning_keeps_the_fastest_candidate_and_select_config_takes_it_first(cac
     assert select_config_with_source(1, N, K, cpu, 128) == (favourite, "tuned")
     assert select_config_with_source(2, N, K, cpu, 128)[1] == "rule"  # M = 2 is another bucket, not tuned
     assert not any(key[-1] is None for key in _plans_of(w))  # the weight chooses again at its next call
-    torch.testing.assert_close(int4_matmul(x, w).double(), int4_matmul_reference(x, w), rtol=2e-2, atol=2e-3)
+    launched.clear()
+    y = int4_matmul(x, w)
+    assert launched == [favourite]  # the tuned entry is what runs, not only what select_config says
+    torch.testing.assert_close(y.double(), int4_matmul_reference(x, w), rtol=2e-2, atol=2e-3)
 
 
 def test_a_candidate_with_a_wrong_result_is_never_kept(cache, monkeypatch):

@@ -158,10 +158,8 @@ def case_candidates(case: TuneCase, device: torch.device) -> list[Int4KernelConf
 
 
 def _builtin_choice(case: TuneCase, device: torch.device) -> tuple[Int4KernelConfig, str]:
-    cfg, source = select_config_with_source(case.m, case.n, case.k, device, case.group_size)
-    if cfg.mma and device.type != "cuda":
-        cfg, source = select_config_with_source(case.m, case.n, case.k, device, case.group_size, allow_mma=False)
-    return cfg, source
+    """select_config's pick for the case's bf16 x, and its source."""
+    return select_config_with_source(case.m, case.n, case.k, device, case.group_size)
 
 
 def _weight_like(case: TuneCase, device: str | torch.device, gen: torch.Generator | None = None) -> Int4Weight:

@@ -691,6 +691,10 @@ def render(records_dir: Path = Path("telemetry")) -> str:
     e2e = e2e_section(records)
     if e2e:
         out += [*e2e, ""]
+    for shape_set in SHAPE_SETS:
+        rec = newest_shapes(records, shape_set)
+        if rec is not None:
+            out += [*shapes_section(rec), ""]
     out.append(END)
     return "\n".join(out)
 
@@ -800,6 +804,146 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
     return lines
 
 
+SHAPE_TARGETS = {"m1_geomean": 2.8, "small_m_worst": 1.8, "of_best": 0.9}  # the kernel issue's bars
+SHAPE_SETS = {"fit": "decoder shapes the configuration choice was fitted on",
+              "heldout": "held-out decoder shapes (no part of the configuration choice was fitted or tuned on them)"}
+
+
+def newest_shapes(records: list[RunRecord], shape_set: str) -> RunRecord | None:
+    """The newest GPU `kernel_shapes` record (`reproductions/kernels/shape_bench.py`) of a shape set."""
+    return newest(records, "kernel_shapes", lambda r: r.config.get("shape_set") == shape_set
+                  and not r.config.get("dry_run"))
+
+
+def _down(v: float) -> str:
+    """A speedup to two decimals rounded down, so it never reads as meeting a bar its verdict says it misses."""
+    return f"{math.floor(v * 100) / 100:.2f}x"
+
+
+def _shape_models(rec: RunRecord) -> list[str]:
+    """The models whose linears a shapes record timed ("Qwen2.5-7B" of alias "Qwen2.5-7B.q_o")."""
+    return sorted({a.rsplit(".", 1)[0] for s in rec.config["shapes"].values() for a in s["aliases"]})
+
+
+def _shape_verdicts(rec: RunRecord) -> list[str]:
+    """The kernel issue's bars against one shapes record, each as met or not met with its figure."""
+    mt, out = rec.metrics, []
+    groups = [g for g in ("128", "pc") if f"m1.g{g}.sdsie_geomean_speedup" in mt]
+    if groups:
+        got = {g: mt[f"m1.g{g}.sdsie_geomean_speedup"] for g in groups}
+        bar = SHAPE_TARGETS["m1_geomean"]
+        out.append(f"M = 1 geometric mean at least {bar}x: {'met' if min(got.values()) >= bar else 'not met'} ("
+                   + ", ".join(f"{'group 128' if g == '128' else 'per channel'} {_down(v)}"
+                               for g, v in got.items()) + ")")
+    if "m1.g128.sdsie_beats_tinygemm" in mt:
+        won, of = mt["m1.g128.sdsie_beats_tinygemm"], mt["m1.g128.sdsie_beats_tinygemm_of"]
+        out.append(f"faster than tinygemm on every shape at M = 1: {'met' if won == of else 'not met'} "
+                   f"({won:.0f} of {of:.0f})")
+    small = {int(k.split(".")[0][1:]): v for k, v in mt.items() if k.endswith(".sdsie_min_speedup")
+             and k.count(".") == 1 and k != "m1.sdsie_min_speedup"}
+    if small:
+        bar = SHAPE_TARGETS["small_m_worst"]
+        worst = min(small, key=small.get)
+        out.append(f"M = {', '.join(map(str, sorted(small)))} at least {bar}x on every shape: "
+                   f"{'met' if small[worst] >= bar else 'not met'} (worst {_down(small[worst])}, at M = {worst})")
+    within = [k for k in mt if k.endswith(".sdsie_within_90pct_of_best") and k.count(".") == 1]
+    if within:
+        won = sum(mt[k] for k in within)
+        of = sum(mt[k + "_of"] for k in within)
+        out.append(f"the choice within 90% of the sweep's best on every case: {'met' if won == of else 'not met'} "
+                   f"({won:.0f} of {of:.0f})")
+    return out
+
+
+def shapes_section(rec: RunRecord) -> list[str]:
+    """One `kernel_shapes` record: the summary per M and group against the kernel issue's bars, then the M = 1
+    group-128 table per shape (bf16, sdsie and its configuration's source, tinygemm, the graphed copy of the INT4
+    bytes; with a sweep, its best time and sdsie's time over it)."""
+    mt, cfg = rec.metrics, rec.config
+    shapes = cfg["shapes"]
+    models = _shape_models(rec)
+    done = len(cfg["cases"])
+    lines = [f"INT4 kernel over {len(shapes)} {SHAPE_SETS.get(cfg['shape_set'], cfg['shape_set'])} "
+             f"({', '.join(models)}), `reproductions/kernels/shape_bench.py` on the {rec.conditions['hardware']}: "
+             f"each arm timed under CUDA graphs with its weights rotated so none is served from L2, bf16 x of M "
+             f"rows (record `{_rid(rec)}`, commit {str(cfg.get('commit'))[:7]}"
+             + ("" if rec.complete else f"; stopped early, {done} cases") + "). Speedups are over cuBLAS bf16; "
+             "copy: a graphed device copy of the INT4 call's bytes.", ""]
+    lines += ["| M | group | shapes | sdsie (worst) | tinygemm | sdsie faster than tinygemm | copy | "
+              "within 90% of the sweep's best |", "|---|---|---|---|---|---|---|---|"]
+    keys = sorted({k.rsplit(".", 1)[0] for k in mt if k.count(".") == 2 and k.split(".")[1].startswith("g")},
+                  key=lambda k: (int(k.split(".")[0][1:]), k))
+    for key in keys:
+        def get(name: str, fmt: str, key: str = key) -> str:
+            v = mt.get(f"{key}.{name}")
+            return "-" if v is None else format(v, fmt)
+
+        beats = "-" if f"{key}.sdsie_beats_tinygemm" not in mt else \
+            f"{mt[key + '.sdsie_beats_tinygemm']:.0f}/{mt[key + '.sdsie_beats_tinygemm_of']:.0f}"
+        within = "-" if f"{key}.sdsie_within_90pct_of_best" not in mt else \
+            f"{mt[key + '.sdsie_within_90pct_of_best']:.0f}/{mt[key + '.sdsie_within_90pct_of_best_of']:.0f}"
+        m, g = key.split(".")
+        lines.append(f"| {m[1:]} | {'128' if g == 'g128' else 'per channel'} | {get('shapes', '.0f')} | "
+                     f"{_down(mt[key + '.sdsie_geomean_speedup'])} ({_down(mt[key + '.sdsie_min_speedup'])}) | "
+                     f"{get('tinygemm_geomean_speedup', '.2f')}x | {beats} | {get('ceiling_geomean_speedup', '.2f')}x "
+                     f"| {within} |")
+    verdicts = _shape_verdicts(rec)
+    if verdicts:
+        lines += ["", "Against the kernel issue's bars: " + "; ".join(verdicts) + "."]
+    cases = {(c["shape"], c["m"], c["group"]): c for c in cfg["cases"]}
+    m1 = [c for c in cfg["cases"] if c["m"] == 1 and c["group"] == "128"]
+    if not m1:
+        return lines
+    swept = any(f"{c['shape']}|m1|g128|best" in rec.samples for c in m1)
+    lines += ["", "M = 1, group 128, us:", "",
+              "| shape | N x K | bf16 | sdsie (configuration, source) | tinygemm | copy | sdsie over bf16 | "
+              "sdsie over tinygemm |" + (" sweep's best | sdsie / best |" if swept else ""),
+              "|---" * (10 if swept else 8) + "|"]
+    for c in m1:
+        def us(arm: str, c: dict = c) -> float | None:
+            v = rec.samples.get(f"{c['shape']}|m1|g128|{arm}")
+            return v[0] if v else None
+
+        bf16, sdsie, tg, best = us("bf16"), us("sdsie"), us("tinygemm"), us("best")
+        case = cases[(c["shape"], 1, "128")]
+        row = (f"| {', '.join(shapes[c['shape']]['aliases'])} | {c['n']}x{c['k']} | {bf16:.1f} | {sdsie:.1f} "
+               f"(`{case['sdsie_config']}`, {case['source']}) | {'-' if tg is None else f'{tg:.1f}'} | "
+               f"{us('copy'):.1f} | {bf16 / sdsie:.2f}x | {'-' if tg is None else f'{tg / sdsie:.2f}x'} |")
+        if swept:
+            row += " - | - |" if best is None else f" {best:.1f} | {sdsie / best:.2f} |"
+        lines.append(row)
+    return lines
+
+
+def shapes_headline_rows(records: list[RunRecord]) -> list[str]:
+    """README's kernel rows from the newest `kernel_shapes` records: M = 1 over the fitted shapes, and the held-out
+    test of the choice."""
+    rows = []
+    rec = newest_shapes(records, "fit")
+    if rec is not None and "m1.g128.sdsie_geomean_speedup" in rec.metrics:
+        mt = rec.metrics
+        v = mt["m1.g128.sdsie_geomean_speedup"]
+        beats = "" if "m1.g128.sdsie_beats_tinygemm" not in mt else (
+            f", faster than torch's tinygemm INT4 on {mt['m1.g128.sdsie_beats_tinygemm']:.0f} of "
+            f"{mt['m1.g128.sdsie_beats_tinygemm_of']:.0f}")
+        bar = SHAPE_TARGETS["m1_geomean"]
+        rows.append(f"| INT4 GEMV over cuBLAS bf16 under CUDA graphs, M = 1, group 128, "
+                    f"{mt['m1.g128.shapes']:.0f} decoder shapes of {len(_shape_models(rec))} models (fused q/k/v "
+                    f"and gate/up included), L2-cold | geometric mean {_down(v)} (worst "
+                    f"{_down(mt['m1.g128.sdsie_min_speedup'])}){beats}; target {bar}x "
+                    f"{'met' if v >= bar else 'not met'} | `{_rid(rec)}` |")
+    held = newest_shapes(records, "heldout")
+    if held is not None:
+        within = [k for k in held.metrics if k.endswith(".sdsie_within_90pct_of_best") and k.count(".") == 1]
+        if within:
+            won = sum(held.metrics[k] for k in within)
+            of = sum(held.metrics[k + "_of"] for k in within)
+            rows.append(f"| INT4 configuration choice on held-out decoder shapes (never fitted or tuned on): cases "
+                        f"within 90% of the speed an exhaustive sweep of its candidates finds | {won:.0f} of "
+                        f"{of:.0f}; target every case {'met' if won == of else 'not met'} | `{_rid(held)}` |")
+    return rows
+
+
 def serve_layout(rec: RunRecord) -> str:
     """Where a serve_overhead record's server ran its engine: "thread" (sdsie serve's default) or "process"
     (--engine-process); records older than config.engine name it in config.transport only."""
@@ -855,6 +999,7 @@ def headline(records: list[RunRecord]) -> str:
                     f"| {mt['m1_g128_geomean_speedup']:.2f}x eager"
                     + (f", {graphed:.2f}x under CUDA graphs" if graphed is not None else "")
                     + f"; target {KERNEL_TARGET:.1f}x {met} | `{_rid(kernel)}` |")
+    rows += shapes_headline_rows(records)
     by_family = _prompts_by_family()
     tree, best = newest(records, "decode_standin", tree_run), None
     if tree is not None:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from reproductions.readme_results import HEAD_BEGIN, HEAD_END, headline, lossless_rows, main
+from sdsie.telemetry.records import load_records
 
 TELEMETRY = Path(__file__).resolve().parents[1] / "telemetry"
 RECORDS = ("20261202T052856521175Z-f9372e49_kernel_int4.json",
@@ -175,3 +176,86 @@ def test_serve_rows_read_the_newest_complete_thread_layout_gpu_records_and_judge
     assert serve_rows([r for r in records if r.suite != "serve_overhead"]) == []
 
 
+
+
+def _shape_case(shape: str, n: int, m: int, group: str, bf16: float, sdsie: float, tinygemm: float | None,
+                best: float | None = None, source: str = "mma") -> dict:
+    """One case as `shape_bench.run_case` returns it (the fields the record keeps)."""
+    g = {"bf16": bf16, "sdsie": sdsie, "copy": bf16 / 4, **({"tinygemm": tinygemm} if tinygemm else {})}
+    case = {"shape": shape, "aliases": [shape], "n": n, "k": 4096, "m": m, "group": group,
+            "sdsie_config": "int4[8,16,128,s1,w4,mma]", "sdsie_config_source": source, "graph_us": g}
+    if best is not None:
+        case["sweep"] = {"best_us": best, "sdsie_over_best": sdsie / best}
+    return case
+
+
+def _shape_meta(shape_set: str, names: list[str], device: str = "NVIDIA H200") -> dict:
+    return {"shape_set": shape_set, "m_values": [1, 2], "groups": ["128", "pc"], "choice": "auto", "sweep": False,
+            "sweep_set": "full", "reps": 10, "max_copies": 1024, "timer": "graph_us", "tuned_table": {},
+            "commit": "abcdef0123", "device": device,
+            "shapes": {s: {"n": 4096, "k": 4096, "aliases": [s], "tuned": False} for s in names}}
+
+
+def _write_shapes(root: Path, meta: dict, cases: list[dict], complete: bool = True) -> str:
+    from reproductions.kernels.shape_bench import run_record
+    from sdsie.telemetry.records import write_record
+
+    return write_record(run_record(meta, {"complete": complete}, cases), root).name.split("-", 1)[1][:8]
+
+
+def test_a_shape_bench_run_becomes_a_record_with_each_cases_arms_its_summary_and_its_configuration(tmp_path: Path):
+    from reproductions.kernels.shape_bench import run_record
+
+    cases = [_shape_case("A.q", 4096, 1, "128", 40.0, 10.0, 20.0), _shape_case("A.q", 4096, 1, "pc", 40.0, 20.0, None)]
+    rec = run_record(_shape_meta("fit", ["A.q"]), {"complete": False}, cases)
+    assert rec.suite == "kernel_shapes" and rec.complete is False and rec.conditions["hardware"] == "NVIDIA H200"
+    assert rec.samples["A.q|m1|g128|tinygemm"] == [20.0] and "A.q|m1|gpc|tinygemm" not in rec.samples
+    assert rec.metrics["m1.g128.sdsie_geomean_speedup"] == 4.0 and rec.metrics["m1.g128.sdsie_beats_tinygemm"] == 1
+    assert rec.metrics["m1.g128.sdsie_beats_tinygemm_of"] == 1 and rec.metrics["m1.sources.mma"] == 2
+    assert rec.config["cases"][1] == {"shape": "A.q", "n": 4096, "k": 4096, "m": 1, "group": "pc",
+                                      "sdsie_config": "int4[8,16,128,s1,w4,mma]", "source": "mma"}
+    assert rec.config["dry_run"] is False and run_record(_shape_meta("fit", ["A.q"], "cpu (interpreter dry run)"),
+                                                         {"complete": True}, cases).config["dry_run"] is True
+
+
+def test_the_shapes_section_judges_the_kernel_issues_bars_and_lists_each_m1_shape(tmp_path: Path):
+    from reproductions.readme_results import headline, render
+
+    names = ["A.q", "B.down"]
+    fit = [_shape_case("A.q", 4096, 1, "128", 30.0, 10.0, 12.0), _shape_case("B.down", 4096, 1, "128", 29.0, 10.0, 9.0),
+           _shape_case("A.q", 4096, 2, "128", 30.0, 12.0, 14.0), _shape_case("B.down", 4096, 2, "128", 20.0, 12.5, 9.0)]
+    rid = _write_shapes(tmp_path, _shape_meta("fit", names), fit)
+    _write_shapes(tmp_path, _shape_meta("fit", names, "cpu (interpreter dry run)"), fit[:1])  # never shown
+    page = render(tmp_path)
+    assert f"record `{rid}`" in page and "over 2 decoder shapes the configuration choice was fitted on (A, B)" in page
+    assert "| 1 | 128 | 2 | 2.94x (2.90x) | 2.84x | 1/2 | 4.00x | - |" in page
+    assert ("M = 1 geometric mean at least 2.8x: met (group 128 2.94x); faster than tinygemm on every shape at M = 1: "
+            "not met (1 of 2); M = 2 at least 1.8x on every shape: not met (worst 1.60x, at M = 2).") in page
+    assert "| B.down | 4096x4096 | 29.0 | 10.0 (`int4[8,16,128,s1,w4,mma]`, mma) | 9.0 | 7.2 | 2.90x | 0.90x |" in page
+    assert "held-out" not in page
+    head = headline(load_records(tmp_path))
+    assert (f"| INT4 GEMV over cuBLAS bf16 under CUDA graphs, M = 1, group 128, 2 decoder shapes of 2 models (fused "
+            f"q/k/v and gate/up included), L2-cold | geometric mean 2.94x (worst 2.90x), faster than torch's tinygemm "
+            f"INT4 on 1 of 2; target 2.8x met | `{rid}` |") in head
+    held = [_shape_case("C.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=9.5),
+            _shape_case("C.o", 4096, 2, "128", 30.0, 12.0, 14.0, best=10.0)]
+    hid = _write_shapes(tmp_path, {**_shape_meta("heldout", ["C.o"]), "sweep": True}, held, complete=False)
+    page = render(tmp_path)
+    assert "no part of the configuration choice was fitted or tuned on them) (C)" in page
+    assert "stopped early, 2 cases" in page
+    assert "the choice within 90% of the sweep's best on every case: not met (1 of 2)" in page  # 12 / 10 > 1 / 0.9
+    assert "| 9.5 | 1.05 |" in page
+    assert (f"| INT4 configuration choice on held-out decoder shapes (never fitted or tuned on): cases within 90% of "
+            f"the speed an exhaustive sweep of its candidates finds | 1 of 2; target every case not met | `{hid}` |"
+            ) in headline(load_records(tmp_path))
+
+
+def test_shape_bench_writes_its_record_only_where_told_on_a_dry_run(tmp_path: Path, monkeypatch):
+    from reproductions.kernels.shape_bench import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = ["--out", str(tmp_path / "out"), "--device", "cpu", "--tiny", "--m", "1", "--groups", "128", "--jobs", "0"]
+    assert main(args) == 0 and not (tmp_path / "records").exists()
+    assert main([*args, "--record-dir", str(tmp_path / "records")]) == 0
+    (rec,) = load_records(tmp_path / "records")
+    assert rec.suite == "kernel_shapes" and rec.config["dry_run"] and rec.config["cases"][0]["shape"] == "tiny.64x256"

@@ -22,6 +22,9 @@ configuration rule can be fitted and checked on held-out shapes (docs/kernel-log
 Work runs in the order that informs most first (M = 1 over all shapes, then M = 16, then the rest; shapes outside the
 tuned table first), the JSON is rewritten after every case, and the run stops cleanly at --max-seconds. Triton
 compiles run first, in parallel worker processes (--jobs) that fill Triton's on-disk cache for the timing process.
+At the end a GPU run is also written as a record (suite "kernel_shapes", in telemetry/ unless --record-dir or
+--no-record say otherwise), from which `reproductions.readme_results` generates the per-shape tables of
+docs/results.md.
 
     PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.run/triton python -m reproductions.kernels.shape_bench --out DIR --sweep
     TRITON_INTERPRET=1 python -m reproductions.kernels.shape_bench --out DIR --device cpu --tiny --sweep  # dry run
@@ -547,6 +550,47 @@ def markdown_rows(records: list[dict]) -> list[str]:
     return lines
 
 
+SUITE = "kernel_shapes"
+
+
+def flat_summary(summary: dict) -> dict[str, float]:
+    """`summarize`'s output as record metrics: "m1.g128.sdsie_geomean_speedup" and the like; a count "a/b" becomes
+    "...sdsie_beats_tinygemm" = a and "..._of" = b, a sources dict one count a source ("m1.sources.mma")."""
+    out: dict[str, float] = {}
+    for key, s in summary.items():
+        for name, v in s.items():
+            if isinstance(v, str):
+                a, b = v.split("/")
+                out[f"{key}.{name}"], out[f"{key}.{name}_of"] = float(a), float(b)
+            elif isinstance(v, dict):
+                out.update({f"{key}.{name}.{src}": float(n) for src, n in v.items()})
+            else:
+                out[f"{key}.{name}"] = float(v)
+    return out
+
+
+def run_record(meta: dict, progress: dict, records: list[dict]):
+    """The run as a telemetry record (suite "kernel_shapes"), which docs/results.md and the README read: per case and
+    arm its graphed median ("<shape>|m<M>|g<group>|<arm>", arms bf16, sdsie, tinygemm, copy, and the sweep's best),
+    the summary as metrics, each case's configuration and its source in the config."""
+    from sdsie.telemetry.records import RunRecord, capture_environment
+
+    samples = {f"{r['shape']}|m{r['m']}|g{r['group']}|{arm}": [us] for r in records
+               for arm, us in r["graph_us"].items()}
+    samples.update({f"{r['shape']}|m{r['m']}|g{r['group']}|best": [r["sweep"]["best_us"]] for r in records
+                    if "best_us" in r.get("sweep", {})})
+    config = {k: meta[k] for k in ("shape_set", "m_values", "groups", "choice", "sweep", "sweep_set", "reps",
+                                   "max_copies", "timer", "tuned_table", "commit", "shapes")}
+    config["dry_run"] = meta["device"].startswith("cpu")
+    config["cases"] = [{"shape": r["shape"], "n": r["n"], "k": r["k"], "m": r["m"], "group": r["group"],
+                        "sdsie_config": r["sdsie_config"], "source": r["sdsie_config_source"]} for r in records]
+    model = f"INT4 decoder linear shapes, {meta['shape_set']} set (random weights)"
+    return RunRecord(claim_ids=[], suite=SUITE, config=config, samples=samples,
+                     metrics=flat_summary(summarize(records)), environment=capture_environment(),
+                     complete=bool(progress["complete"]),
+                     conditions={"model": model, "hardware": meta["device"], "trials": 1})
+
+
 def write_json(path: Path, payload: dict) -> None:
     """Replace `path` whole (a temporary file renamed over it): a run cut mid-write keeps the previous version."""
     import json
@@ -592,6 +636,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eager-ms", type=int, default=20, help="do_bench window of the M = 1 eager figures")
     p.add_argument("--max-copies", type=int, default=1024, help="most weight copies a graph cycles over")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--record-dir", type=Path, default=None,
+                   help="where the run's record goes (default telemetry/ on a GPU; none for the --tiny dry run)")
+    p.add_argument("--no-record", action="store_true", help="write no record (the JSON under --out only)")
     p.add_argument("--tiny", action="store_true", help="dry run: one tiny shape, two sweep configurations")
     p.add_argument("--estimate-only", action="store_true", help="print the work's size and estimated time, then stop")
     a = p.parse_args(argv)
@@ -705,6 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, s in summarize(records).items():
         print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()})
     print(f"wrote {path}")
+    record_dir = a.record_dir or (None if a.tiny else Path("telemetry"))
+    if records and record_dir is not None and not a.no_record:
+        from sdsie.telemetry.records import write_record
+
+        print(f"record: {write_record(run_record(meta, progress, records), record_dir)}")
     return 0
 
 

@@ -38,17 +38,8 @@ from sdsie.kernels import (
     kernel_calls,
 )
 from sdsie.kernels.int4_config import tuned_key, tuned_lookup
-from sdsie.kernels.int4_gemm import (
-    CODE_HI,
-    CODE_LO,
-    CODE_MAGIC,
-    DEQUANT_MIN_M,
-    ROW_SLICE,
-    _code_pair_f32,
-    _plan_key,
-    _plans_of,
-    int4_dequantize,
-)
+from sdsie.kernels.int4_gemm import DEQUANT_MIN_M, ROW_SLICE, _plan_key, _plans_of, int4_dequantize
+from sdsie.kernels.int4_triton import CODE_HI, CODE_LO, CODE_MAGIC, _code_pair_f32
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -310,7 +301,7 @@ def test_the_planes_ptx_gives_the_bits_of_the_interpreter_path(dtype):
     """The GPU's planes dequantization is inline PTX, which the interpreter cannot run; CI checks its bits here
     instead: for every pair of bytes (element 0 in the low byte, as Triton packs them), the two results hold the
     low and high nibbles ORed into BIAS's mantissa, element 0 in the low half, as _byte_planes' Triton ops give."""
-    from sdsie.kernels.int4_gemm import _PLANES_PTX_BF16, _PLANES_PTX_FP16
+    from sdsie.kernels.int4_triton import _PLANES_PTX_BF16, _PLANES_PTX_FP16
 
     ptx, magic = (_PLANES_PTX_FP16.value, 0x6400) if dtype == torch.float16 else (_PLANES_PTX_BF16.value, 0x4300)
     bias = torch.tensor([magic], dtype=torch.int16).view(dtype).item()

@@ -131,6 +131,33 @@ def test_ab_bench_loads_another_kernel_version_beside_this_one(tmp_path):
         load_baseline(other)
 
 
+def test_ab_bench_runs_the_baseline_launcher_on_the_baseline_revisions_kernels(tmp_path):
+    """Where a revision keeps its Triton kernels in int4_triton.py, the baseline launcher launches that revision's
+    kernels (a copy named by --baseline-kernels), not this tree's; a file without them is refused by name."""
+    from pathlib import Path
+
+    import pytest
+    import torch
+
+    from reproductions.kernels.ab_bench import KERNEL_NAMES, load_baseline
+    from reproductions.kernels.int4_bench import random_int4
+    from sdsie.kernels import int4_gemm, int4_matmul, int4_triton
+
+    launcher, kernels = tmp_path / "base_int4_gemm.py", tmp_path / "base_int4_triton.py"
+    launcher.write_text(Path(int4_gemm.__file__).read_text())
+    kernels.write_text(Path(int4_triton.__file__).read_text())
+    base = load_baseline(launcher, kernels)
+    for name in KERNEL_NAMES:
+        assert getattr(base, name) is not getattr(int4_triton, name) or name == "CODE_MAGIC", name
+        assert getattr(base, name) is getattr(__import__("sys").modules["sdsie_int4_triton_baseline"], name)
+    w = random_int4(64, 256, 128, "cpu", torch.Generator().manual_seed(0))
+    x = torch.randn(1, 256)
+    assert torch.equal(base.int4_matmul(x, w), int4_matmul(x, w))  # the same source: the same bits
+    (tmp_path / "other.py").write_text("x = 1\n")
+    with pytest.raises(ImportError, match="not a version of sdsie/kernels/int4_triton.py"):
+        load_baseline(launcher, tmp_path / "other.py")
+
+
 def test_ab_bench_refuses_a_row_count_below_one(tmp_path, capsys):
     """--m names the rows to compare at group 128; M < 1 is refused before anything is timed or imported."""
     import pytest

@@ -1,7 +1,13 @@
 """This tree's INT4 kernel against another version of it, side by side in one run on one GPU.
 
     git show REV:sdsie/kernels/int4_gemm.py > .ab/base_int4_gemm.py
-    python -m reproductions.kernels.ab_bench --baseline .ab/base_int4_gemm.py --out OUT.json
+    git show REV:sdsie/kernels/int4_triton.py > .ab/base_int4_triton.py    # where REV has the Triton kernels apart
+    python -m reproductions.kernels.ab_bench --baseline .ab/base_int4_gemm.py \
+        [--baseline-kernels .ab/base_int4_triton.py] --out OUT.json
+
+The baseline is the launcher of REV; where REV keeps its Triton kernels in `int4_triton.py`, --baseline-kernels
+names REV's copy of that file, whose kernels the baseline launcher then runs (without it, the baseline launches this
+tree's kernels, and only the launchers differ).
 
 Both versions launch the configuration this tree selects for each case (the installed tuned table), on the
 same weights and x. Per case: the time under CUDA graphs (a rotation of L2-cold weight copies, no host time),
@@ -38,18 +44,36 @@ from sdsie.telemetry.records import write_raw
 AB_CASES = [(m, g) for m, g in ((1, 128), (1, None), (2, 128))]  # (M, group): batch 1 both layouts, and M = 2
 
 
-def load_baseline(path: Path) -> ModuleType:
-    """Import a copy of sdsie/kernels/int4_gemm.py from another revision under its own module name."""
+# the launcher's names for what it takes from sdsie/kernels/int4_triton.py
+KERNEL_NAMES = ("CODE_MAGIC", "_int4_dequant_kernel", "_int4_gemm_kernel", "_int4_gemm_planes_kernel",
+                "_int4_gemv_kernel")
+
+
+def _import_copy(path: Path, name: str, what: str) -> ModuleType:
     if not path.is_file():
-        raise FileNotFoundError(f"baseline kernel module {path} does not exist (git show REV:sdsie/kernels/...)")
-    spec = importlib.util.spec_from_file_location("sdsie_int4_gemm_baseline", path)
+        raise FileNotFoundError(f"baseline {what} {path} does not exist (git show REV:sdsie/kernels/...)")
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path} as a module")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
+    return mod
+
+
+def load_baseline(path: Path, kernels: Path | None = None) -> ModuleType:
+    """Import a copy of sdsie/kernels/int4_gemm.py from another revision under its own module name; with `kernels`,
+    a copy of that revision's sdsie/kernels/int4_triton.py, whose kernels the copy then launches."""
+    mod = _import_copy(path, "sdsie_int4_gemm_baseline", "launcher")
     if not hasattr(mod, "int4_matmul"):
         raise ImportError(f"{path} has no int4_matmul: not a version of sdsie/kernels/int4_gemm.py")
+    if kernels is not None:
+        dev = _import_copy(kernels, "sdsie_int4_triton_baseline", "kernels")
+        missing = [n for n in KERNEL_NAMES if not hasattr(dev, n)]
+        if missing:
+            raise ImportError(f"{kernels} lacks {missing}: not a version of sdsie/kernels/int4_triton.py")
+        for n in KERNEL_NAMES:  # the launcher looks them up as its globals at each launch
+            setattr(mod, n, getattr(dev, n))
     return mod
 
 
@@ -89,6 +113,8 @@ def ab_case(case: Case, base: ModuleType, gen: torch.Generator, device: str) -> 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", type=Path, required=True, help="a copy of sdsie/kernels/int4_gemm.py to compare")
+    p.add_argument("--baseline-kernels", type=Path, default=None,
+                   help="that revision's copy of sdsie/kernels/int4_triton.py, whose kernels the baseline launches")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", nargs="*", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
     p.add_argument("--m", type=int, nargs="+", metavar="M",
@@ -99,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = AB_CASES if a.m is None else [(m, 128) for m in a.m]
     if cuda_missing("ab_bench"):
         return 2
-    base = load_baseline(a.baseline)
+    base = load_baseline(a.baseline, a.baseline_kernels)
     gen = torch.Generator().manual_seed(0)
     results = []
     for shape in a.shapes:
@@ -111,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape:22s} m={m} g={g} graph new={gm['new']:.1f} base={gm['base']:.1f} bf16={gm['bf16']:.1f}us "
                   f"x{r['graph_new_over_base']:.3f} | eager x{r['eager_new_over_base']:.3f} | err new "
                   f"{r['errors']['new']:.2e} base {r['errors']['base']:.2e}", flush=True)
-    write_raw(a.out, {"baseline": str(a.baseline), "device": torch.cuda.get_device_name(),
+    write_raw(a.out, {"baseline": str(a.baseline), "baseline_kernels": a.baseline_kernels and str(a.baseline_kernels),
+                      "device": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "results": results})
     return 0
 

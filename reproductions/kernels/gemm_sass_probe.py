@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from reproductions.kernels.inspect_ptx import registers, sass_loop
-from sdsie.kernels.int4_gemm import _int4_gemm_kernel, _int4_gemm_planes_kernel, _load_group_params
+from sdsie.kernels.int4_triton import _int4_gemm_kernel, _int4_gemm_planes_kernel, _load_group_params
 
 
 @triton.jit

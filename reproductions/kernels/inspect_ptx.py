@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from sdsie.kernels.int4_config import candidate_configs
-from sdsie.kernels.int4_gemm import _int4_gemv_kernel
+from sdsie.kernels.int4_triton import _int4_gemv_kernel
 
 NAMES = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "lock_ptr", "M", "N", "K", "NCOLS", "G",
          "k_per_split", "stride_xm", "stride_xk", "stride_qn", "stride_ym", "magic_lo",

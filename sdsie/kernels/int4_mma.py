@@ -1,6 +1,6 @@
 """INT4 GEMV for M <= 16 on the tensor cores, weights stored in mma fragment order (a Gluon kernel, GPU only).
 
-Why: the CUDA-core GEMV of `int4_gemm` issues about 3.4 instructions per code (an FMA, a LOP3 and their share of
+Why: the CUDA-core GEMV of `int4_triton` issues about 3.4 instructions per code (an FMA, a LOP3 and their share of
 shifts, x conversions and addressing) and is issue-bound on the mid-size decoder shapes (docs/kernel-log.md). Here
 one `mma.sync.m16n8k16` takes 256 codes of a warp, and a thread's eight codes for it arrive as one 32-bit word whose
 nibbles are already where the A fragment wants them (Marlin's offline repacking): three shifts, four LOP3s (code

@@ -180,6 +180,58 @@ def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zero
     assert r["sass_loop_per_code"] < 2.6, r
 
 
+@pytest.mark.parametrize("halves, cap", [(1, 80), (2, 128)])
+def test_a_register_cap_fits_more_programs_an_sm_without_spilling(halves, cap):
+    """Offline sm_90: uncapped, the kernel holds 95 registers a thread at M <= 8 (5 programs of 4 warps an SM) and
+    136 at M = 9-16 (3); capped at 80 and 128 (`Int4KernelConfig.max_registers`), it fits 6 and 4, with no spill
+    instruction and the same loop (its HMMA and 16-byte loads)."""
+    free = inspect_offline(f"halves={halves}")
+    capped = inspect_offline(f"halves={halves}, max_registers={cap}")
+    assert capped["registers"] <= cap < free["registers"], (free["registers"], capped["registers"])
+    assert 65536 // (capped["registers"] * 128) > 65536 // (free["registers"] * 128)  # programs of 4 warps an SM
+    assert capped["spill_instructions"] == 0 == free["spill_instructions"] and capped["local_mem"] == 0
+    for op in ("HMMA.16816.F32.BF16", "LDG.E.128"):
+        assert capped["sass_ops"][op] == free["sass_ops"][op], op
+
+
+def test_an_mma_configuration_takes_a_register_cap_and_launches_with_it(monkeypatch):
+    """`max_registers` on an mma configuration is validated as on the others and reaches the launch's options
+    (maxnreg), so a sweep or the tuned cache can name it. (The plan is built with the GPU-only checks stubbed: a CPU
+    cannot run the kernel, only plan it.)"""
+    import dataclasses
+
+    from sdsie.kernels import int4_gemm
+    from sdsie.kernels.int4_tune import config_name
+
+    capped = dataclasses.replace(MMA_CONFIGS[4], max_registers=80)
+    assert capped.mma and capped != MMA_CONFIGS[4] and config_name(capped) == "int4[8,16,128,s1,w4,r80,mma]"
+    with pytest.raises(ValueError, match="max_registers"):
+        dataclasses.replace(MMA_CONFIGS[4], max_registers=81)
+    w = make_weight(32, 256, 128, False, 0.02, torch.device("cpu"), torch.Generator().manual_seed(0))
+    monkeypatch.setattr(int4_gemm, "mma_supported", lambda x, w: True)
+    monkeypatch.setattr(int4_gemm, "_fragments", lambda w, gate_up: (w.qweight, w.scales, w.zeros))
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert int4_gemm._plan(x, w, capped).options["maxnreg"] == 80
+    assert "maxnreg" not in int4_gemm._plan(x, w, MMA_CONFIGS[4]).options
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SM90, reason="the mma kernel needs an sm_90+ GPU")
+@pytest.mark.parametrize("m, cap", [(1, 80), (4, 80), (8, 72), (16, 128)])
+def test_a_register_cap_changes_no_bit_of_the_result(m, cap):
+    """A cap changes where ptxas keeps values, not the arithmetic: capped and uncapped give the same bits, and both
+    are within the kernel's tolerance of the float64 reference."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(m)
+    w = make_weight(4096, 3584, 128, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+    x = torch.randn(m, 3584, generator=gen).to(torch.bfloat16).cuda()
+    free = int4_matmul(x, w, config=MMA_CONFIGS[4])
+    capped = int4_matmul(x, w, config=dataclasses.replace(MMA_CONFIGS[4], max_registers=cap))
+    assert torch.equal(free, capped)
+    assert_close_to_reference(capped, x, w)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_a_programmatic_launch_asks_for_the_weights_before_it_waits_for_x(pdl):
     """Offline sm_90 SASS: launched as a programmatic dependent, the kernel issues the first two pairs' weight loads

@@ -1,13 +1,17 @@
 """The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) beside the shipped INT4 kernel, bf16, tinygemm and a
 copy of its bytes, graphed and L2-cold, with its errors against the float64 reference (GPU only). --silu adds
-`int4_silu_mul` on the same weights (taken as fused [gate; up]): the silu * up epilogue's cost.
+`int4_silu_mul` on the same weights (taken as fused [gate; up]): the silu * up epilogue's cost. --max-registers
+times each warps count again under ptxas register caps (`Int4KernelConfig.max_registers`), and checks each capped
+result bit for bit against the uncapped one: does a cap that fits more programs on an SM make the mid shapes faster?
 
-    python -m research.kernels.mma_probe --out telemetry/raw/mma_probe_h200.json [--shapes 4096x4096 ...] [--silu]
+    python -m research.kernels.mma_probe --out telemetry/raw/mma_probe_h200.json [--shapes 4096x4096 ...] [--silu] \
+        [--max-registers 80 72 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -45,7 +49,8 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
             "mma_err": (y - ref).abs().max().item() / scale, "int4_err": (y0 - ref).abs().max().item() / scale}
 
 
-def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False) -> dict:
+def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
+              caps: tuple[int, ...] = ()) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -55,6 +60,12 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
         out[f"mma_w{warps}"] = graph_us(
             lambda i, warps=warps: (lambda: int4_matmul(x, ws[i % len(ws)], config=MMA_CONFIGS[warps])),
             n * k // 2, "cuda")
+        for cap in caps:
+            cfg = dataclasses.replace(MMA_CONFIGS[warps], max_registers=cap)
+            out[f"same_bits_w{warps}_r{cap}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg),
+                                                                 int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])))
+            out[f"mma_w{warps}_r{cap}"] = graph_us(
+                lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
     if silu:
         out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
@@ -81,7 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--silu", action="store_true", help="also time int4_silu_mul (the silu * up epilogue)")
     ap.add_argument("--no-checks", dest="checks", action="store_false", help="skip the error checks")
+    ap.add_argument("--max-registers", nargs="*", type=int, default=[],
+                    help="also time each warps count under these register caps (multiples of 8)")
     args = ap.parse_args(argv)
+    for cap in args.max_registers:  # refused before anything runs, not in the middle of the timings
+        try:
+            dataclasses.replace(MMA_CONFIGS[4], max_registers=cap)
+        except ValueError as err:
+            ap.error(f"--max-registers {cap}: {err}")
     if cuda_missing("mma_probe"):
         return 2
     gen = torch.Generator().manual_seed(0)
@@ -95,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.m:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
-            r = time_case(n, k, m, args.warps, gen, args.silu)
+            r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers))
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -52,13 +52,18 @@ class Int4KernelConfig:
     swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
     # ptxas's cap on registers per thread (Triton's maxnreg; None: its own choice). The M = 1 GEMV is latency-bound
     # for lack of warps, and its 160 registers a thread allow 12 warps an SM (docs/kernel-log.md); a cap trades
-    # spills for warps. Ignored by the interpreter.
+    # spills for warps. The mma GEMV takes one too (95 registers uncapped: 5 programs of 4 warps an SM; 80: 6).
+    # Ignored by the interpreter.
     max_registers: int | None = None
     # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, a 16-row block a program and
     # num_warps warps along K; block_m 8, block_n 16, block_k 128 name that tile
     mma: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_registers is not None and (not isinstance(self.max_registers, int)
+                                               or not 24 <= self.max_registers <= 255 or self.max_registers % 8):
+            raise ValueError(f"Int4KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], got "
+                             f"{self.max_registers!r}")
         if self.mma:
             if (self.block_m, self.block_n, self.block_k, self.split_k, self.swap_ab) != (8, 16, 128, 1, False):
                 raise ValueError(f"an mma configuration is block_m 8, block_n 16, block_k 128, no split, no swap_ab, "
@@ -66,10 +71,6 @@ class Int4KernelConfig:
             if self.num_warps not in (4, 8):
                 raise ValueError(f"an mma configuration takes 4 or 8 warps, got {self.num_warps}")
             return
-        if self.max_registers is not None and (not isinstance(self.max_registers, int)
-                                               or not 24 <= self.max_registers <= 255 or self.max_registers % 8):
-            raise ValueError(f"Int4KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], got "
-                             f"{self.max_registers!r}")
         for flag in ("x_tile", "swap_ab"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")

@@ -1,0 +1,14 @@
+"""The mma probe's arguments: a register cap the configuration would refuse stops the run before it times anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from research.kernels.mma_probe import main
+
+
+def test_a_register_cap_that_is_not_a_multiple_of_eight_is_refused_up_front(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "probe.json"), "--max-registers", "80", "81"])
+    assert exc.value.code == 2
+    assert "--max-registers 81" in capsys.readouterr().err and not (tmp_path / "probe.json").exists()

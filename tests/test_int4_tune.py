@@ -6,6 +6,7 @@ their own."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -116,6 +117,27 @@ def test_a_candidate_with_a_wrong_result_is_never_kept(cache, monkeypatch):
     assert result.best is not None and result.best != broken
 
 
+def test_the_summary_counts_the_builtin_choice_within_90pct_of_the_best_and_the_seconds():
+    """The held-out bar, from a run's results: built-in time at most 1 / 0.9 of the best's; cases without a correct
+    candidate or without the built-in's time are left out of the comparison, not counted as passing."""
+    def result(builtin_us: float | None, best_us: float | None, seconds: float) -> tu.CaseResult:
+        r = tu.CaseResult(tu.TuneCase(1, 64, 256, 128), "cpu", "int4[a]", "rule", seconds=seconds)
+        if builtin_us is not None:
+            r.times_us["int4[a]"] = builtin_us
+        if best_us is not None:
+            r.best = int4_config.MMA_CONFIGS[4]
+            r.times_us[tu.config_name(r.best)] = best_us
+        return r
+
+    s = tu.summarize([result(10.0, 10.0, 1.0), result(12.0, 10.0, 2.0), result(11.0, 10.0, 4.0),
+                      result(None, 10.0, 0.5), result(10.0, None, 0.5)])
+    assert (s["cases"], s["compared"], s["builtin_within_90pct_of_best"]) == (5, 3, 2)  # 1.2 > 1 / 0.9
+    assert math.isclose(s["builtin_over_best_geomean"], (1.0 * 1.2 * 1.1) ** (1 / 3))
+    assert s["builtin_over_best_max"] == 1.2
+    assert s["seconds_total"] == 8.0 and s["seconds_median"] == 1.0
+    assert tu.summarize([])["builtin_over_best_geomean"] is None
+
+
 def test_the_cache_merges_by_device_and_key(cache):
     cfg_a, cfg_b = int4_config.Int4KernelConfig(1, 32, 256), int4_config.Int4KernelConfig(1, 64, 256)
     cache.write_text(json.dumps({"format": int4_config.TUNED_CACHE_FORMAT, "devices": {
@@ -219,6 +241,9 @@ def test_the_command_tunes_and_writes_the_cache_and_a_report(cache, tmp_path):
     [result] = doc["results"]
     assert result["key"] == "m4|64|256|pc" and result["best"] in result["times_us"]
     assert result["best_us"] == min(result["times_us"].values())
+    s = doc["summary"]
+    assert (s["cases"], s["compared"]) == (1, 1) and s["builtin_over_best_max"] >= 1.0
+    assert s["builtin_within_90pct_of_best"] == (s["builtin_over_best_max"] <= 1 / 0.9)
     configs = json.loads(cache.read_text())["devices"]["cpu"]["configs"]
     assert tu.config_name(int4_config.Int4KernelConfig(**configs["m4|64|256|pc"])) == result["best"]
 

@@ -145,6 +145,19 @@ class CaseResult:
                 "seconds": round(self.seconds, 2)}
 
 
+def summarize(results: Sequence[CaseResult]) -> dict:
+    """A run's figures: how many cases the built-in choice was within 90% of the best candidate's speed (its time at
+    most 1 / 0.9 of the best's: the kernel issue's held-out bar), the geometric mean and worst of built-in over best
+    time, and the seconds the cases took (the first-use cost of tuning them)."""
+    ratios = [r.builtin_us / r.best_us for r in results if r.best_us is not None and r.builtin_us is not None]
+    secs = sorted(r.seconds for r in results)
+    return {"cases": len(results), "compared": len(ratios),
+            "builtin_within_90pct_of_best": sum(x <= 1 / 0.9 for x in ratios),
+            "builtin_over_best_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+            "builtin_over_best_max": max(ratios, default=None),
+            "seconds_total": round(sum(secs), 1), "seconds_median": secs[len(secs) // 2] if secs else None}
+
+
 def case_candidates(case: TuneCase, device: torch.device) -> list[Int4KernelConfig]:
     """The configurations a tune times for `case` on `device`: those of `choice_configs` that `fits` M, the mma ones
     only where bf16 x on this device could run them, and the built-in choice itself (always, first-listed where it
@@ -351,10 +364,16 @@ def run(args: argparse.Namespace) -> int:
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"device": device_name(device), "torch": torch.__version__,
-                                            "planned_cases": len(cases), "results": [d.as_dict() for d in done]},
-                                           indent=1) + "\n")
+                                            "planned_cases": len(cases), "summary": summarize(done),
+                                            "results": [d.as_dict() for d in done]}, indent=1) + "\n")
 
     results = tune(cases, device, write=False, progress=show)
+    s = summarize(results)
+    if s["compared"]:
+        print(f"{s['cases']} cases: the built-in choice within 90% of the best's speed on "
+              f"{s['builtin_within_90pct_of_best']} of {s['compared']} (its time over the best's: geomean "
+              f"{s['builtin_over_best_geomean']:.3f}, worst {s['builtin_over_best_max']:.3f}); tuning took "
+              f"{s['seconds_total']} s, {s['seconds_median']:.1f} s a case (median)")
     if args.write:
         print(f"wrote {write_tuned(results, args.cache)}")
     return 0 if all(r.best is not None for r in results) else 1

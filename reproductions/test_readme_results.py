@@ -266,3 +266,23 @@ def test_shape_bench_writes_its_record_only_where_told_on_a_dry_run(tmp_path: Pa
     assert main([*args, "--record-dir", str(tmp_path / "records")]) == 0
     (rec,) = load_records(tmp_path / "records")
     assert rec.suite == "kernel_shapes" and rec.config["dry_run"] and rec.config["cases"][0]["shape"] == "tiny.64x256"
+
+
+def test_a_shapes_run_split_by_m_keeps_every_part_until_a_newer_run_covers_it(tmp_path: Path):
+    """The held-out sweep runs in parts (M = 1, then M = 2-16): each part's record counts while no newer record holds
+    its (M, group) cases; the headline sums the parts, each M from the newest record that has it."""
+    import time
+
+    from reproductions.readme_results import current_shapes, headline
+
+    meta = {**_shape_meta("heldout", ["C.o"]), "sweep": True}
+    first = _write_shapes(tmp_path, meta, [_shape_case("C.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=9.5)])
+    time.sleep(0.01)  # records are ordered by their creation time
+    second = _write_shapes(tmp_path, meta, [_shape_case("C.o", 4096, 2, "128", 30.0, 12.0, 14.0, best=10.0)])
+    assert [r.source.name.split("-", 1)[1][:8] for r in current_shapes(load_records(tmp_path), "heldout")] == [
+        second, first]
+    assert f"| 1 of 2; target every case not met | `{second}`, `{first}` |" in headline(load_records(tmp_path))
+    time.sleep(0.01)
+    third = _write_shapes(tmp_path, meta, [_shape_case("C.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=10.0)])
+    kept = current_shapes(load_records(tmp_path), "heldout")
+    assert [r.source.name.split("-", 1)[1][:8] for r in kept] == [third, second]  # the first is covered now

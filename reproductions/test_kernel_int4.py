@@ -26,7 +26,7 @@ def test_int4_kernel_suite(tmp_path: Path):
 def test_the_kernel_record_names_the_tuned_table_it_ran_on(tmp_path: Path, monkeypatch):
     """The suite record's config.tuned_table says which table chose the configurations: the shipped one, or the one
     $SDSIE_TUNED_CONFIGS names (gpu_run.sh after a sweep), with the sha256 of its bytes, and the local tuned cache
-    when one was read."""
+    when one was read. Paths are the repository's where the file lies in it, else the file's name: no machine's."""
     import hashlib
 
     from reproductions.kernels.int4_bench import tuned_table_provenance
@@ -35,18 +35,18 @@ def test_the_kernel_record_names_the_tuned_table_it_ran_on(tmp_path: Path, monke
     monkeypatch.delenv("SDSIE_TUNED_CONFIGS", raising=False)
     monkeypatch.setenv("SDSIE_INT4_CACHE", "off")
     shipped = tuned_table_provenance()
-    assert shipped == {"path": str(SHIPPED_TUNED_PATH), "shipped": True,
+    assert shipped == {"path": "sdsie/kernels/tuned_configs.json", "shipped": True,
                        "sha256": hashlib.sha256(SHIPPED_TUNED_PATH.read_bytes()).hexdigest(), "local_cache": None}
     swept = tmp_path / "tuned_configs.json"
     swept.write_text("{}")
     monkeypatch.setenv("SDSIE_TUNED_CONFIGS", str(swept))
-    assert tuned_table_provenance() == {"path": str(swept), "shipped": False,
+    assert tuned_table_provenance() == {"path": "tuned_configs.json", "shipped": False,
                                         "sha256": hashlib.sha256(b"{}").hexdigest(), "local_cache": None}
     local = tmp_path / "int4_tuned.json"  # the local cache `sdsie tune-int4` writes, read first by the choice
     monkeypatch.setenv("SDSIE_INT4_CACHE", str(local))
     assert tuned_table_provenance()["local_cache"] is None  # named but absent: nothing read
     local.write_text('{"format": "sdsie-int4-tuned-v1", "devices": {}}')
-    assert tuned_table_provenance()["local_cache"] == {"path": str(local),
+    assert tuned_table_provenance()["local_cache"] == {"path": "int4_tuned.json",
                                                        "sha256": hashlib.sha256(local.read_bytes()).hexdigest()}
 
 

@@ -552,18 +552,28 @@ def run_suite(out_dir: Path, sweep: bool = False, energy: bool = True, write_rec
     return summary
 
 
+def _record_path(path: Path) -> str:
+    """A file's name as a record keeps it: relative to the repository where it lies inside it, else its name alone
+    (the sha256 beside it identifies the bytes; a record holds no machine's paths)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return path.resolve().relative_to(root).as_posix()
+    except ValueError:
+        return path.name
+
+
 def tuned_table_provenance() -> dict:
-    """Which tuned tables the run's automatic choices came from: the shipped one's path (or $SDSIE_TUNED_CONFIGS
-    when gpu_run.sh runs on a table its sweep just wrote) and the sha256 of its bytes (null when there is none), and
-    the local tuned cache `sdsie tune-int4` writes, which the choice reads first (`local_cache`: null when off or
-    absent)."""
+    """Which tuned tables the run's automatic choices came from: the shipped one (or $SDSIE_TUNED_CONFIGS when
+    gpu_run.sh runs on a table its sweep just wrote) and the sha256 of its bytes (null when there is none), and the
+    local tuned cache `sdsie tune-int4` writes, which the choice reads first (`local_cache`: null when off or
+    absent). Paths as `_record_path` gives them."""
     from sdsie.kernels.int4_config import SHIPPED_TUNED_PATH, tuned_cache_path, tuned_path
 
     path = tuned_path()
     local = tuned_cache_path()
-    return {"path": str(path), "shipped": path == SHIPPED_TUNED_PATH,
+    return {"path": _record_path(path), "shipped": path == SHIPPED_TUNED_PATH,
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None,
-            "local_cache": ({"path": str(local), "sha256": hashlib.sha256(local.read_bytes()).hexdigest()}
+            "local_cache": ({"path": _record_path(local), "sha256": hashlib.sha256(local.read_bytes()).hexdigest()}
                             if local is not None and local.exists() else None)}
 
 

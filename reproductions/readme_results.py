@@ -730,9 +730,8 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
         options = rec.config.get("inductor_options") or {}
         compiled = "compiled" + (f" ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
         launch = ", sdsie kernels as programmatic dependents" if rec.config.get("pdl") else ""
-        shown = math.floor(mt[key] * 100) / 100  # rounded down: 2.4996 reads 2.49x, as its verdict says
         rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt[1:]}, 128 new tokens): "
-                    f"all linears INT4 against bf16, both {compiled} and graphed{launch} | {shown:.2f}x tok/s "
+                    f"all linears INT4 against bf16, both {compiled} and graphed{launch} | {_down(mt[key])} tok/s "
                     f"({mt[base + '.decode_tok_s_median']:.0f} tok/s), "
                     f"{mt[base + '.energy_vs_baseline']:.3f}x J/token{_decode_energy(mt, base)}; "
                     f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'} | `{_rid(rec)}` |")
@@ -833,6 +832,19 @@ def _shape_models(rec: RunRecord) -> list[str]:
     return sorted({a.rsplit(".", 1)[0] for s in rec.config["shapes"].values() for a in s["aliases"]})
 
 
+def _within_best(recs: list[RunRecord]) -> tuple[float, float] | None:
+    """(cases within 90% of the sweep's best, cases swept) over shapes records, newest first: each M counted from
+    the newest record that has it; None where none was swept."""
+    seen: set[str] = set()
+    won = of = 0.0
+    for r in recs:
+        for k in r.metrics:
+            if k.endswith(".sdsie_within_90pct_of_best") and k.count(".") == 1 and k not in seen:
+                seen.add(k)
+                won, of = won + r.metrics[k], of + r.metrics[k + "_of"]
+    return (won, of) if seen else None
+
+
 def _shape_verdicts(rec: RunRecord) -> list[str]:
     """The kernel issue's bars against one shapes record, each as met or not met with its figure."""
     mt, out = rec.metrics, []
@@ -854,10 +866,9 @@ def _shape_verdicts(rec: RunRecord) -> list[str]:
         worst = min(small, key=small.get)
         out.append(f"M = {', '.join(map(str, sorted(small)))} at least {bar}x on every shape: "
                    f"{'met' if small[worst] >= bar else 'not met'} (worst {_down(small[worst])}, at M = {worst})")
-    within = [k for k in mt if k.endswith(".sdsie_within_90pct_of_best") and k.count(".") == 1]
-    if within:
-        won = sum(mt[k] for k in within)
-        of = sum(mt[k + "_of"] for k in within)
+    within = _within_best([rec])
+    if within is not None:
+        won, of = within
         out.append(f"the choice within 90% of the sweep's best on every case: {'met' if won == of else 'not met'} "
                    f"({won:.0f} of {of:.0f})")
     return out
@@ -940,16 +951,9 @@ def shapes_headline_rows(records: list[RunRecord]) -> list[str]:
                     f"and gate/up included), L2-cold | geometric mean {_down(v)} (worst "
                     f"{_down(mt['m1.g128.sdsie_min_speedup'])}){beats}; target {bar}x "
                     f"{'met' if v >= bar else 'not met'} | `{_rid(rec)}` |")
-    held = [r for r in current_shapes(records, "heldout")
-            if any(k.endswith(".sdsie_within_90pct_of_best") and k.count(".") == 1 for k in r.metrics)]
-    if held:  # each M counted from the newest record that has it
-        seen: set[str] = set()
-        won = of = 0.0
-        for r in held:
-            for k in r.metrics:
-                if k.endswith(".sdsie_within_90pct_of_best") and k.count(".") == 1 and k not in seen:
-                    seen.add(k)
-                    won, of = won + r.metrics[k], of + r.metrics[k + "_of"]
+    held = [r for r in current_shapes(records, "heldout") if _within_best([r]) is not None]
+    if held:
+        won, of = _within_best(held)
         ids = ", ".join(f"`{_rid(r)}`" for r in held)
         rows.append(f"| INT4 configuration choice on held-out decoder shapes (never fitted or tuned on): cases "
                     f"within 90% of the speed an exhaustive sweep of its candidates finds | {won:.0f} of "

@@ -3,9 +3,15 @@ seeded bootstrap intervals of a median, and the rank test behind a drift verdict
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+
+
+def geomean(values: Sequence[float]) -> float:
+    """The geometric mean of positive values (speedups, time ratios)."""
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def bootstrap_median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 2000,

@@ -35,10 +35,10 @@ from reproductions.kernels.int4_bench import (
     bench,
     cuda_missing,
     graph_us,
-    rel_error,
     weight_rotation,
 )
 from sdsie.kernels import int4_matmul, int4_matmul_reference, select_config
+from sdsie.kernels.int4_tune import rel_error
 from sdsie.telemetry.records import write_raw
 
 AB_CASES = [(m, g) for m, g in ((1, 128), (1, None), (2, 128))]  # (M, group): batch 1 both layouts, and M = 2

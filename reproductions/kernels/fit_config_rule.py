@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from reproductions.kernels.int4_bench import config_name, geomean
+from reproductions.kernels.int4_bench import config_name
 from sdsie.kernels import Int4KernelConfig
 from sdsie.kernels.int4_config import GEMV_MAX_M, RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
 from sdsie.kernels.int4_tune import CORRECT_REL_ERROR
+from sdsie.stats import geomean
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "telemetry/raw/shape_sweep_m1_m16_h200.json"
 CORRECT = CORRECT_REL_ERROR  # a configuration's result counts when its relative error is under this

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import statistics
 import sys
 import time
@@ -29,7 +28,8 @@ import torch.nn.functional as F
 
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
-from sdsie.kernels.int4_tune import CORRECT_REL_ERROR, choice_configs, config_name, fits
+from sdsie.kernels.int4_tune import CORRECT_REL_ERROR, choice_configs, config_name, fits, rel_error
+from sdsie.stats import geomean
 from sdsie.telemetry.energy import calls_to_fill
 from sdsie.telemetry.timing import graph_us, l2_busting_copies
 
@@ -112,10 +112,6 @@ def spread(samples: list[float]) -> dict:
         raise ValueError("spread: no timing samples")
     q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
     return {"min": min(samples), "p10": q[0], "p90": q[-1], "n": len(samples)}
-
-
-def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def latency_case(case: Case, gen: torch.Generator, device: str, copy_gbs: float,
@@ -595,10 +591,6 @@ def best_configs(results: list[dict], device_name: str | None = None) -> dict:
         g = c["group"] if c["group"] is not None else c["k"]
         table[tuned_key(c["m"], c["n"], c["k"], g)] = r["configs"][best]
     return {device_name or torch.cuda.get_device_name(): table}
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 LARGE = ("gate_up_14336x4096", "down_4096x14336", "lm_head_128256x4096")  # the copy-bandwidth target's shapes

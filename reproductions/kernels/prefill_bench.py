@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from reproductions.args import positive_int
-from reproductions.kernels.int4_bench import bench, random_int4, rel_error, spread, tinygemm_pack
+from reproductions.kernels.int4_bench import bench, random_int4, spread, tinygemm_pack
 from sdsie.kernels import int4_gemm
 from sdsie.kernels.int4_config import _LARGE_M_CONFIG
 from sdsie.kernels.int4_gemm import int4_dequantize, int4_matmul
+from sdsie.kernels.int4_tune import rel_error
 from sdsie.telemetry.env import capture_environment
 from sdsie.telemetry.records import write_raw
 

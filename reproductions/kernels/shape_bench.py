@@ -59,8 +59,6 @@ from reproductions.kernels.int4_bench import (
     config_name,
     copy_graph_us,
     fits,
-    geomean,
-    rel_error,
     sweep_configs,
     tinygemm_pack,
     tuned_table_provenance,
@@ -70,7 +68,8 @@ from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
 from sdsie.kernels.int4_config import _num_sms, rule_config, select_config_with_source
 from sdsie.kernels.int4_gemm import _plan, _plans_of
 from sdsie.kernels.int4_mma import mma_consts
-from sdsie.kernels.int4_tune import CORRECT_REL_ERROR
+from sdsie.kernels.int4_tune import CORRECT_REL_ERROR, meta_int4, rel_error
+from sdsie.stats import geomean
 from sdsie.telemetry.timing import graph_us, l2_busting_copies
 
 # (model, layer, N, K) of decoder linears, N x K = out x in. Fused rows are q/k/v or gate/up stacked along N.
@@ -245,23 +244,15 @@ def output_name(sweep: bool, m_values: list[int], part: tuple[int, int], choice:
             f"{'' if part == (1, 1) else f'.part{part[0]}of{part[1]}'}.json")
 
 
-def meta_weight(n: int, k: int, group_size: int) -> Int4Weight:
-    """An Int4Weight of this shape on the meta device (no memory): enough to build a launch plan."""
-    groups = -(-k // group_size)
-    return Int4Weight(torch.empty(n, (k + 1) // 2, dtype=torch.uint8, device="meta"),
-                      torch.empty(groups, n, dtype=torch.bfloat16, device="meta"),
-                      torch.empty(groups, n, dtype=torch.bfloat16, device="meta"), k, group_size)
-
-
 def specialization(m: int, n: int, k: int, group_size: int, cfg: Int4KernelConfig) -> tuple:
     """What Triton compiles one binary per, for a call on bf16 x of these sizes: the kernel, its constexprs and
     options, and which integer arguments are 1 or multiples of 16 (its default specialization)."""
     if cfg.mma:  # the Gluon kernel: its plan needs the GPU (it repacks the weight), its arguments are these
-        consts = mma_consts(meta_weight(n, k, group_size), cfg.num_warps, m)
+        consts = mma_consts(meta_int4(n, k, group_size), cfg.num_warps, m)
         return ("_int4_mma_gemv_kernel", tuple(consts.items()), (("num_warps", cfg.num_warps),),
                 tuple((v == 1, v % 16 == 0) for v in (m, n, k, k, n)))
     x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
-    p = _plan(x, meta_weight(n, k, group_size), cfg)
+    p = _plan(x, meta_int4(n, k, group_size), cfg)
     ints = (*p.ints, x.stride(0), x.stride(1), p.qw.stride(0), n)
     name = getattr(p.kernel, "__name__", None) or getattr(getattr(p.kernel, "fn", None), "__name__", str(p.kernel))
     return (name, tuple(p.consts.items()), tuple(sorted(p.options.items())), tuple((v == 1, v % 16 == 0) for v in ints))

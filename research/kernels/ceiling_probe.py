@@ -44,12 +44,12 @@ from reproductions.kernels.int4_bench import (
     copy_half_bytes,
     copy_time_us,
     cuda_missing,
-    geomean,
     graph_us,
     l2_busting_copies,
     weight_rotation,
 )
 from sdsie.kernels import int4_matmul
+from sdsie.stats import geomean
 from sdsie.telemetry.records import write_raw
 
 ARMS = ("bf16", "int4", "copy", "read")

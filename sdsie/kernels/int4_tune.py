@@ -47,9 +47,10 @@ from sdsie.kernels.int4_config import (
 from sdsie.kernels.int4_gemm import _plans_of, int4_matmul, int4_silu_mul, refresh_choice, silu_mul_halves
 from sdsie.kernels.int4_mma import mma_supported
 from sdsie.kernels.reference import int4_matmul_reference
+from sdsie.stats import geomean
 
 __all__ = ["CORRECT_REL_ERROR", "CaseResult", "TuneCase", "case_candidates", "choice_configs", "config_name", "fits",
-           "model_cases", "tune", "tune_model", "write_tuned"]
+           "meta_int4", "model_cases", "rel_error", "tune", "tune_model", "write_tuned"]
 
 CORRECT_REL_ERROR = 2e-2  # a configuration's result counts when its relative error to the reference is under this
 GEMV_SWEEP_M = (1, 2)  # the one-row GEMV kernel is timed at these M; the tl.dot kernels at M >= 2
@@ -153,7 +154,7 @@ def summarize(results: Sequence[CaseResult]) -> dict:
     secs = sorted(r.seconds for r in results)
     return {"cases": len(results), "compared": len(ratios),
             "builtin_within_90pct_of_best": sum(x <= 1 / 0.9 for x in ratios),
-            "builtin_over_best_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+            "builtin_over_best_geomean": geomean(ratios) if ratios else None,
             "builtin_over_best_max": max(ratios, default=None),
             "seconds_total": round(sum(secs), 1), "seconds_median": secs[len(secs) // 2] if secs else None}
 
@@ -181,13 +182,19 @@ def _weight_like(case: TuneCase, device: str | torch.device, gen: torch.Generato
     n, k, g = case.n, case.k, min(case.group_size, case.k)
     groups = -(-k // g)
     if str(device) == "meta":
-        return Int4Weight(torch.empty(n, -(-k // 2), dtype=torch.uint8, device="meta"),
-                          torch.empty(groups, n, dtype=torch.bfloat16, device="meta"),
-                          torch.empty(groups, n, dtype=torch.bfloat16, device="meta"), k, g)
+        return meta_int4(n, k, g)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8, device=device)
     scales = ((torch.rand(groups, n, generator=gen, device=device) + 0.5) * 0.01).to(torch.bfloat16)
     zeros = torch.randint(0, 16, (groups, n), generator=gen, device=device).to(torch.bfloat16)
     return Int4Weight(pack_int4(q), scales, zeros, k, g)
+
+
+def meta_int4(n: int, k: int, group_size: int) -> Int4Weight:
+    """An Int4Weight of this shape on the meta device (no memory): enough to plan a launch or ask who takes it."""
+    groups = -(-k // group_size)
+    return Int4Weight(torch.empty(n, -(-k // 2), dtype=torch.uint8, device="meta"),
+                      torch.empty(groups, n, dtype=torch.bfloat16, device="meta"),
+                      torch.empty(groups, n, dtype=torch.bfloat16, device="meta"), k, group_size)
 
 
 def _default_timer(device: torch.device) -> tuple[Timer, Callable[[int], int]]:
@@ -208,7 +215,8 @@ def _default_timer(device: torch.device) -> tuple[Timer, Callable[[int], int]]:
     return wall, lambda nbytes: 1
 
 
-def _rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref|| in float64: the measure CORRECT_REL_ERROR bounds."""
     return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
@@ -233,7 +241,7 @@ def tune_case(case: TuneCase, device: torch.device, timer: Timer | None = None,
     for cfg in candidates:
         name = config_name(cfg)
         try:
-            err = _rel_error(op(x, w, config=cfg), ref)
+            err = rel_error(op(x, w, config=cfg), ref)
             result.errors[name] = err
             if not err < CORRECT_REL_ERROR:  # NaN counts as wrong
                 result.failed[name] = f"relative error {err:.3g} against the reference (bound {CORRECT_REL_ERROR})"

@@ -246,15 +246,21 @@ def test_the_shapes_section_judges_the_kernel_issues_bars_and_lists_each_m1_shap
             f"INT4 on 1 of 2; target 2.8x met | `{rid}` |") in head
     held = [_shape_case("C.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=9.5),
             _shape_case("C.o", 4096, 2, "128", 30.0, 12.0, 14.0, best=10.0)]
-    hid = _write_shapes(tmp_path, {**_shape_meta("heldout", ["C.o"]), "sweep": True}, held, complete=False)
+    old = _write_shapes(tmp_path, {**_shape_meta("heldout", ["D.o"]), "sweep": True},
+                        [_shape_case("D.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=9.5)])
+    assert f"1 of 1; target every case met | `{old}` |" in headline(load_records(tmp_path))
+    hid = _write_shapes(tmp_path, {**_shape_meta("heldout2", ["C.o"]), "sweep": True}, held, complete=False)
     page = render(tmp_path)
     assert "no part of the configuration choice was fitted or tuned on them) (C)" in page
+    assert "choice up to commit 2dc9105 (the mma rule is fitted on them since) (D)" in page
     assert "stopped early, 2 cases" in page
     assert "the choice within 90% of the sweep's best on every case: not met (1 of 2)" in page  # 12 / 10 > 1 / 0.9
     assert "| 9.5 | 1.05 |" in page
-    assert (f"| INT4 configuration choice on held-out decoder shapes (never fitted or tuned on): cases within 90% of "
-            f"the speed an exhaustive sweep of its candidates finds | 1 of 2; target every case not met | `{hid}` |"
-            ) in headline(load_records(tmp_path))
+    # the newest held-out set judges the choice in the headline; the set later fitted on steps aside
+    head = headline(load_records(tmp_path))
+    assert (f"| INT4 configuration choice at commit abcdef0 on 1 decoder shapes of 1 models it was never fitted or "
+            f"tuned on: cases within 90% of the speed an exhaustive sweep of its candidates finds | 1 of 2; target "
+            f"every case not met | `{hid}` |") in head and old not in head
 
 
 def test_shape_bench_writes_its_record_only_where_told_on_a_dry_run(tmp_path: Path, monkeypatch):

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 from reproductions.kernels.fit_config_rule import (
     DEFAULT_DATA,
+    KEEP_WITHIN,
+    TABLE_DATA,
+    Case,
     best_table,
     fit_rule,
     load,
@@ -23,6 +26,7 @@ from sdsie.kernels import Int4KernelConfig, candidate_configs
 from sdsie.kernels.int4_config import (
     _LARGE_M_CONFIG,
     GEMV_MAX_M,
+    MMA_CONFIGS,
     RULE_FAMILIES,
     SHIPPED_TUNED_PATH,
     rule_config,
@@ -45,8 +49,10 @@ def test_the_rule_returns_a_tested_candidate_of_the_right_kernel_for_any_shape_d
     cfg = rule_config(m, n, k, g, sms)
     assert cfg in candidate_configs()  # so the every-candidate property tests cover it
     assert cfg == rule_config(m, n, k, g, sms)
-    if m <= GEMV_MAX_M:
+    if m == 1:
         assert cfg.gemv and cfg.block_m == 1
+    elif m == GEMV_MAX_M:  # the cheaper family's pick
+        assert (cfg.gemv and cfg.block_m == 1) or cfg.swap_ab
     elif m <= 16:
         assert cfg.swap_ab
     else:
@@ -111,14 +117,32 @@ def test_model_family_drops_the_size():
     assert model_family("Llama-3.1-8B.q_o") == "Llama-3.1"
 
 
-def test_the_shipped_table_holds_the_sweep_best_of_every_measured_case_and_only_tested_configs(sweep):
-    cases, configs, meta = sweep
-    shipped = json.loads(SHIPPED_TUNED_PATH.read_text())[meta["device"]]
-    for key, cfg in best_table(cases, configs).items():
-        assert Int4KernelConfig(**shipped[key]) == cfg, key
+def test_the_shipped_table_holds_each_measured_case_s_pick_and_only_tested_configs():
+    """The table's H200 entries are `best_table`'s picks from the choice's own candidates swept on the 30 fitted shapes
+    at M = 1-16, both groups: each case then runs a configuration within KEEP_WITHIN of its sweep's best."""
+    from reproductions.kernels.int4_bench import config_name
     from sdsie.kernels.int4_config import _tuned_table
 
+    cases, configs, meta = load(TABLE_DATA)
+    assert len(cases) == 300
+    shipped = json.loads(SHIPPED_TUNED_PATH.read_text())[meta["device"]]
+    for key, cfg in best_table(cases, configs, KEEP_WITHIN).items():
+        assert Int4KernelConfig(**shipped[key]) == cfg, key
     table = _tuned_table()[meta["device"]]
     for c in cases:
-        assert tuned_lookup(table, c.m, c.n, c.k, c.group_size) == configs[min(c.times, key=c.times.get)]
-    assert set(table.values()) <= set(candidate_configs())
+        entry = tuned_lookup(table, c.m, c.n, c.k, c.group_size)
+        assert c.times[config_name(entry)] <= c.best * (1 + KEEP_WITHIN), (c.shape, c.m, c.group)
+    assert {cfg for cfg in table.values() if not cfg.mma} <= set(candidate_configs())
+    assert {cfg for cfg in table.values() if cfg.mma} <= set(MMA_CONFIGS.values())
+
+
+def test_best_table_keeps_the_choice_within_the_margin_and_takes_a_clear_win():
+    fast, kept = Int4KernelConfig(1, 32, 1024, num_stages=3), Int4KernelConfig(1, 64, 512, num_stages=3)
+    configs = {"fast": fast, "kept": kept}
+
+    def case(kept_us: float) -> Case:
+        return Case("F", "F-1B.q", 64, 256, 1, "128", {"fast": 10.0, "kept": kept_us}, 20.0, kept_us, None, "kept")
+
+    assert best_table([case(10.2)], configs, 0.03) == {"m1|64|256|128": kept}
+    assert best_table([case(10.4)], configs, 0.03) == {"m1|64|256|128": fast}
+    assert best_table([case(10.2)], configs) == {"m1|64|256|128": fast}  # no margin: the best

@@ -104,38 +104,53 @@ def test_pack_fragments_refuses_shapes_it_cannot_tile(n, k):
         pack_fragments(w.qweight, k)
 
 
-def test_mma_config_takes_large_n_at_any_small_m_and_every_n_from_three_rows():
+def test_mma_config_follows_its_rule_on_programs_warps_and_lm_heads():
     assert mma_config(1, 4096, 4096, 128) == MMA_CONFIGS[4]
-    assert mma_config(2, 4096, 14336, 128) == MMA_CONFIGS[8]  # K >= 2N: warps split the long K
+    assert mma_config(2, 4096, 14336, 128) == MMA_CONFIGS[8]  # K >= 2N, K >= 4096, 256 programs fit at 2 a SM
+    assert mma_config(1, 5120, 13824, 128) == MMA_CONFIGS[4]  # 320 programs of 8 warps overflow 264 slots
+    assert mma_config(4, 1024, 3072, 128) == MMA_CONFIGS[4]  # K < 4096: 8 warps get too little K each
     assert mma_config(1, 3584, 4096, 4096) == MMA_CONFIGS[4]  # per channel
     assert mma_config(8, 4096, 4096, 128) == MMA_CONFIGS[4]
-    assert mma_config(1, 1024, 4096, 128) is None  # 64 programs: the CUDA-core GEMV is faster
-    assert mma_config(4, 1024, 4096, 128) == MMA_CONFIGS[8]
-    assert mma_config(1, 128256, 4096, 128) is None  # an LM head at M = 1: the CUDA-core GEMV's tiles
-    assert mma_config(2, 128256, 4096, 128) == MMA_CONFIGS[4]
-    assert mma_config(4, 151936, 1536, 128) is None  # a head with a short K: three pairs a warp
+    # programs at M <= 2: N / 16 at least half the SMs at M = 1, a quarter at M = 2
+    assert mma_config(1, 1024, 4096, 128) is None  # 64 programs < 66
+    assert mma_config(1, 1056, 4096, 128) == MMA_CONFIGS[8]
+    assert mma_config(1, 1056, 4096, 128, sms=144) is None  # the threshold scales with the GPU's SMs
+    assert mma_config(2, 1024, 4096, 128) == MMA_CONFIGS[8]
+    assert mma_config(2, 512, 3584, 128) is None  # 32 programs < 33
+    assert mma_config(4, 256, 1536, 128) == MMA_CONFIGS[4]  # every N from three rows
+    # LM heads: K >= 3072 at any M, a shorter K never
+    assert mma_config(1, 128256, 4096, 128) == MMA_CONFIGS[4]
+    assert mma_config(1, 128256, 3072, 128) == MMA_CONFIGS[4]
+    assert mma_config(2, 256000, 2304, 128) is None
+    assert mma_config(4, 151936, 1536, 128) is None
     for m, n, k, g in ((9, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
         assert mma_config(m, n, k, g) is None, (m, n, k, g)
 
 
-def test_on_sm90_the_choice_is_mma_where_mma_config_takes_the_shape_and_the_table_elsewhere(monkeypatch):
-    """The CUDA branch of the choice, on a stand-in device (no GPU needed): sm_90 takes `mma_config`'s shapes,
-    an older GPU or allow_mma=False never does."""
+def test_on_sm90_the_table_comes_first_then_mma_config_then_the_rule(monkeypatch):
+    """The CUDA branch of the choice, on a stand-in device (no GPU needed): a shape the table holds runs its entry;
+    an mma entry serves bf16 x on sm_90 only; other shapes take `mma_config`'s rule on sm_90, else the rule."""
     import sdsie.kernels.int4_config as ig
 
+    gemv = Int4KernelConfig(1, 32, 1024, num_stages=3)
+    table = {"m1|4096|4096|128": gemv, "m1|4096|14336|128": MMA_CONFIGS[4]}
     capability = {"major": 9}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (capability["major"], 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
-    monkeypatch.setattr(ig, "_tuned_table", lambda: {})
+    monkeypatch.setattr(ig, "_tuned_table", lambda: {"Fake GPU": table})
     monkeypatch.setattr(ig, "_num_sms", lambda device: 132)
     ig._select_config.cache_clear()
     try:
-        assert ig._select_config(1, 4096, 14336, "cuda", 0, 128) == (MMA_CONFIGS[8], "mma")
+        assert ig._select_config(1, 4096, 4096, "cuda", 0, 128) == (gemv, "table")  # measured beats mma's rule
+        assert ig._select_config(1, 4096, 14336, "cuda", 0, 128) == (MMA_CONFIGS[4], "table")
+        assert ig._select_config(1, 4096, 14336, "cuda", 0, 128, False)[1] == "rule"  # not bf16 x: no mma entry
+        assert ig._select_config(1, 3584, 14336, "cuda", 0, 128) == (MMA_CONFIGS[8], "mma")  # no entry
         assert ig._select_config(1, 1024, 4096, "cuda", 0, 128)[1] == "rule"
-        assert ig._select_config(1, 4096, 14336, "cuda", 0, 128, False)[1] == "rule"
+        assert ig._select_config(1, 3584, 14336, "cuda", 0, 128, False)[1] == "rule"
         capability["major"] = 8
         ig._select_config.cache_clear()
         assert ig._select_config(1, 4096, 14336, "cuda", 0, 128)[1] == "rule"
+        assert ig._select_config(1, 3584, 14336, "cuda", 0, 128)[1] == "rule"
     finally:
         ig._select_config.cache_clear()
 

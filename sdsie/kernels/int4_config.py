@@ -3,15 +3,16 @@ asks them.
 
 1. The local tuned cache (`tuned_cache_path`), written ahead of time by `sdsie tune-int4` (`sdsie.kernels.int4_tune`):
    this GPU model's measured best among the candidates below, per shape and M bucket.
-2. On sm_90+, the fragment-order tensor-core GEMV (`mma_config`) for bf16 x at M <= 8, where it beat the others on
-   the H200.
-3. The shipped tuned table (`tuned_configs.json`, or `$SDSIE_TUNED_CONFIGS`): per GPU name, the sweeps' best for
-   measured shapes.
+2. The shipped tuned table (`tuned_configs.json`, or `$SDSIE_TUNED_CONFIGS`): per GPU name, the best of the choice's
+   own candidates (the mma GEMV's included) that a graphed sweep measured for each fitted shape and M bucket.
+3. On sm_90+, for bf16 x at M <= 8, the fragment-order tensor-core GEMV (`mma_config`) where its rule takes the shape.
 4. The rule (`rule_config`): the candidate of least fitted cost from the shape's arithmetic (bytes the busiest SM
    reads, K tiles in the longest chain), for any shape on any GPU.
 
-`candidate_configs` lists every configuration 2-4 can return; every one of them passes the kernel's property tests.
-The launcher (`sdsie.kernels.int4_gemm`) asks once per (weight, M, x layout) and keeps the answer in a launch plan.
+Measured before modelled: a shape the table holds runs its sweep's best; 3 and 4 serve every other shape.
+`candidate_configs` lists every CUDA-core configuration 2-4 can return; every one of them passes the kernel's property
+tests (the mma configurations, `MMA_CONFIGS`, have tests/test_int4_mma.py). The launcher (`sdsie.kernels.int4_gemm`)
+asks once per (weight, M, x layout) and keeps the answer in a launch plan.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ class Int4KernelConfig:
     def gemv(self) -> bool:
         return self.block_m in GEMV_ROWS
 
+
+# M up to this runs GEMV programs (tables; the rule at M = 1, and at M = 2 where they cost less), M in 3..16 the
+# planes kernel
+GEMV_MAX_M = 2
 
 # the bytes tl.dot tile for M > 16: what the rule returns there, though `int4_matmul` runs it only when a call names
 # it (more rows go 16 at a time through the small-M choice, or unpack the weight for one cuBLAS matmul)
@@ -179,11 +184,22 @@ RULE_FAMILIES: tuple[RuleFamily, ...] = (
 
 
 def rule_config(m: int, n: int, k: int, group_size: int, sms: int) -> Int4KernelConfig:
-    """The configuration the rule picks for this shape on a GPU of `sms` SMs (any shape: no table needed)."""
+    """The configuration the rule picks for this shape on a GPU of `sms` SMs (any shape: no table needed).
+
+    M = 1 takes the GEMV family, M in 3..16 the planes family. M = 2 takes whichever family's pick has the lower
+    fitted cost: the GEMV for decoder linears, planes for LM heads with a short K, where one-row programs read the
+    head twice (Qwen2.5-1.5B's and Gemma-2-2B's heads at M = 2: the GEMV 1.44-1.49x slower than planes,
+    telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h200.json, shape_heldout_choice_sweep_m2_to_m16_h200.json)."""
     if m < 1 or n < 1 or k < 1 or group_size < 1 or sms < 1:
         raise ValueError(f"rule_config: M, N, K, group_size and sms must be >= 1, got {(m, n, k, group_size, sms)}")
-    family = next((f for f in RULE_FAMILIES if m <= f.max_m), None)
-    return _LARGE_M_CONFIG if family is None else rule_choice(family, m, n, k, group_size, sms)
+    families = [f for f in RULE_FAMILIES if m <= f.max_m]
+    if not families:
+        return _LARGE_M_CONFIG
+    if m != GEMV_MAX_M:
+        return rule_choice(families[0], m, n, k, group_size, sms)
+    # (fitted cost, family, configuration) of every term; a tie goes to the GEMV family, then to the first listed
+    scored = ((rule_cost(f, t, m, n, k, group_size, sms), i, t.config) for i, f in enumerate(families) for t in f.terms)
+    return min(scored, key=lambda c: c[:2])[2]
 
 
 SHIPPED_TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
@@ -272,7 +288,6 @@ def device_name(device: torch.device) -> str:
 
 
 TUNED_M = (1, 2, 4, 8, 16)  # M buckets the sweep tunes; M in (2, 4] uses the m4 entry, and so on
-GEMV_MAX_M = 2  # M up to this runs GEMV programs (tables and rule), M in 3..16 the planes kernel
 
 
 def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
@@ -307,7 +322,7 @@ def candidate_configs() -> tuple[Int4KernelConfig, ...]:
     """Every configuration of the rule and the tuned tables that `select_config` can pick, each once. (The mma
     configurations, `MMA_CONFIGS`, take only shapes their kernel tiles: tests/test_int4_mma.py covers them.)"""
     base = tuple(t.config for f in RULE_FAMILIES for t in f.terms) + (_LARGE_M_CONFIG,)
-    tuned = {cfg for table in _tuned_table().values() for cfg in table.values()}
+    tuned = {cfg for table in _tuned_table().values() for cfg in table.values() if not cfg.mma}
     base = tuple(dict.fromkeys(base))
     return base + tuple(sorted(tuned - set(base), key=lambda c: dataclasses.astuple(c)))
 
@@ -321,44 +336,53 @@ def _num_sms(device: torch.device) -> int:
 def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
                   allow_mma: bool = True) -> Int4KernelConfig:
     """The local tuned cache's entry for this GPU model, shape and M bucket if `sdsie tune-int4` wrote one (M <= 16);
-    else on sm_90+ the tensor-core GEMV where `mma_config` takes the shape (for bf16 x); else the shipped tuned
-    configuration for this GPU and shape if one was measured (M <= 16), else the rule's (`rule_config`: the
-    candidate of least fitted cost from the shape's arithmetic). Memoized: it runs on every call, and host time
-    before the launch is latency at batch 1 (`refresh_choice` forgets it)."""
+    else the shipped tuned configuration for this GPU and shape if one was measured (M <= 16); else on sm_90+ the
+    tensor-core GEMV where `mma_config` takes the shape (for bf16 x); else the rule's (`rule_config`: the candidate
+    of least fitted cost from the shape's arithmetic). An mma entry of either table serves bf16 x on sm_90+ only.
+    Memoized: it runs on every call, and host time before the launch is latency at batch 1 (`refresh_choice`
+    forgets it)."""
     return select_config_with_source(m, n, k, device, group_size, allow_mma)[0]
 
 
 def select_config_with_source(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
                               allow_mma: bool = True) -> tuple[Int4KernelConfig, str]:
     """`select_config`'s choice and where it came from: "tuned" (this GPU model's entry in the local tuned cache,
-    `sdsie tune-int4`), "mma" (the tensor-core GEMV, taken by bf16 x; `allow_mma` False for other x), "table" (the
-    shipped table's entry for this GPU) or "rule"."""
+    `sdsie tune-int4`), "table" (the shipped table's entry for this GPU), "mma" (the tensor-core GEMV's rule, taken
+    by bf16 x; `allow_mma` False for other x) or "rule"."""
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
     return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k, allow_mma)
 
 
-# M <= 8 on sm_90+: the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) where it beats the CUDA-core GEMV
-# and the planes kernel on the H200 (telemetry/raw/shape_table_mma16_m1_to_m16_h200.json, docs/kernel-log.md):
-# N >= MMA_MIN_N at any such M (1024 x 4096 at M = 1 is 1.4x slower on it: 64 programs), and every N from M = 3,
-# except the LM heads (N >= MMA_MAX_N) at M = 1, where the CUDA-core GEMV's tuned tiles keep 80% of the copy rate and
-# the mma kernel is up to 1.3x slower (Qwen2.5-1.5B's 151936 x 1536: 56.4 against 42.1 us), and at any M when K <
-# 2048 (that head at M = 4 and 8: 67.7 and 75.1 us against 51.3 and 50.4; a program's warps get three pairs of K
-# each). M = 9-16 stays on
-# the planes kernel: the mma kernel's second half of B's columns ran it at 1.31x bf16 against the planes' 1.56x
-# (geomean of 30 shapes). Its warps split K: 8 where K >= 2N (the down projections, the small k/v), else 4.
-MMA_MIN_N = 3072
+# M <= 8 on sm_90+, bf16 x, a shape the shipped table does not hold: the fragment-order tensor-core GEMV
+# (`sdsie.kernels.int4_mma`). Fitted on graphed sweeps of every candidate over 59 decoder shapes of 11 models at M = 1-8
+# (telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h200.json, shape_heldout_choice_sweep_*_h200.json; docs/kernel-log.md,
+# 2026-12-05 05:00). It declines where the CUDA-core kernels were faster:
+# - too few programs at M <= 2. It runs N / 16 programs; at M = 1 fewer than half the SMs' count (N = 1024 on an
+#   H200: 64 programs) ran up to 1.15x slower than the CUDA-core GEMV's 4-row programs with K whole (Llama-3.1-8B
+#   k/v), and at M = 2 fewer than a quarter (N = 512: 32) up to 1.30x slower (Qwen2.5-7B k/v). From 3 rows it wins at
+#   every N.
+# - LM heads (N >= MMA_MAX_N) with K < MMA_LM_HEAD_MIN_K: its warps get too few k16 pairs each. Gemma-2-2B's head
+#   (K = 2304) at M = 1: 119.0 against the GEMV's 98.8 us; Qwen2.5-1.5B's (K = 1536): 54.6 against 40.7.
+# M = 9-16 stays on the planes kernel: the mma kernel's second half of B's columns ran it at 1.31x bf16 against the
+# planes' 1.56x (geomean of 30 shapes). Its warps split K: 8 where K >= 2N, K >= 4096 and the 8-warp programs all fit
+# on the SMs at two a SM (N / 16 <= 2 x SMs), else 4. Where the programs overflow (N = 5120 downs: 320 > 264), or
+# K < 4096 (1024-row k/v at K = 2304-3072), 8 warps lost 15-29% to 4.
 MMA_MAX_N = 65536
+MMA_LM_HEAD_MIN_K = 3072
 MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
 
 
-def mma_config(m: int, n: int, k: int, group_size: int) -> Int4KernelConfig | None:
-    """The mma configuration for a bf16 call of this shape on an sm_90+ GPU, or None where the kernel does not
-    apply (shape or group) or is not the faster one."""
+def mma_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Int4KernelConfig | None:
+    """The mma configuration for a bf16 call of this shape on an sm_90+ GPU of `sms` SMs, or None where the kernel
+    does not apply (shape or group) or its rule says the CUDA-core kernels are faster."""
     shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
-    lm_head = n >= MMA_MAX_N and (m == 1 or k < 2048)
-    if not (1 <= m <= 8 and shape_ok) or lm_head or (m < 3 and n < MMA_MIN_N):
+    if not (1 <= m <= 8 and shape_ok) or (n >= MMA_MAX_N and k < MMA_LM_HEAD_MIN_K):
         return None
-    return MMA_CONFIGS[8 if k >= 2 * n else 4]
+    programs = n // 16
+    if (m == 1 and 2 * programs < sms) or (m == 2 and 4 * programs < sms):
+        return None
+    eight = k >= 2 * n and k >= 4096 and programs <= 2 * sms
+    return MMA_CONFIGS[8 if eight else 4]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -369,12 +393,14 @@ def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_s
         cfg = local.get(device_name(torch.device(device_type, index)), {}).get(tuned_key(m, n, k, group_size))
         if cfg is not None and (allow_mma or not cfg.mma):
             return cfg, "tuned"
-    if allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9:
-        cfg = mma_config(m, n, k, group_size)
-        if cfg is not None:
-            return cfg, "mma"
+    mma_ok = allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9
     if device_type == "cuda" and m <= TUNED_M[-1]:
         cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size)
-        if cfg is not None:
+        if cfg is not None and (mma_ok or not cfg.mma):
             return cfg, "table"
-    return rule_config(m, n, k, min(group_size, k), _num_sms(torch.device(device_type, index))), "rule"
+    sms = _num_sms(torch.device(device_type, index))
+    if mma_ok:
+        cfg = mma_config(m, n, k, group_size, sms)
+        if cfg is not None:
+            return cfg, "mma"
+    return rule_config(m, n, k, min(group_size, k), sms), "rule"

@@ -197,7 +197,7 @@ SHAPE_SETS = {"fit": DECODER_LINEARS, "heldout": HELD_OUT_LINEARS, "heldout2": H
 TINY_SHAPES = {"tiny.64x256": (64, 256)}  # the CPU dry run's one shape
 SWEEP_DEFAULT_M = (1, 16)
 GROUP_NAMES = ("128", "pc")  # group 128, per output channel
-CHOICES = ("auto", "rule")  # select_config (table, else rule), or the rule alone
+CHOICES = ("auto", "rule")  # select_config (table, mma rule, rule), or the rule alone
 TINYGEMM_PC_NOTE = "_weight_int4pack_mm takes group sizes 32-256 only: per channel is not timed"
 CORRECT = CORRECT_REL_ERROR  # relative error under which a bf16 result counts as correct
 # Rough costs behind the printed estimate (host work per timing grows with the copies a graph cycles over); the
@@ -679,7 +679,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model.layer, a model (Qwen2.5-7B) or NxK, within --shape-set; default every shape")
     p.add_argument("--groups", nargs="+", choices=GROUP_NAMES, default=list(GROUP_NAMES))
     p.add_argument("--choice", choices=CHOICES, default="auto",
-                   help="sdsie's configuration: select_config's (tuned table, else rule; default) or the rule's alone")
+                   help="sdsie's configuration: select_config's (table, mma rule, rule; default) or the rule's alone")
     p.add_argument("--part", type=parse_part, default=(1, 1), metavar="I/N", help="every N-th shape from the I-th")
     p.add_argument("--max-seconds", type=float, default=540.0, help="stop cleanly after this long (default 540)")
     p.add_argument("--jobs", type=int, default=max(0, min(14, (os.cpu_count() or 2) - 2)),

@@ -356,7 +356,7 @@ def select_config_with_source(m: int, n: int, k: int, device: torch.device, grou
 # M <= 8 on sm_90+, bf16 x, a shape the shipped table does not hold: the fragment-order tensor-core GEMV
 # (`sdsie.kernels.int4_mma`). Fitted on graphed sweeps of every candidate over 59 decoder shapes of 11 models at M = 1-8
 # (telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h200.json, shape_heldout_choice_sweep_*_h200.json; docs/kernel-log.md,
-# 2026-12-05 05:00). It declines where the CUDA-core kernels were faster:
+# 2026-12-05 04:45). It declines where the CUDA-core kernels were faster:
 # - too few programs at M <= 2. It runs N / 16 programs; at M = 1 fewer than half the SMs' count (N = 1024 on an
 #   H200: 64 programs) ran up to 1.15x slower than the CUDA-core GEMV's 4-row programs with K whole (Llama-3.1-8B
 #   k/v), and at M = 2 fewer than a quarter (N = 512: 32) up to 1.30x slower (Qwen2.5-7B k/v). From 3 rows it wins at

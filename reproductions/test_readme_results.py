@@ -96,7 +96,14 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
         return r.source.name.split("-", 1)[1][:8]
 
     records = load_records(TELEMETRY)
-    rows = e2e_rows(records)  # the newest: one record a model, each pricing the prefill apart
+    rows = e2e_rows(records)  # the newest record of each model and prompt, each pricing the prefill apart
+    newest = {("llama", "prompt 32,"): "ce7b760c", ("llama", "prompt 2048,"): "c792f0a2",
+              ("qwen", "prompt 32,"): "6990cfac", ("qwen", "prompt 2048,"): "38d0f2c1"}
+    assert len(rows) == 4 and all(f"`{rec}`" in r for r in rows for (m, p), rec in newest.items() if m in r and p in r)
+    assert any("llama3.1-8b" in r and "prompt 32," in r and "2.68x tok/s (538 tok/s), 0.466x J/token (0.449x decode "
+               "alone); target 2.5x met" in r for r in rows)
+    records = [r for r in records if rid(r) not in ("ce7b760c", "c792f0a2", "6990cfac")]  # the runs before them
+    rows = e2e_rows(records)
     assert len(rows) == 4 and all(("`6bf8f60a`" if "llama" in r else "`38d0f2c1`") in r for r in rows)
     assert any("llama3.1-8b" in r and "prompt 32," in r and "2.66x tok/s (541 tok/s), 0.481x J/token (0.451x decode "
                "alone); target 2.5x met" in r for r in rows)
@@ -153,11 +160,12 @@ def test_e2e_section_lists_every_variant_from_its_newest_default_attention_recor
     lines = e2e_section(load_records(TELEMETRY))
     rows = [line for line in lines if line.startswith("| llama") or line.startswith("| qwen")]
     assert len(rows) == len({tuple(r.split(" | ")[:4]) for r in rows})  # one row per model, prompt, variant
-    assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 540.8 | 2.66 | 1.11 | 1.03 |")
-               and "| yes | `6bf8f60a`" in r for r in rows)  # J/token of the runs, then of the decode steps alone
-    assert any(r.startswith("| llama3.1-8b | 32 | tinygemm_compiled |") and "`6bf8f60a`" in r for r in rows)
+    assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 538.2 | 2.68 | 1.15 | 1.10 |")
+               and "| yes | `ce7b760c`" in r for r in rows)  # J/token of the runs, then of the decode steps alone
+    assert any(r.startswith("| llama3.1-8b | 32 | hf_tinygemm_compiled | 198.7 |") and "`ce7b760c`" in r for r in rows)
     assert any(r.startswith("| qwen2.5-7b | 2048 | int4_compiled |") and "`38d0f2c1`" in r for r in rows)
-    assert any(r.startswith("| qwen2.5-7b | 32 | gated_int4_compiled |") and "| no | `0fe13641`" in r for r in rows)
+    assert any(r.startswith("| qwen2.5-7b | 32 | gated_int4_compiled | 446.1 |") and "| yes | `6990cfac`" in r
+               for r in rows)
     # the models in order, prompts by length: 32 before 2048
     assert [r.split(" | ")[1] for r in rows if r.startswith("| llama")] == sorted(
         [r.split(" | ")[1] for r in rows if r.startswith("| llama")], key=int)

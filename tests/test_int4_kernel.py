@@ -612,7 +612,7 @@ def test_dispatch_on_a_gpu_takes_the_fallback_bucket(monkeypatch):
     table = {"m16|4096|4096|128": m16}
     monkeypatch.setattr(ig, "_tuned_table", lambda: {"Fake GPU": table})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
-    monkeypatch.setattr(ig, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ig, "sm_count", lambda device: 132)
     ig._select_config.cache_clear()
     try:
         # allow_mma=False: the choice for x the tensor-core GEMV does not take (tests/test_int4_mma.py has the rest)

@@ -138,7 +138,7 @@ def test_on_sm90_the_table_comes_first_then_mma_config_then_the_rule(monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (capability["major"], 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
     monkeypatch.setattr(ig, "_tuned_table", lambda: {"Fake GPU": table})
-    monkeypatch.setattr(ig, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ig, "sm_count", lambda device: 132)
     ig._select_config.cache_clear()
     try:
         assert ig._select_config(1, 4096, 4096, "cuda", 0, 128) == (gemv, "table")  # measured beats mma's rule

@@ -33,6 +33,7 @@ import numpy as np
 
 from reproductions.kernels.int4_bench import config_name
 from sdsie.kernels import Int4KernelConfig
+from sdsie.kernels.device import DEFAULT_SMS
 from sdsie.kernels.int4_config import GEMV_MAX_M, RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
 from sdsie.kernels.int4_tune import CORRECT_REL_ERROR
 from sdsie.stats import geomean
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the scores as JSON")
     a = p.parse_args(argv)
     cases, configs, meta = load(a.data)
-    sms = meta.get("sms") or 132
+    sms = meta.get("sms") or DEFAULT_SMS
     if a.emit:
         print(emit(fit_rule(cases, configs, sms)))
         return 0

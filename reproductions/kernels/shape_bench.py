@@ -65,7 +65,8 @@ from reproductions.kernels.int4_bench import (
 )
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
-from sdsie.kernels.int4_config import _num_sms, rule_config, select_config_with_source
+from sdsie.kernels.device import sm_count
+from sdsie.kernels.int4_config import rule_config, select_config_with_source
 from sdsie.kernels.int4_gemm import _plan, _plans_of
 from sdsie.kernels.int4_mma import mma_consts
 from sdsie.kernels.int4_tune import CORRECT_REL_ERROR, meta_int4, rel_error
@@ -312,7 +313,7 @@ def auto_config(case: Case, device: str) -> tuple[Int4KernelConfig, str]:
     tensor-core GEMV), "table" (the shipped table's entry for this GPU) or "rule"."""
     s = case.shape
     if case.choice == "rule":
-        return rule_config(case.m, s.n, s.k, min(case.group_size, s.k), _num_sms(torch.device(device))), "rule"
+        return rule_config(case.m, s.n, s.k, min(case.group_size, s.k), sm_count(torch.device(device))), "rule"
     return select_config_with_source(case.m, s.n, s.k, torch.device(device), case.group_size)
 
 

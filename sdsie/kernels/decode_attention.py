@@ -42,14 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sdsie.kernels.device import interpreting, kernel_runs_on, pdl_on
+from sdsie.kernels.device import DEFAULT_SMS, interpreting, kernel_runs_on, pdl_on, sm_count
 
 __all__ = ["DEFAULT_SMS", "MAX_SPLITS", "PROGRAMS_PER_SM", "SplitPlan", "decode_attention", "split_rule"]
 
 BLOCK_N = 64  # positions per tile: K and V tiles of 64 x 128 bf16 (16 KB each) at D = 128
 PROGRAMS_PER_SM = 1  # split programs aimed at per SM: the fastest of 1-32 splits on the H200 (docs/log.md)
 MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row at once
-DEFAULT_SMS = 132  # an H200's SM count: the rule's SM count where no CUDA device gives one (the interpreter)
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -236,8 +235,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         raise RuntimeError(f"decode_attention runs on CUDA, or on a CPU under TRITON_INTERPRET=1; got {q.device}")
     batch, heads, groups, dim = q.shape
     seq_len = k.shape[2]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else DEFAULT_SMS
-    plan = split_rule(batch * heads, seq_len, block_n, sms=sms, num_splits=num_splits)
+    plan = split_rule(batch * heads, seq_len, block_n, sms=sm_count(q.device), num_splits=num_splits)
     if q.stride(3) != 1:
         q = q.contiguous()
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)

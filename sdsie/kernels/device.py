@@ -9,7 +9,8 @@ import os
 
 import torch
 
-__all__ = ["interpreting", "kernel_runs_on", "programmatic_launch", "set_programmatic_launch", "pdl_on"]
+__all__ = ["DEFAULT_SMS", "interpreting", "kernel_runs_on", "programmatic_launch", "set_programmatic_launch", "pdl_on",
+           "sm_count"]
 
 # On by default: Llama-3.1-8B's INT4 decode on an H200 runs 537.6 tok/s with it and 494.8 without (records 296e3593,
 # 0a719e2c), with every GEMV output bit for bit the same (docs/kernel-log.md, 2026-12-04 20:00)
@@ -23,6 +24,18 @@ def interpreting() -> bool:
 
 def kernel_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or interpreting()
+
+
+# An H200's SM count: what the kernels' launch rules assume where no CUDA device gives one (the interpreter), so CPU
+# tests take the same paths as the GPU the rules were fitted on
+DEFAULT_SMS = 132
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs the launch rules plan for on `device`: the CUDA device's, else DEFAULT_SMS."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
 
 
 def set_programmatic_launch(enabled: bool) -> None:

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import triton
 
+from sdsie.kernels.device import DEFAULT_SMS, sm_count
+
 __all__ = ["Int4KernelConfig", "MMA_CONFIGS", "TUNED_M", "candidate_configs", "device_name", "mma_config",
            "read_tuned_cache", "rule_config", "select_config", "select_config_with_source", "tuned_cache_path",
            "tuned_key", "tuned_lookup", "tuned_path"]
@@ -327,12 +329,6 @@ def candidate_configs() -> tuple[Int4KernelConfig, ...]:
     return base + tuple(sorted(tuned - set(base), key=lambda c: dataclasses.astuple(c)))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter has no SMs; pick as for an H200 so CPU tests cover the same paths
-
-
 def select_config(m: int, n: int, k: int, device: torch.device, group_size: int | None = None,
                   allow_mma: bool = True) -> Int4KernelConfig:
     """The local tuned cache's entry for this GPU model, shape and M bucket if `sdsie tune-int4` wrote one (M <= 16);
@@ -372,7 +368,7 @@ MMA_LM_HEAD_MIN_K = 3072
 MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
 
 
-def mma_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Int4KernelConfig | None:
+def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS) -> Int4KernelConfig | None:
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU of `sms` SMs, or None where the kernel
     does not apply (shape or group) or its rule says the CUDA-core kernels are faster."""
     shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
@@ -398,7 +394,7 @@ def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_s
         cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size)
         if cfg is not None and (mma_ok or not cfg.mma):
             return cfg, "table"
-    sms = _num_sms(torch.device(device_type, index))
+    sms = sm_count(torch.device(device_type, index))
     if mma_ok:
         cfg = mma_config(m, n, k, group_size, sms)
         if cfg is not None:

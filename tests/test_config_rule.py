@@ -29,7 +29,9 @@ from sdsie.kernels.int4_config import (
     MMA_CONFIGS,
     RULE_FAMILIES,
     SHIPPED_TUNED_PATH,
+    rule_choice,
     rule_config,
+    rule_cost,
     rule_features,
     tuned_lookup,
 )
@@ -57,6 +59,19 @@ def test_the_rule_returns_a_tested_candidate_of_the_right_kernel_for_any_shape_d
         assert cfg.swap_ab
     else:
         assert cfg == _LARGE_M_CONFIG
+
+
+def test_at_m2_the_rule_takes_the_family_of_lower_fitted_cost():
+    """M = 2: planes for the short-K LM heads where one-row programs read the head twice, the GEMV for a decoder
+    linear; each pick is its family's cheapest term, and the cheaper of the two wins."""
+    gemv, planes = RULE_FAMILIES
+    for n, k, family in ((151936, 1536, planes), (256000, 2304, planes), (4096, 4096, gemv), (1024, 4096, gemv)):
+        cfg = rule_config(2, n, k, 128, SMS)
+        assert cfg == rule_choice(family, 2, n, k, 128, SMS), (n, k)
+        other = planes if family is gemv else gemv
+        cost = min(rule_cost(family, t, 2, n, k, 128, SMS) for t in family.terms)
+        assert cost <= min(rule_cost(other, t, 2, n, k, 128, SMS) for t in other.terms), (n, k)
+    assert rule_config(1, 151936, 1536, 128, SMS).gemv  # M = 1 keeps the GEMV family
 
 
 def test_the_rule_rejects_sizes_below_one():

@@ -161,3 +161,13 @@ def test_best_table_keeps_the_choice_within_the_margin_and_takes_a_clear_win():
     assert best_table([case(10.2)], configs, 0.03) == {"m1|64|256|128": kept}
     assert best_table([case(10.4)], configs, 0.03) == {"m1|64|256|128": fast}
     assert best_table([case(10.2)], configs) == {"m1|64|256|128": fast}  # no margin: the best
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.5"])
+def test_write_table_refuses_a_margin_outside_zero_to_one(value, tmp_path, capsys):
+    from reproductions.kernels.fit_config_rule import main
+
+    with pytest.raises(SystemExit):
+        main(["--write-table", str(tmp_path / "t.json"), "--keep-within", value])
+    assert "--keep-within takes a fraction in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()

@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"best (default {KEEP_WITHIN}; 0: always the best)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the scores as JSON")
     a = p.parse_args(argv)
+    if not 0 <= a.keep_within < 1:
+        p.error(f"--keep-within takes a fraction in [0, 1), got {a.keep_within}")
     cases, configs, meta = load(a.data)
     sms = meta.get("sms") or DEFAULT_SMS
     if a.emit:

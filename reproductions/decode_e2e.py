@@ -23,7 +23,12 @@ decode time (medians over trials), end-to-end tok/s beside it. Energy: one NVML 
 runs filling --energy-window-s, J per generated token (prefill included), and a second window of prefill-only runs
 that prices the prefill, for J per decoded token without it (`j_per_token_decode`, decode_energy). Kernels:
 torch.profiler over a full run minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention,
-other), and the wall time a token spends outside kernels (`per_token.outside_us`: 1 / tok/s less that GPU time).
+other): launches, summed kernel durations (`us`) and busy time (`busy_us`: each kernel's time not covered by a
+kernel that started before it, `busy_times`); and the wall time a token spends outside kernels
+(`per_token.outside_us`: 1 / tok/s less the busy time). The two times differ under PDL, where a kernel starts early
+and waits for the one before inside its own span: summed durations then count that wait twice (more than the wall
+time a token: Llama-3.1-8B INT4, 2,752 us summed at 538 tok/s, record `ce7b760c`); busy time gives it to the kernel
+that works through it.
 Bound: the bytes a decode token reads (every weight but the input embedding, plus the KV cache at the run's mean
 position) at the measured copy rate.
 
@@ -121,6 +126,7 @@ COMPILED = frozenset(v for v in VARIANTS if v.endswith("_compiled"))
 # Seconds one row (model, prompt, variant) takes on an H200 at the 8B shapes with 3 trials and 3 s energy windows,
 # before the run has timed a row of the kind: eager rows took 23-29 s and compiled ones 37-52 s at 32-token prompts
 # (telemetry/raw/decode_e2e_llama_qwen_p32_h200.json); a compilation from a cold cache takes longer, HF's own more.
+CATEGORIES = ("gemv_gemm", "attention", "other")  # kernel_category's kinds, in the tables' order
 ROW_ESTIMATE_S = {"eager": 35.0, "compiled": 90.0, "hf": 150.0}
 
 
@@ -273,8 +279,8 @@ def kernel_category(name: str) -> str:
 
 
 def profile_kernels(run: Callable[[], Any], device: torch.device) -> tuple[dict[str, float], dict[str, list]] | None:
-    """Kernel launches and summed GPU microseconds of one call of `run`, by category, and by kernel name
-    ({name: [launches, us]}); None off CUDA."""
+    """Kernel launches, summed GPU microseconds and busy microseconds of one call of `run`, by category, and by
+    kernel name ({name: [launches, us, busy_us]}); None off CUDA."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -283,35 +289,57 @@ def profile_kernels(run: Callable[[], Any], device: torch.device) -> tuple[dict[
         run()
         sync_device(device)
     names = kernel_times(prof)
-    out = {f"{cat}.{what}": 0.0 for cat in ("gemv_gemm", "attention", "other") for what in ("kernels", "us")}
-    for name, (launches, us) in names.items():
+    out = {f"{cat}.{what}": 0.0 for cat in CATEGORIES for what in ("kernels", "us", "busy_us")}
+    for name, (launches, us, busy) in names.items():
         cat = kernel_category(name)
         out[f"{cat}.kernels"] += launches
         out[f"{cat}.us"] += us
+        out[f"{cat}.busy_us"] += busy
     return out, names
 
 
+def busy_times(spans: list[tuple[str, float, float]]) -> list[float]:
+    """Each span's time (name, start, end) not covered by a span that started before it (ties: the one listed
+    first), in the spans' order. The times add up to the union of the spans, so nothing is counted twice.
+
+    Why: under PDL a kernel is launched while the one before still runs and waits for it inside its own span (its
+    `gdc_wait`), so the earliest-started of the kernels running at a moment is the one at work; the later ones are
+    waiting. Work a kernel does before its wait (a weight prefetch) is counted as the earlier kernel's."""
+    order = sorted(range(len(spans)), key=lambda i: (spans[i][1], i))
+    busy = [0.0] * len(spans)
+    covered_to = float("-inf")  # the latest end of the spans that started earlier: they cover [start, covered_to]
+    for i in order:
+        _, start, end = spans[i]
+        if end < start:
+            raise ValueError(f"busy_times: span {spans[i]} ends before it starts")
+        busy[i] = max(0.0, end - max(start, covered_to))
+        covered_to = max(covered_to, end)
+    return busy
+
+
 def kernel_times(prof: Any) -> dict[str, list]:
-    """A finished torch.profiler session's GPU kernels by name: {name: [launches, summed microseconds]}."""
+    """A finished torch.profiler session's GPU kernels (and copies) by name: {name: [launches, summed microseconds,
+    busy microseconds (`busy_times`)]}."""
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
     names: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        entry = names.setdefault(e.name, [0, 0.0])
+    for (name, start, end), busy in zip(spans, busy_times(spans), strict=True):
+        entry = names.setdefault(name, [0, 0.0, 0.0])
         entry[0] += 1
-        entry[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        entry[1] += end - start
+        entry[2] += busy
     return names
 
 
 def top_kernels(full: dict[str, list], prefill: dict[str, list], steps: int, n: int = 30) -> list[dict[str, Any]]:
-    """The n kernels with the most GPU time per decode token (a full run minus a prefill-only run), with their
-    category and launches per token: what each category is made of."""
+    """The n kernels with the most busy GPU time per decode token (a full run minus a prefill-only run), with their
+    category, launches and summed time per token: what each category is made of."""
     rows = []
-    for name, (launches, us) in full.items():
-        before = prefill.get(name, [0, 0.0])
+    for name, (launches, us, busy) in full.items():
+        before = prefill.get(name, [0, 0.0, 0.0])
         rows.append({"name": name, "category": kernel_category(name), "per_token": (launches - before[0]) / steps,
-                     "us_per_token": (us - before[1]) / steps})
-    return sorted(rows, key=lambda r: -r["us_per_token"])[:n]
+                     "us_per_token": (us - before[1]) / steps, "busy_us_per_token": (busy - before[2]) / steps})
+    return sorted(rows, key=lambda r: -r["busy_us_per_token"])[:n]
 
 
 @dataclass
@@ -354,11 +382,11 @@ def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
     return out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
 
 
-def outside_kernels_us(decode_tok_s: float | None, gpu_us: float) -> float | None:
+def outside_kernels_us(decode_tok_s: float | None, busy_us: float) -> float | None:
     """Wall time a decode token spends outside kernels: 1 / tok/s (the untraced trials' median) less the profiled run's
-    summed kernel time. Under graphs this is mostly the host's turn between steps (the read, the next launch), which
-    the engine's launch-ahead overlaps with the device (docs/log.md)."""
-    return 1e6 / decode_tok_s - gpu_us if decode_tok_s else None
+    busy GPU time (`busy_times`). Under graphs this is mostly the host's turn between steps (the read, the next
+    launch), which the engine's launch-ahead overlaps with the device (docs/log.md)."""
+    return 1e6 / decode_tok_s - busy_us if decode_tok_s else None
 
 
 def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyMeter, window_s: float,
@@ -416,9 +444,10 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
             steps = max(result["new_tokens"] - 1, 1)
             (full, full_names), (prefill, prefill_names) = full, prefill
             per_token = {k: (full[k] - prefill[k]) / steps for k in full}
-            per_token["kernels"] = sum(per_token[f"{c}.kernels"] for c in ("gemv_gemm", "attention", "other"))
-            per_token["gpu_us"] = sum(per_token[f"{c}.us"] for c in ("gemv_gemm", "attention", "other"))
-            per_token["outside_us"] = outside_kernels_us(result["decode_tok_s_median"], per_token["gpu_us"])
+            per_token["kernels"] = sum(per_token[f"{c}.kernels"] for c in CATEGORIES)
+            per_token["gpu_us"] = sum(per_token[f"{c}.us"] for c in CATEGORIES)
+            per_token["busy_us"] = sum(per_token[f"{c}.busy_us"] for c in CATEGORIES)
+            per_token["outside_us"] = outside_kernels_us(result["decode_tok_s_median"], per_token["busy_us"])
             result["per_token"] = per_token
             result["top_kernels"] = top_kernels(full_names, prefill_names, steps)
     if v.hf:
@@ -592,9 +621,11 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in results:
         row = {k: r.get(k) for k in ("model", "prompt_len", "variant", "decode_tok_s_median", "e2e_tok_s_median",
                                      "j_per_token", "j_per_token_decode", "share_of_bound", "error")}
-        row["kernels_per_token"] = (r.get("per_token") or {}).get("kernels")
-        row["gpu_us_per_token"] = (r.get("per_token") or {}).get("gpu_us")
-        row["outside_us_per_token"] = (r.get("per_token") or {}).get("outside_us")
+        per_token = r.get("per_token") or {}
+        row["kernels_per_token"] = per_token.get("kernels")
+        row["gpu_us_per_token"] = per_token.get("gpu_us")
+        row["busy_us_per_token"] = {c: per_token[f"{c}.busy_us"] for c in CATEGORIES if f"{c}.busy_us" in per_token}
+        row["outside_us_per_token"] = per_token.get("outside_us")
         base = by_key.get((r["model"], r["prompt_len"], BASELINE.get(r["variant"], "bf16")))
         for key, out in (("decode_tok_s_median", "speedup_vs_baseline"), ("j_per_token", "energy_vs_baseline"),
                          ("j_per_token_decode", "decode_energy_vs_baseline")):
@@ -606,18 +637,21 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
-             "GPU us/token | us outside kernels | share of bound |", "|---" * 11 + "|"]
+             "busy GPU us/token: GEMV / attention / other | summed kernel us/token | us outside kernels | "
+             "share of bound |", "|---" * 12 + "|"]
 
     def f(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {r['error']} |||||||")
+            lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {r['error']} ||||||||")
             continue
+        busy = r.get("busy_us_per_token") or {}
+        split = " / ".join(f"{busy[c]:.0f}" for c in CATEGORIES) if len(busy) == len(CATEGORIES) else "-"
         lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {f(r['decode_tok_s_median'], '.1f')} | "
                      f"{f(r.get('speedup_vs_baseline'), '.2f')} | {f(r['j_per_token'], '.3f')} | "
-                     f"{f(r.get('j_per_token_decode'), '.3f')} | {f(r['kernels_per_token'], '.0f')} | "
+                     f"{f(r.get('j_per_token_decode'), '.3f')} | {f(r['kernels_per_token'], '.0f')} | {split} | "
                      f"{f(r['gpu_us_per_token'], '.0f')} | "
                      f"{f(r['outside_us_per_token'], '.0f')} | {f(r['share_of_bound'], '.0%')} |")
     return "\n".join(lines)

@@ -777,9 +777,12 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
     lines = ["Decoding end to end, 7-8B shapes (`reproductions/decode_e2e.py`: random weights, batch 1, greedy, 128 "
              "new tokens, static cache, the newest record of each row). x baseline: against the bf16 variant with "
              "the same compilation in the same record. GPU us a token from the profile, as GEMV / attention / other "
-             "kernels. PDL: the record launched kernels as programmatic dependents (its sdsie kernels, and "
-             "inductor's where its options say triton.enable_pdl); there a kernel's profiled time includes its "
-             "wait for the one before, so the GPU times overlap and the time outside kernels reads negative:", "",
+             "kernels: busy time (each kernel's time not covered by a kernel that started before it; the three add "
+             "up to the time some kernel ran) where the record has it, else the kernels' summed durations, marked "
+             "\"summed\". PDL: the record launched kernels as programmatic dependents (its sdsie kernels, and "
+             "inductor's where its options say triton.enable_pdl); there a kernel starts early and waits for the one "
+             "before inside its own span, so summed durations count that wait twice and the time outside kernels "
+             "taken from them reads negative:", "",
              "| model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
              "GPU us/token | us outside kernels | share of bound | PDL | record |", "|---" * 13 + "|"]
     for row in sorted(newest_of, key=order):
@@ -791,8 +794,12 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
             v = mt.get(f"{row}.{name}")
             return "-" if v is None else format(v * scale, fmt) + unit
 
-        gpu = "-" if f"{row}.per_token.gemv_gemm.us" not in mt else " / ".join(
-            f"{mt[f'{row}.per_token.{kind}.us']:.0f}" for kind in ("gemv_gemm", "attention", "other"))
+        gpu = "-"
+        for time_kind, mark in (("busy_us", ""), ("us", " summed")):
+            if f"{row}.per_token.gemv_gemm.{time_kind}" in mt:
+                gpu = " / ".join(f"{mt[f'{row}.per_token.{kind}.{time_kind}']:.0f}"
+                                 for kind in ("gemv_gemm", "attention", "other")) + mark
+                break
         lines.append(f"| {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
                      f"{cell('j_per_token_decode', '.2f')} | {cell('per_token.kernels', '.0f')} | {gpu} | "

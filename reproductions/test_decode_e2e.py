@@ -107,17 +107,19 @@ def test_launch_ahead_reaches_the_engine_and_the_record(tmp_path: Path, monkeypa
     assert doc["config"]["launch_ahead"] is expected and seen and set(seen) == {expected}
 
 
-def test_time_outside_kernels_is_wall_time_per_token_less_gpu_time():
+def test_time_outside_kernels_is_wall_time_per_token_less_busy_gpu_time():
     from reproductions.decode_e2e import outside_kernels_us, summarize, table
 
     assert outside_kernels_us(400.0, 2300.0) == pytest.approx(200.0)  # 2,500 us a token, 2,300 of them in kernels
     assert outside_kernels_us(None, 2300.0) is None
+    busy = {"gemv_gemm.busy_us": 1800.0, "attention.busy_us": 200.0, "other.busy_us": 300.0}
     row = {"model": "m", "prompt_len": 32, "variant": "int4", "decode_tok_s_median": 400.0, "e2e_tok_s_median": 390.0,
-           "j_per_token": 1.0, "share_of_bound": 0.4, "per_token": {"kernels": 400.0, "gpu_us": 2300.0,
-                                                                    "outside_us": 200.0}}
+           "j_per_token": 1.0, "share_of_bound": 0.4,
+           "per_token": {"kernels": 400.0, "gpu_us": 3100.0, "busy_us": 2300.0, "outside_us": 200.0, **busy}}
     (summary,) = summarize([row])
     assert summary["outside_us_per_token"] == 200.0
-    assert table([summary]).splitlines()[-1].split(" | ")[9] == "200"  # after J/token and J/token decode
+    cells = table([summary]).splitlines()[-1].split(" | ")
+    assert cells[8:11] == ["1800 / 200 / 300", "3100", "200"]  # after J/token, J/token decode and kernels/token
 
 
 def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
@@ -216,17 +218,33 @@ def test_kernels_are_sorted_into_the_three_categories(name: str, category: str):
     assert kernel_category(name) == category
 
 
-def test_kernel_times_counts_launches_and_sums_gpu_time_by_name_and_skips_host_events():
+def _span(name: str, start: float, end: float, device=torch.autograd.DeviceType.CUDA):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_kernel_times_counts_launches_sums_durations_and_busy_time_by_name_and_skips_host_events():
     from types import SimpleNamespace
 
     from reproductions.decode_e2e import kernel_times
 
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    events = [SimpleNamespace(name="gemv", device_type=cuda, device_time_total=2.0),
-              SimpleNamespace(name="gemv", device_type=cuda, device_time_total=3.0),
-              SimpleNamespace(name="norm", device_type=cuda, device_time_total=1.5),
-              SimpleNamespace(name="aten::mm", device_type=cpu, device_time_total=9.0)]
-    assert kernel_times(SimpleNamespace(events=lambda: events)) == {"gemv": [2, 5.0], "norm": [1, 1.5]}
+    events = [_span("gemv", 0.0, 2.0), _span("norm", 1.0, 3.5),  # the norm waits on the gemv from 1 to 2
+              _span("gemv", 4.0, 7.0), _span("aten::mm", 0.0, 9.0, torch.autograd.DeviceType.CPU)]
+    assert kernel_times(SimpleNamespace(events=lambda: events)) == {"gemv": [2, 5.0, 5.0], "norm": [1, 2.5, 1.5]}
+
+
+def test_busy_time_gives_overlap_to_the_kernel_that_started_first_and_adds_up_to_the_union():
+    from reproductions.decode_e2e import busy_times
+
+    # a PDL chain: each kernel starts before the one before it ends; a gap; then one kernel inside another's span
+    spans = [("a", 0.0, 10.0), ("b", 8.0, 12.0), ("c", 11.0, 20.0), ("d", 25.0, 30.0), ("e", 26.0, 28.0)]
+    assert busy_times(spans) == [10.0, 2.0, 8.0, 5.0, 0.0]
+    assert sum(busy_times(spans)) == 10.0 + 2.0 + 8.0 + 5.0  # the union: [0, 20] and [25, 30]
+    assert busy_times(list(reversed(spans))) == [0.0, 5.0, 8.0, 2.0, 10.0]  # by start time, not by list order
+    assert busy_times([("x", 1.0, 2.0), ("y", 1.0, 3.0)]) == [1.0, 1.0]  # a tie: the one listed first owns it
+    with pytest.raises(ValueError, match="ends before it starts"):
+        busy_times([("x", 2.0, 1.0)])
 
 
 def test_the_split_kv_attention_kernels_are_profiled_as_attention():

@@ -172,6 +172,24 @@ def test_e2e_section_lists_every_variant_from_its_newest_default_attention_recor
     assert e2e_section([]) == []
 
 
+def test_e2e_section_gives_busy_gpu_time_where_a_record_has_it_and_marks_summed_durations():
+    import dataclasses
+
+    from reproductions.readme_results import e2e_section
+
+    records = load_records(TELEMETRY)
+    row = "llama3.1-8b.p32.int4_compiled"
+    newest = max((r for r in records if r.suite == "decode_e2e" and f"{row}.decode_tok_s_median" in r.metrics),
+                 key=lambda r: r.created)
+    summed = next(line for line in e2e_section([newest]) if line.startswith("| llama3.1-8b | 32 | int4_compiled |"))
+    assert "summed |" in summed
+    busy = {f"{row}.per_token.{kind}.busy_us": us for kind, us in (("gemv_gemm", 1501.0), ("attention", 150.0),
+                                                                   ("other", 120.0))}
+    with_busy = dataclasses.replace(newest, metrics={**newest.metrics, **busy})
+    line = next(line for line in e2e_section([with_busy]) if line.startswith("| llama3.1-8b | 32 | int4_compiled |"))
+    assert "| 1501 / 150 / 120 |" in line and "summed" not in line
+
+
 def test_serve_rows_read_the_newest_complete_thread_layout_gpu_records_and_judge_the_target():
     import dataclasses
 

@@ -50,10 +50,11 @@ def profiled(model: torch.nn.Module, prompt: torch.Tensor, top: int = 25) -> dic
     host = [{"name": a.key, "calls": a.count, "self_cpu_us": a.self_cpu_time_total, "cpu_us": a.cpu_time_total}
             for a in prof.key_averages()]
     return {
-        "gpu_us": sum(us for _, us in kernels.values()),
-        "kernels": sum(n for n, _ in kernels.values()),
-        "top_kernels": [{"name": k, "launches": n, "us": us}
-                        for k, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]],
+        "gpu_us": sum(us for _, us, _ in kernels.values()),
+        "busy_us": sum(busy for _, _, busy in kernels.values()),
+        "kernels": sum(n for n, _, _ in kernels.values()),
+        "top_kernels": [{"name": k, "launches": n, "us": us, "busy_us": busy}
+                        for k, (n, us, busy) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]],
         "top_host_self": sorted(host, key=lambda h: -h["self_cpu_us"])[:top],
         "top_host_total": sorted(host, key=lambda h: -h["cpu_us"])[:top],
     }

@@ -8,10 +8,12 @@ once and taken through its variants in this order, each variant reusing the prev
 
     bf16                 nn.Linear layers, the engine's static cache and graphs
     bf16_compiled        the same, the decode step compiled by torch.compile (inductor) and captured in the graphs
-    gated_full           every decoder linear and the LM head as GatedLinear, the gear pinned to bf16 by the clutch
+    gated_full           every decoder linear and the LM head as GatedLinear, q/k/v and gate/up fused
+                         (fuse_projections: each gear's weights concatenated), the gear pinned to bf16 by the clutch
     gated_int4           ... pinned to INT4 (one graph per precision, as in gated decoding)
     gated_*_compiled     the two gears with the compiled decode step
-    int4_unfused         the gated layers' INT4 halves alone (sdsie kernel), q/k/v and gate/up separate
+    int4_unfused         the gated layers' INT4 halves alone (sdsie kernel), q/k/v and gate/up separate (needs
+                         --gated-layout unfused where a gated variant runs too; not in the default list)
     int4                 ... q/k/v and gate/up fused (fuse_projections)
     int4_compiled        ... with the compiled decode step
     tinygemm             the same INT4 weights through torch.ops.aten._weight_int4pack_mm, fused likewise
@@ -115,6 +117,9 @@ TINY: dict[str, dict[str, Any]] = {
 }
 VARIANTS = ("bf16", "bf16_compiled", "gated_full", "gated_int4", "gated_full_compiled", "gated_int4_compiled",
             "int4_unfused", "int4", "int4_compiled", "tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled")
+GATED = frozenset(v for v in VARIANTS if v.startswith("gated_"))
+# int4_unfused is an A/B of fusion: it needs the gated layers unfused, so it is run only when named
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "int4_unfused")
 BASELINE = {"bf16": "bf16", "int4": "bf16", "tinygemm": "bf16", "int4_unfused": "bf16", "gated_full": "bf16",
             "gated_int4": "bf16", "bf16_compiled": "bf16_compiled", "int4_compiled": "bf16_compiled",
             "tinygemm_compiled": "bf16_compiled", "gated_full_compiled": "bf16_compiled",
@@ -564,6 +569,9 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
         return
     torch._dynamo.reset()
     state = gate_model(model, LINEARS, QuantConfig(group_size=GROUP_SIZE))
+    fused = args.gated_layout == "fused" and bool(wanted & GATED)
+    if fused:
+        fuse_projections(model)  # GatedLinear layers of one gear concatenate both gears' weights
 
     def not_int4(n: str) -> bool:
         return ".quantized." in n
@@ -585,8 +593,9 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    yield "int4_unfused", lambda: Variant("int4_unfused", model)
-    fuse_projections(model)
+    if not fused:
+        yield "int4_unfused", lambda: Variant("int4_unfused", model)
+        fuse_projections(model)
     yield "int4", lambda: Variant("int4", model)
     yield "int4_compiled", lambda: Variant("int4_compiled", compiled(model))
     if not wanted & {"tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled"}:
@@ -692,6 +701,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
                    "inductor_options": dict(args.inductor_options), "pdl": args.pdl,
+                   "gated_layout": args.gated_layout,
                    "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
                                                                attention=args.attention), device)},
         "results": [],
@@ -814,7 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for decode_e2e.json and the run record")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--prompt-lens", nargs="+", type=int, default=[32, 2048])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
+                   help="default: every variant but int4_unfused")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (4 with --tiny)")
     p.add_argument("--max-seconds", type=float, default=None,
@@ -841,7 +852,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny configurations (CPU dry run)")
     p.add_argument("--no-record", dest="record", action="store_false")
+    p.add_argument("--gated-layout", choices=("fused", "unfused"), default="fused",
+                   help="the gated variants' q/k/v and gate/up: fused, as the INT4 variants run (default), or "
+                        "separate layers")
     args = p.parse_args(argv)
+    if args.gated_layout == "fused" and "int4_unfused" in args.variants and GATED & set(args.variants):
+        p.error("int4_unfused runs the gated layers' INT4 halves unfused: with a gated variant, pass "
+                "--gated-layout unfused")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("decode_e2e needs a CUDA GPU (or --device cpu --tiny for a dry run)")

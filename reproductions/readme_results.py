@@ -800,6 +800,8 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
                 gpu = " / ".join(f"{mt[f'{row}.per_token.{kind}.{time_kind}']:.0f}"
                                  for kind in ("gemv_gemm", "attention", "other")) + mark
                 break
+        if variant.startswith("gated_"):  # decode_e2e's --gated-layout; records without it ran unfused
+            variant += f", {rec.config.get('gated_layout', 'unfused')} q/k/v and gate/up"
         lines.append(f"| {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
                      f"{cell('j_per_token_decode', '.2f')} | {cell('per_token.kernels', '.0f')} | {gpu} | "

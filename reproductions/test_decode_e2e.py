@@ -107,6 +107,41 @@ def test_launch_ahead_reaches_the_engine_and_the_record(tmp_path: Path, monkeypa
     assert doc["config"]["launch_ahead"] is expected and seen and set(seen) == {expected}
 
 
+@CPU_ONLY
+@pytest.mark.parametrize("layout", ["fused", "unfused"])
+def test_the_gated_variants_run_the_asked_layout(tmp_path: Path, monkeypatch, layout: str):
+    """Fused by default: the gated model's q/k/v and gate/up are one GatedLinear each, as the INT4 model's are one
+    Int4Linear, so its INT4 gear decodes the INT4 variant's tokens; unfused keeps int4_unfused possible."""
+    import reproductions.decode_e2e as e2e
+    from sdsie.quant.fuse import FusedMLP
+
+    fused_when_gated: dict[bool, set] = {}
+    real = e2e.generate
+
+    def spy(model, prompt, cfg, **kw):
+        has_fused = any(isinstance(m, FusedMLP) for m in model.modules())
+        fused_when_gated.setdefault(kw.get("gear") is not None, set()).add(has_fused)
+        return real(model, prompt, cfg, **kw)
+
+    monkeypatch.setattr(e2e, "generate", spy)
+    variants = ["gated_int4", *(["int4_unfused"] if layout == "unfused" else []), "int4"]
+    extra = ("--gated-layout", layout) if layout == "unfused" else ()
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", *variants, *extra, "--no-record", "--no-profile",
+                      "--no-energy")) == 0
+    doc = json.loads((tmp_path / "decode_e2e.json").read_text())
+    rows = {r["variant"]: r for r in doc["results"]}
+    assert doc["config"]["gated_layout"] == layout and list(rows) == variants
+    assert fused_when_gated == {True: {layout == "fused"}, False: {False, True} if layout == "unfused" else {True}}
+    if layout == "fused":  # the same INT4 layers, the same reference kernel: the same greedy tokens
+        assert rows["gated_int4"]["tokens_sha256"] == rows["int4"]["tokens_sha256"]
+
+
+def test_int4_unfused_beside_a_fused_gated_variant_is_refused_by_name(tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(_argv(tmp_path, "--variants", "gated_int4", "int4_unfused"))
+    assert exit_info.value.code == 2 and "--gated-layout unfused" in capsys.readouterr().err
+
+
 def test_time_outside_kernels_is_wall_time_per_token_less_busy_gpu_time():
     from reproductions.decode_e2e import outside_kernels_us, summarize, table
 

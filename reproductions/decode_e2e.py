@@ -21,9 +21,11 @@ once and taken through its variants in this order, each variant reusing the prev
     hf_tinygemm_compiled HF generate() with a static cache and its own torch.compile, over the tinygemm model
 
 Timing: the engine's prefill and decode seconds (device synchronized at both ends); tok/s is decode tokens over
-decode time (medians over trials), end-to-end tok/s beside it. Energy: one NVML window per variant of back-to-back
-runs filling --energy-window-s, J per generated token (prefill included), and a second window of prefill-only runs
-that prices the prefill, for J per decoded token without it (`j_per_token_decode`, decode_energy). Kernels:
+decode time (medians over trials), end-to-end tok/s beside it. HF's generate() has no separate prefill time: its
+row's tok/s (and share of the bound) counts the prefill in; its profile is a full run less a one-token run, as the
+engine's. Energy: one NVML window per variant of back-to-back runs filling --energy-window-s, J per generated token
+(prefill included), and a second window of prefill-only runs that prices the prefill, for J per decoded token
+without it (`j_per_token_decode`, decode_energy). Kernels:
 torch.profiler over a full run minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention,
 other): launches, summed kernel durations (`us`) and busy time (`busy_us`: each kernel's time not covered by a
 kernel that started before it, `busy_times`); and the wall time a token spends outside kernels
@@ -442,9 +444,13 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
                       mean_power_w=w.mean_power_w)
         result.update(decode_energy(v, prompt, graphs, meter, energy_window_s, w.energy_j / n_runs,
                                     result["new_tokens"]))
-    if profile and not v.hf:
-        full = profile_kernels(lambda: _run_once(v, prompt, new_tokens, graphs), device)
-        prefill = profile_kernels(lambda: _run_once(v, prompt, 1, graphs), device)
+    if profile:
+        try:
+            full = profile_kernels(lambda: _run_once(v, prompt, new_tokens, graphs), device)
+            prefill = profile_kernels(lambda: _run_once(v, prompt, 1, graphs), device)
+        except RuntimeError as err:  # the row's timings stand without its profile; the record says why
+            full = prefill = None
+            result["profile_error"] = f"{type(err).__name__}: {err}"[:500]
         if full is not None and prefill is not None:
             steps = max(result["new_tokens"] - 1, 1)
             (full, full_names), (prefill, prefill_names) = full, prefill
@@ -457,14 +463,12 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
             result["top_kernels"] = top_kernels(full_names, prefill_names, steps)
     if v.hf:
         result["hf_compiled"] = getattr(v.model, "_compiled_call", None) is not None  # HF compiles silently or not
-    else:
-        target = v.model.model if isinstance(v.model, DecodeCompiled) else v.model
-        read = weight_bytes(target, v.read_skip) + kv_bytes_per_token(target.config,
-                                                                      prompt.numel() + new_tokens / 2)
-        result["bytes_per_token"] = read
-        if copy_gbs is not None and result["decode_tok_s_median"]:
-            bound = copy_gbs * 1e9 / read
-            result.update(bound_tok_s=bound, share_of_bound=result["decode_tok_s_median"] / bound)
+    target = v.model.model if isinstance(v.model, DecodeCompiled) else v.model
+    read = weight_bytes(target, v.read_skip) + kv_bytes_per_token(target.config, prompt.numel() + new_tokens / 2)
+    result["bytes_per_token"] = read
+    if copy_gbs is not None and result["decode_tok_s_median"]:
+        bound = copy_gbs * 1e9 / read
+        result.update(bound_tok_s=bound, share_of_bound=result["decode_tok_s_median"] / bound)
     return result
 
 

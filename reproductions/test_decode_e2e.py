@@ -43,6 +43,7 @@ def test_the_dry_run_measures_every_requested_variant_and_writes_a_record(tmp_pa
     assert read["bf16"] == read["gated_full"]  # the gated layers' INT4 halves stay unread at the bf16 gear
     assert read["gated_int4"] == read["gated_int4_compiled"] == read["int4"] == read["int4_compiled"] < read["bf16"] / 2
     assert read["tinygemm"] < read["bf16"] / 2
+    assert rows["hf_tinygemm_compiled"]["bytes_per_token"] == read["tinygemm"]  # the same model under HF's generate
     summary = {r["variant"]: r for r in doc["summary"]}
     assert summary["bf16"]["speedup_vs_baseline"] == 1.0 and summary["int4"]["speedup_vs_baseline"] > 0
     assert "speedup_vs_baseline" not in summary["int4_compiled"]  # its baseline, bf16_compiled, did not run
@@ -134,6 +135,20 @@ def test_the_gated_variants_run_the_asked_layout(tmp_path: Path, monkeypatch, la
     assert fused_when_gated == {True: {layout == "fused"}, False: {False, True} if layout == "unfused" else {True}}
     if layout == "fused":  # the same INT4 layers, the same reference kernel: the same greedy tokens
         assert rows["gated_int4"]["tokens_sha256"] == rows["int4"]["tokens_sha256"]
+
+
+@CPU_ONLY
+def test_a_profile_that_fails_leaves_the_rows_timings_and_says_why(tmp_path: Path, monkeypatch):
+    import reproductions.decode_e2e as e2e
+
+    def broken(run, device):
+        raise RuntimeError("profiler unavailable under this graph")
+
+    monkeypatch.setattr(e2e, "profile_kernels", broken)
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16", "--no-record", "--no-energy")) == 0
+    (row,) = json.loads((tmp_path / "decode_e2e.json").read_text())["results"]
+    assert "error" not in row and row["decode_tok_s_median"] > 0 and "per_token" not in row
+    assert row["profile_error"] == "RuntimeError: profiler unavailable under this graph"
 
 
 def test_int4_unfused_beside_a_fused_gated_variant_is_refused_by_name(tmp_path: Path, capsys):

@@ -26,9 +26,10 @@ under cuda_graphs.
 
 Each cycle reads the device once (`_wait`): accepted count, emitted tokens and the entropy of
 every verification row come back together. The clutch reads those entropies (target logits that
-were computed anyway): no extra forward and no extra synchronization. In a run without scout and gear
-every cycle is a plain step whose input is already on the device, so each step is launched before the
-previous one is read (DecodeConfig.launch_ahead) and the device does not wait on the host between steps.
+were computed anyway): no extra forward and no extra synchronization. In a run without a scout every
+cycle is a plain step whose input is already on the device, so each step is launched before the previous
+one is read (DecodeConfig.launch_ahead) and the device does not wait on the host between steps; with a
+gear, in the gear the clutch holds, launched again where the read flips it.
 """
 
 from __future__ import annotations
@@ -112,11 +113,13 @@ class DecodeConfig:
     key/value head over the whole cache), "split_kv" (sdsie.kernels.decode_attention: the cache's positions split
     across programs; CUDA, or the Triton interpreter; needs kv_cache="static") or "auto" (the default): split_kv
     for a static cache under cuda_graphs on CUDA, sdpa otherwise (`run_attention`).
-    launch_ahead: in a run without scout and gear (every cycle a plain step), launch each step before waiting for the
+    launch_ahead: in a run without a scout (every cycle a plain step), launch each step before waiting for the
     previous step's answer (its token is already on the device), so the device runs step after step while the host
-    reads; a step launched past the run's end (EOS, or on_tokens stopping it) is dropped from the cache. Tokens,
-    entropies and the one host read per cycle are unchanged. False: launch after the read (for A/B runs). timing=True
-    launches after the read.
+    reads; a step launched past the run's end (EOS, or on_tokens stopping it) is dropped from the cache. With a gear,
+    the step ahead runs in the gear the clutch holds before that read; where the read flips the clutch, the step is
+    dropped and launched again in the new gear (one forward more per flip). Tokens, entropies, gears and the one
+    host read per cycle are unchanged. False: launch after the read (for A/B runs). timing=True launches after the
+    read.
     """
 
     max_new_tokens: int = 64
@@ -220,7 +223,8 @@ class DecodeStats:
     engaged_cycles: int = 0
     drafted: int = 0
     accepted: int = 0
-    target_forwards: int = 0  # forwards run: a launched-ahead step dropped at the run's end counts too
+    target_forwards: int = 0  # forwards run: a launched-ahead step that was dropped counts too
+    ahead_dropped: int = 0  # launched-ahead steps dropped: the run ended, or the clutch flipped the gear under them
     scout_forwards: int = 0
     scout_catchup_tokens: int = 0
     draft_stops: int = 0  # speculate cycles whose drafting draft_stop_prob ended before the schedule's length
@@ -539,11 +543,12 @@ def _loop(
     )
     _tokens_hook(on_tokens, [first], result)
 
-    # Every cycle of a run without scout and gear is a plain step whose input is the previous step's token, already on
-    # the device: launch each step before waiting for the one before, so the device does not idle while the host reads
+    # Every cycle of a run without a scout is a plain step whose input is the previous step's token, already on the
+    # device: launch each step before waiting for the one before, so the device does not idle while the host reads
     # a token and launches the next step (a graphed INT4 Llama-3.1-8B decode on the H200: 412 tok/s against 392
-    # launching after the read, docs/log.md).
-    ahead_ok = config.launch_ahead and run.scout is None and gear is None and not config.timing
+    # launching after the read, docs/log.md). With a gear the step ahead guesses that the clutch holds: a Schmitt
+    # trigger flips rarely, and a wrong guess costs one dropped step.
+    ahead_ok = config.launch_ahead and run.scout is None and not config.timing
     ahead: _Launched | None = None  # the next plain step, launched before this cycle's read
     while result.stop_reason == "max_new_tokens" and len(tokens) < config.max_new_tokens:
         t_start = time.perf_counter()
@@ -552,7 +557,7 @@ def _loop(
         gear_int4 = _set_gear(gear, clutch, config)
         if ahead_ok:
             launched = ahead or _launch(run, 0)
-            ahead = _launch(run, 0) if len(tokens) + 2 <= config.max_new_tokens else None
+            ahead = _launch(run, 0) if len(tokens) + 2 <= config.max_new_tokens else None  # in gear_int4
             emitted, bits, n, k = _settle(run, launched)
         else:
             emitted, bits, n, k = _cycle(run, k)  # k: the drafts made
@@ -563,6 +568,9 @@ def _loop(
         if clutch is not None:
             for h in bits:  # one EMA update per emitted token, from logits already computed
                 clutch.update(h)
+        if ahead is not None and gear is not None and clutch is not None and _gear_for(clutch, config) != gear_int4:
+            _drop_ahead(run)  # launched in the gear the clutch has just left: run it again in the new one
+            ahead = None
         if emitted[-1] in eos:
             result.stop_reason = "eos"
         if config.timing:
@@ -583,13 +591,20 @@ def _loop(
             on_cycle(record)
         _tokens_hook(on_tokens, emitted, result)
 
-    if ahead is not None:  # a step launched past the run's end (EOS, or on_tokens stopped it): drop its position
-        run.length -= 1
-        crop_cache(run.target_cache, run.length - 1)
+    if ahead is not None:  # a step launched past the run's end (EOS, or on_tokens stopped it)
+        _drop_ahead(run)
     sync_device(device)
     stats.decode_seconds = sum(c.seconds for c in result.cycles)
     stats.new_tokens = len(tokens)
     return result
+
+
+def _drop_ahead(run: _Run) -> None:
+    """Undo a launched-ahead plain step, which wrote its token after `last` and its position into the cache: both
+    are dropped (its forward stays counted in target_forwards)."""
+    run.length -= 1
+    crop_cache(run.target_cache, run.length - 1)
+    run.stats.ahead_dropped += 1
 
 
 def _tokens_hook(on_tokens: Callable[[list[int]], bool | None] | None, emitted: list[int],
@@ -650,11 +665,16 @@ def _count(stats: DecodeStats, record: CycleRecord) -> None:
         stats.accepted += record.accepted
 
 
+def _gear_for(clutch: EntropyClutch, config: DecodeConfig) -> bool:
+    """The gear (int4 or not) the clutch's state asks for."""
+    return clutch.engaged == config.int4_when_engaged
+
+
 def _set_gear(gear: Gear | None, clutch: EntropyClutch | None, config: DecodeConfig) -> bool | None:
     """Set the gear from the clutch state before a target forward; returns the gear used."""
     if gear is None or clutch is None:
         return None
-    gear.int4 = clutch.engaged == config.int4_when_engaged
+    gear.int4 = _gear_for(clutch, config)
     return gear.int4
 
 

@@ -175,24 +175,29 @@ def gear_seen_by_target(model: torch.nn.Module, gear: FakeGear) -> tuple[list[bo
     return seen, handle
 
 
-def forwards_launching_ahead(prefill_gear: bool, gears: list[bool], max_new: int) -> tuple[list[bool], int]:
-    """The gears of the target forwards a gear-only run launching ahead makes, from its cycles' gears, and the steps
-    it drops: cycle i runs the step launched ahead in cycle i - 1 if the gear held (else launches it anew), then
-    launches step i + 1 in its own gear while the budget lasts, and drops that step if cycle i + 1's gear differs."""
-    seen, dropped, ahead = [prefill_gear], 0, None
-    for i, gear in enumerate(gears):
+def forwards_launching_ahead(result, max_new: int) -> tuple[list[bool], int]:
+    """The gears of the target forwards a run launching ahead makes, from its cycles, and the steps it drops. A
+    speculate cycle runs one target forward after its drafts. A plain cycle runs the step launched ahead by the cycle
+    before if there is one (else launches it now), then launches the next step in its own gear while the budget
+    allows two more tokens; that step is dropped if the next cycle speculates or runs in the other gear, or if the
+    run ends."""
+    seen, dropped, ahead, produced = [result.prefill_gear_int4], 0, None, 1
+    for i, cycle in enumerate(result.cycles):
         if ahead is None:
-            seen.append(gear)  # this cycle's step, launched now
-        ahead = gear if i + 3 <= max_new else None  # tokens so far: the prefill's and i + 1 decoded
-        if ahead is not None:
+            seen.append(cycle.gear_int4)  # this cycle's target forward, launched now
+        ahead = None
+        if cycle.k == 0 and produced + 2 <= max_new:
+            ahead = cycle.gear_int4
             seen.append(ahead)
-        if ahead is not None and i + 1 < len(gears) and gears[i + 1] != ahead:
+        produced += cycle.emitted
+        following = result.cycles[i + 1] if i + 1 < len(result.cycles) else None
+        if ahead is not None and (following is None or following.k > 0 or following.gear_int4 != ahead):
             dropped, ahead = dropped + 1, None
     return seen, dropped
 
 
 @pytest.mark.parametrize("int4_when_engaged", [True, False])
-@pytest.mark.parametrize("with_scout, launch_ahead", [(True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("with_scout, launch_ahead", [(True, False), (True, True), (False, False), (False, True)])
 def test_gear_follows_the_clutch_before_every_target_forward(int4_when_engaged: bool, with_scout: bool,
                                                              launch_ahead: bool) -> None:
     gear = FakeGear()
@@ -205,10 +210,10 @@ def test_gear_follows_the_clutch_before_every_target_forward(int4_when_engaged: 
     finally:
         handle.remove()
     gears = [c.gear_int4 for c in result.cycles]
-    if with_scout or not launch_ahead:  # a forward after each read, in the gear the read left
+    if not launch_ahead:  # a forward after each read, in the gear the read left
         assert seen == [result.prefill_gear_int4] + gears and result.stats.ahead_dropped == 0
-    else:  # each step launched before the read before it, in the gear the clutch held; dropped where it flipped
-        expected, dropped = forwards_launching_ahead(result.prefill_gear_int4, gears, 40)
+    else:  # plain steps launched before the read before them, in the clutch's state; dropped where it flipped
+        expected, dropped = forwards_launching_ahead(result, 40)
         assert seen == expected and result.stats.ahead_dropped == dropped > 0
         assert result.stats.target_forwards == 1 + len(gears) + dropped
     assert result.prefill_gear_int4 == (MIXED.initial_engaged == int4_when_engaged)
@@ -238,7 +243,7 @@ def test_int4_kernel_launches_track_the_gear_cycle_by_cycle(monkeypatch: pytest.
     result = generate(
         model,
         PROMPT,
-        DecodeConfig(max_new_tokens=16),
+        DecodeConfig(max_new_tokens=16, launch_ahead=False),  # each target forward its cycle's (no step ahead)
         scout=SCOUT,
         clutch=EntropyClutch(MIXED),
         gear=gear,
@@ -263,13 +268,13 @@ def _reference_int4(x: torch.Tensor, w: object, *args: object, **kwargs: object)
 
 
 @given(theta=st.sampled_from([(1.8, 2.4), (1.0, 1.5), (2.5, 3.0)]), alpha=st.sampled_from([0.3, 0.5, 1.0]),
-       max_new=st.integers(2, 24), eos=st.sampled_from([None, 3, 11]))
+       max_new=st.integers(2, 24), eos=st.sampled_from([None, 3, 11]), with_scout=st.booleans())
 def test_launching_ahead_with_real_gated_layers_decodes_what_launching_after_the_read_does(theta, alpha, max_new,
-                                                                                            eos) -> None:
-    """The gears compute differently (INT4 weights against fp32), so a step kept in the wrong gear would change the
-    logits: the same tokens, entropies, gears and stop with and without launch-ahead, and a forward more per dropped
-    step. The INT4 layers run the kernel's float64 reference (the kernel has its own tests; the interpreter would
-    take seconds a step)."""
+                                                                                            eos, with_scout) -> None:
+    """The gears compute differently (INT4 weights against fp32), so a step kept in the wrong gear (or kept where
+    the clutch resumed speculation) would change the logits or the cycles: the same tokens, entropies, decisions,
+    gears and stop with and without launch-ahead, and a forward more per dropped step. The INT4 layers run the
+    kernel's float64 reference (the kernel has its own tests; the interpreter would take seconds a step)."""
     import sdsie.kernels
     from sdsie.quant.gated import gate_model
 
@@ -283,13 +288,14 @@ def test_launching_ahead_with_real_gated_layers_decodes_what_launching_after_the
     try:
         for ahead in (False, True):
             config = DecodeConfig(max_new_tokens=max_new, eos_token_id=eos, launch_ahead=ahead)
-            runs[ahead] = generate(GATED, PROMPT, config, clutch=EntropyClutch(clutch), gear=GATED_GEAR)
+            runs[ahead] = generate(GATED, PROMPT, config, scout=SCOUT if with_scout else None,
+                                   clutch=EntropyClutch(clutch), gear=GATED_GEAR)
     finally:
         sdsie.kernels.int4_matmul = saved
     after, ahead = runs[False], runs[True]
     assert ahead.tokens == after.tokens and ahead.stop_reason == after.stop_reason
-    assert [(c.gear_int4, c.entropy, c.ema) for c in ahead.cycles] == [(c.gear_int4, c.entropy, c.ema)
-                                                                       for c in after.cycles]
+    assert [(c.k, c.accepted, c.gear_int4, c.entropy, c.ema) for c in ahead.cycles] == [
+        (c.k, c.accepted, c.gear_int4, c.entropy, c.ema) for c in after.cycles]
     assert ahead.stats.target_forwards == after.stats.target_forwards + ahead.stats.ahead_dropped
 
 

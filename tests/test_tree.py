@@ -367,7 +367,9 @@ def test_a_folded_catch_up_refuses_a_feed_it_cannot_take():
 
 def test_every_tree_cycle_runs_the_scout_once_per_depth_and_a_gear_follows_the_clutch():
     """The decisions act: real scout forwards (counted by a hook) are the speculate cycles' depths, no scout forward
-    runs in a fallback cycle, and the gear's precision before each target forward is the one the cycle records."""
+    runs in a fallback cycle, and the gear's precision before each target forward is the one the cycle records
+    (launching after each read, so each target forward is its cycle's; tests/test_engine.py checks launching
+    ahead)."""
     from dataclasses import dataclass as _dataclass
 
     @_dataclass
@@ -380,8 +382,8 @@ def test_every_tree_cycle_runs_the_scout_once_per_depth_and_a_gear_follows_the_c
                TARGET.register_forward_pre_hook(lambda *_: seen.append(gear.int4))]
     clutch = EntropyClutch(ClutchConfig(theta_low=1.2, theta_high=2.0, alpha=0.5, k_draft=2))
     try:
-        r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, tree_widths=(3, 2)), scout=scout, clutch=clutch,
-                     gear=gear)
+        r = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=30, tree_widths=(3, 2), launch_ahead=False),
+                     scout=scout, clutch=clutch, gear=gear)
     finally:
         for h in handles:
             h.remove()

@@ -29,7 +29,7 @@ every verification row come back together. The clutch reads those entropies (tar
 were computed anyway): no extra forward and no extra synchronization. In a run without a scout every
 cycle is a plain step whose input is already on the device, so each step is launched before the previous
 one is read (DecodeConfig.launch_ahead) and the device does not wait on the host between steps; with a
-gear, in the gear the clutch holds, launched again where the read flips it.
+clutch, the same holds while it stays out, and a step launched before a read that flips it is dropped.
 """
 
 from __future__ import annotations
@@ -113,13 +113,13 @@ class DecodeConfig:
     key/value head over the whole cache), "split_kv" (sdsie.kernels.decode_attention: the cache's positions split
     across programs; CUDA, or the Triton interpreter; needs kv_cache="static") or "auto" (the default): split_kv
     for a static cache under cuda_graphs on CUDA, sdpa otherwise (`run_attention`).
-    launch_ahead: in a run without a scout (every cycle a plain step), launch each step before waiting for the
-    previous step's answer (its token is already on the device), so the device runs step after step while the host
-    reads; a step launched past the run's end (EOS, or on_tokens stopping it) is dropped from the cache. With a gear,
-    the step ahead runs in the gear the clutch holds before that read; where the read flips the clutch, the step is
-    dropped and launched again in the new gear (one forward more per flip). Tokens, entropies, gears and the one
-    host read per cycle are unchanged. False: launch after the read (for A/B runs). timing=True launches after the
-    read.
+    launch_ahead: where a plain step is to be followed by another (always without a scout; while the clutch is out
+    with one), launch the next step before waiting for this one's answer (its token is already on the device), so
+    the device runs step after step while the host reads. The step ahead runs in the clutch's state before that
+    read: where the read flips the clutch (the gear changes, or speculation resumes), the step is dropped and the
+    next cycle runs as the new state says (one forward more per flip); a step launched past the run's end (EOS, or
+    on_tokens stopping it) is dropped too. Tokens, entropies, decisions, gears and the one host read per cycle are
+    unchanged. False: launch after the read (for A/B runs). timing=True launches after the read.
     """
 
     max_new_tokens: int = 64
@@ -224,7 +224,7 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     target_forwards: int = 0  # forwards run: a launched-ahead step that was dropped counts too
-    ahead_dropped: int = 0  # launched-ahead steps dropped: the run ended, or the clutch flipped the gear under them
+    ahead_dropped: int = 0  # launched-ahead plain steps dropped: the run ended, or the clutch flipped under them
     scout_forwards: int = 0
     scout_catchup_tokens: int = 0
     draft_stops: int = 0  # speculate cycles whose drafting draft_stop_prob ended before the schedule's length
@@ -543,21 +543,22 @@ def _loop(
     )
     _tokens_hook(on_tokens, [first], result)
 
-    # Every cycle of a run without a scout is a plain step whose input is the previous step's token, already on the
-    # device: launch each step before waiting for the one before, so the device does not idle while the host reads
-    # a token and launches the next step (a graphed INT4 Llama-3.1-8B decode on the H200: 412 tok/s against 392
-    # launching after the read, docs/log.md). With a gear the step ahead guesses that the clutch holds: a Schmitt
-    # trigger flips rarely, and a wrong guess costs one dropped step.
-    ahead_ok = config.launch_ahead and run.scout is None and not config.timing
+    # A plain step's input is the previous step's token, already on the device: where the next cycle is a plain step
+    # too (every cycle without a scout; with one, while the clutch is out), launch it before waiting for this one, so
+    # the device does not idle while the host reads a token and launches the next step (a graphed INT4 Llama-3.1-8B
+    # decode on the H200: 412 tok/s against 392 launching after the read, docs/log.md). The step ahead guesses that
+    # the read leaves the clutch as it is: a Schmitt trigger flips rarely, and a wrong guess costs one dropped step.
+    ahead_ok = config.launch_ahead and not config.timing
     ahead: _Launched | None = None  # the next plain step, launched before this cycle's read
     while result.stop_reason == "max_new_tokens" and len(tokens) < config.max_new_tokens:
         t_start = time.perf_counter()
         engaged = clutch.engaged if clutch is not None else None
         k = _draft_length(run, engaged, produced=len(tokens))
         gear_int4 = _set_gear(gear, clutch, config)
-        if ahead_ok:
+        if ahead_ok and k == 0:
             launched = ahead or _launch(run, 0)
-            ahead = _launch(run, 0) if len(tokens) + 2 <= config.max_new_tokens else None  # in gear_int4
+            plain_next = len(tokens) + 2 <= config.max_new_tokens and _draft_length(run, engaged, len(tokens) + 1) == 0
+            ahead = _launch(run, 0) if plain_next else None  # in this cycle's gear and clutch state
             emitted, bits, n, k = _settle(run, launched)
         else:
             emitted, bits, n, k = _cycle(run, k)  # k: the drafts made
@@ -568,8 +569,10 @@ def _loop(
         if clutch is not None:
             for h in bits:  # one EMA update per emitted token, from logits already computed
                 clutch.update(h)
-        if ahead is not None and gear is not None and clutch is not None and _gear_for(clutch, config) != gear_int4:
-            _drop_ahead(run)  # launched in the gear the clutch has just left: run it again in the new one
+        if ahead is not None and clutch is not None and (
+                _draft_length(run, clutch.engaged, len(tokens)) > 0
+                or (gear is not None and _gear_for(clutch, config) != gear_int4)):
+            _drop_ahead(run)  # launched in the state the clutch has just left: the next cycle runs in the new one
             ahead = None
         if emitted[-1] in eos:
             result.stop_reason = "eos"

@@ -325,7 +325,7 @@ def busy_times(spans: list[tuple[str, float, float]]) -> list[float]:
 
 
 def kernel_times(prof: Any) -> dict[str, list]:
-    """A finished torch.profiler session's GPU kernels (and copies) by name: {name: [launches, summed microseconds,
+    """A finished torch.profiler profile's GPU kernels (and copies) by name: {name: [launches, summed microseconds,
     busy microseconds (`busy_times`)]}."""
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -324,7 +324,7 @@ def test_stop_string_ends_the_text_before_it_and_the_run(pair, tokenizer, client
 COUNTERS = {"completion_tokens_total": "completion_tokens", "cycles_total": "cycles",
             "engaged_cycles_total": "engaged_cycles", "speculate_cycles_total": "speculate_cycles",
             "drafted_tokens_total": "drafted", "accepted_tokens_total": "accepted",
-            "target_forwards_total": "target_forwards"}
+            "target_forwards_total": "target_forwards", "dropped_forwards_total": "dropped_forwards"}
 
 
 def test_models_health_and_metrics(idle_url, client) -> None:

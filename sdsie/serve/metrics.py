@@ -28,7 +28,8 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     target_forwards: int = 0
-    int4_target_forwards: int = 0
+    dropped_forwards: int = 0  # of target_forwards: steps launched ahead of a read and dropped (DecodeStats)
+    int4_target_forwards: int = 0  # of the kept ones (the prefill's and the cycles')
     energy_j: float | None = None
 
 
@@ -101,12 +102,16 @@ class Metrics:
         metric("drafted_tokens_total", "counter", "Draft tokens proposed by the scout.", t.drafted)
         metric("accepted_tokens_total", "counter", "Draft tokens the target accepted.", t.accepted)
         metric("acceptance_rate", "gauge", "Accepted over drafted tokens.", _ratio(t.accepted, t.drafted))
-        metric("target_forwards_total", "counter", "Target forward passes (prefill and cycles).", t.target_forwards)
+        metric("target_forwards_total", "counter",
+               "Target forward passes (prefill, cycles, and steps launched ahead then dropped).", t.target_forwards)
+        metric("dropped_forwards_total", "counter",
+               "Target steps launched ahead of a read and dropped: the run ended, or the clutch flipped.",
+               t.dropped_forwards)
         if self.gear:
-            metric("int4_target_forwards_total", "counter", "Target forwards in the INT4 gear.",
+            metric("int4_target_forwards_total", "counter", "Kept target forwards in the INT4 gear.",
                    t.int4_target_forwards)
-            metric("int4_forward_share", "gauge", "Share of target forwards in the INT4 gear.",
-                   _ratio(t.int4_target_forwards, t.target_forwards))
+            metric("int4_forward_share", "gauge", "Share of kept target forwards in the INT4 gear.",
+                   _ratio(t.int4_target_forwards, t.target_forwards - t.dropped_forwards))
         if self.energy and t.energy_requests:  # no reading yet: no energy line, never 0 J
             metric("energy_joules_total", "counter", "GPU energy of requests with a reading (NVML).", t.energy_j)
             metric("energy_measured_requests_total", "counter", "Requests with an energy reading.", t.energy_requests)

@@ -318,7 +318,8 @@ def request_stats(result: GenerationResult, prompt_tokens: int, seconds: float,
     return RequestStats(prompt_tokens=prompt_tokens, completion_tokens=len(result.tokens), seconds=seconds,
                         cycles=s.cycles, engaged_cycles=s.engaged_cycles, speculate_cycles=s.speculate_cycles,
                         drafted=s.drafted, accepted=s.accepted, target_forwards=s.target_forwards,
-                        int4_target_forwards=sum(bool(g) for g in gears), energy_j=energy_j)
+                        dropped_forwards=s.ahead_dropped, int4_target_forwards=sum(bool(g) for g in gears),
+                        energy_j=energy_j)
 
 
 def usage(result: GenerationResult, stats: RequestStats) -> dict[str, Any]:
@@ -338,6 +339,7 @@ def usage(result: GenerationResult, stats: RequestStats) -> dict[str, Any]:
             "accepted": s.accepted,
             "scout_forwards": s.scout_forwards,
             "target_forwards": s.target_forwards,
+            "dropped_forwards": s.ahead_dropped,
             "decisions": result.decisions,
             "gear_int4_share": stats.int4_target_forwards / (1 + s.cycles) if has_gear else None,
             "energy_j": stats.energy_j,

@@ -733,15 +733,32 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
         rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt[1:]}, 128 new tokens): "
                     f"all linears INT4 against bf16, both {compiled} and graphed{launch} | {_down(mt[key])} tok/s "
                     f"({mt[base + '.decode_tok_s_median']:.0f} tok/s), "
-                    f"{mt[base + '.energy_vs_baseline']:.3f}x J/token{_decode_energy(mt, base)}; "
-                    f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'} | `{_rid(rec)}` |")
+                    f"{_up(mt[base + '.energy_vs_baseline'])} J/token{_decode_energy(mt, base)}; "
+                    f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'}, {_energy_verdict(mt, base)} | "
+                    f"`{_rid(rec)}` |")
     return rows
+
+
+E2E_ENERGY_TARGET = 0.40  # the end-to-end issue's bar: J/token at least 60% lower than bf16's
+
+
+def _energy_verdict(mt: dict, base: str) -> str:
+    """The J/token bar judged on the decode steps' own ratio where the record priced the prefill apart (the prefill
+    runs eagerly, and its energy is not the decode's), else on the whole runs'; the verdict names which."""
+    decode = mt.get(base + ".decode_energy_vs_baseline")
+    ratio, which = (decode, "decode alone") if decode is not None else (mt[base + ".energy_vs_baseline"], "whole runs")
+    return f"J/token target {E2E_ENERGY_TARGET:.2f}x ({which}) {'met' if ratio <= E2E_ENERGY_TARGET else 'not met'}"
 
 
 def _decode_energy(mt: dict, base: str) -> str:
     """The decode steps' J/token ratio, as " (0.400x decode alone)", where the record priced the prefill apart."""
     v = mt.get(base + ".decode_energy_vs_baseline")
-    return "" if v is None else f" ({v:.3f}x decode alone)"
+    return "" if v is None else f" ({_up(v)} decode alone)"
+
+
+def _up(v: float) -> str:
+    """An energy ratio to three decimals rounded up, so it never reads as meeting a bar its verdict says it misses."""
+    return f"{math.ceil(v * 1000) / 1000:.3f}x"
 
 
 def _default_attention_e2e(records: list[RunRecord]) -> list[RunRecord]:

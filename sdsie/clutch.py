@@ -104,6 +104,15 @@ class EntropyClutch:
         self.steps += 1
         return self.engaged
 
+    def may_flip(self, max_bits: float) -> bool:
+        """Whether the next `update`, with an entropy anywhere in [0, max_bits], could change `engaged`. The EMA grows
+        with the entropy, so the two ends decide: engaged, the largest entropy is the one that may release it;
+        released, zero bits is the one that may engage it. Same arithmetic as `update`."""
+        a = self.config.alpha
+        h = max_bits if self.engaged else 0.0
+        ema = h if self.ema is None else a * h + (1.0 - a) * self.ema
+        return ema > self.config.theta_high if self.engaged else ema < self.config.theta_low
+
     def __repr__(self) -> str:
         return f"EntropyClutch(engaged={self.engaged}, ema={self.ema}, steps={self.steps}, {self.config})"
 

@@ -197,12 +197,18 @@ def forwards_launching_ahead(result, max_new: int) -> tuple[list[bool], int]:
 
 
 @pytest.mark.parametrize("int4_when_engaged", [True, False])
-@pytest.mark.parametrize("with_scout, launch_ahead", [(True, False), (True, True), (False, False), (False, True)])
-def test_gear_follows_the_clutch_before_every_target_forward(int4_when_engaged: bool, with_scout: bool,
-                                                             launch_ahead: bool) -> None:
+@pytest.mark.parametrize("with_scout, ahead", [(True, "off"), (True, "policy"), (True, "always"), (False, "off"),
+                                               (False, "policy"), (False, "always")])
+def test_gear_follows_the_clutch_before_every_target_forward(int4_when_engaged: bool, with_scout: bool, ahead: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gear before every target forward is the one its cycle records. Launching ahead only where the read
+    cannot flip the clutch ("policy", the engine's) drops no step; launching ahead at every plain step ("always":
+    may_flip forced False) drops the steps a flip overtook, and the forwards' gears follow that sequence exactly."""
+    if ahead == "always":
+        monkeypatch.setattr(EntropyClutch, "may_flip", lambda self, max_bits: False)
     gear = FakeGear()
     seen, handle = gear_seen_by_target(TARGET, gear)
-    config = DecodeConfig(max_new_tokens=40, int4_when_engaged=int4_when_engaged, launch_ahead=launch_ahead)
+    config = DecodeConfig(max_new_tokens=40, int4_when_engaged=int4_when_engaged, launch_ahead=ahead != "off")
     try:
         result = generate(
             TARGET, PROMPT, config, scout=SCOUT if with_scout else None, clutch=EntropyClutch(MIXED), gear=gear
@@ -210,8 +216,9 @@ def test_gear_follows_the_clutch_before_every_target_forward(int4_when_engaged: 
     finally:
         handle.remove()
     gears = [c.gear_int4 for c in result.cycles]
-    if not launch_ahead:  # a forward after each read, in the gear the read left
+    if ahead != "always":  # one forward a cycle, in the gear the read before it left; nothing dropped
         assert seen == [result.prefill_gear_int4] + gears and result.stats.ahead_dropped == 0
+        assert result.stats.target_forwards == 1 + len(gears)
     else:  # plain steps launched before the read before them, in the clutch's state; dropped where it flipped
         expected, dropped = forwards_launching_ahead(result, 40)
         assert seen == expected and result.stats.ahead_dropped == dropped > 0
@@ -222,6 +229,39 @@ def test_gear_follows_the_clutch_before_every_target_forward(int4_when_engaged: 
     assert result.tokens == plain(PROMPT, 40)  # a fake gear changes no arithmetic: still lossless
     if not with_scout:
         assert result.stats.scout_forwards == 0 and result.decisions == "F" * result.stats.cycles
+
+
+@pytest.mark.parametrize("pinned", [NEVER, ALWAYS], ids=["released", "engaged"])
+def test_a_clutch_that_cannot_flip_launches_every_step_ahead_as_the_plain_loop_does(pinned: ClutchConfig,
+                                                                                      monkeypatch) -> None:
+    """Pinned by its thresholds (no entropy of a 64-token vocabulary crosses them), the clutch cannot flip at any
+    read, so a gear-only run launches each step before the previous read, as the plain loop does: forward, forward,
+    read, forward, read, ..., read."""
+    events: list[str] = []
+    real_forward, real_wait = engine.forward, engine.HostRead.wait
+    monkeypatch.setattr(engine, "forward", lambda *a, **kw: events.append("F") or real_forward(*a, **kw))
+    monkeypatch.setattr(engine.HostRead, "wait", lambda self: events.append("R") or real_wait(self))
+    result = generate(TARGET, PROMPT, DecodeConfig(max_new_tokens=6), clutch=EntropyClutch(pinned), gear=FakeGear())
+    assert "".join(events) == "FR" + "FFR" + "FR" * 3 + "R"
+    assert result.stats.ahead_dropped == 0 and result.tokens == plain(PROMPT, 6)
+
+
+@given(low=st.floats(0, 8), band=st.floats(0, 4), alpha=st.floats(0.01, 1.0), engaged=st.booleans(),
+       ema=st.one_of(st.none(), st.floats(0, 10)), max_bits=st.floats(0, 8))
+def test_may_flip_is_whether_some_entropy_up_to_max_bits_flips_the_next_update(low, band, alpha, engaged, ema,
+                                                                                max_bits) -> None:
+    """Against brute force over entropies in [0, max_bits], both ends included: the EMA grows with the entropy."""
+    config = ClutchConfig(theta_low=low, theta_high=low + band, alpha=alpha)
+    grid = [max_bits * i / 64 for i in range(65)]
+
+    def flips(h: float) -> bool:
+        c = EntropyClutch(config)
+        c.engaged, c.ema = engaged, ema
+        return c.update(h) != engaged
+
+    c = EntropyClutch(config)
+    c.engaged, c.ema = engaged, ema
+    assert c.may_flip(max_bits) == any(flips(h) for h in grid)
 
 
 def test_int4_kernel_launches_track_the_gear_cycle_by_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,30 +308,38 @@ def _reference_int4(x: torch.Tensor, w: object, *args: object, **kwargs: object)
 
 
 @given(theta=st.sampled_from([(1.8, 2.4), (1.0, 1.5), (2.5, 3.0)]), alpha=st.sampled_from([0.3, 0.5, 1.0]),
-       max_new=st.integers(2, 24), eos=st.sampled_from([None, 3, 11]), with_scout=st.booleans())
+       max_new=st.integers(2, 24), eos=st.sampled_from([None, 3, 11]),
+       scout_gear=st.sampled_from([(True, True), (True, False), (False, True)]), always=st.booleans())
 def test_launching_ahead_with_real_gated_layers_decodes_what_launching_after_the_read_does(theta, alpha, max_new,
-                                                                                            eos, with_scout) -> None:
+                                                                                            eos, scout_gear,
+                                                                                            always) -> None:
     """The gears compute differently (INT4 weights against fp32), so a step kept in the wrong gear (or kept where
     the clutch resumed speculation) would change the logits or the cycles: the same tokens, entropies, decisions,
-    gears and stop with and without launch-ahead, and a forward more per dropped step. The INT4 layers run the
-    kernel's float64 reference (the kernel has its own tests; the interpreter would take seconds a step)."""
+    gears and stop with and without launch-ahead, and a forward more per dropped step. `always` launches a step
+    ahead at every plain step (may_flip forced False), so flips drop steps: the drop, not the engine's caution, is
+    what keeps the output. The INT4 layers run the kernel's float64 reference (the kernel has its own tests; the
+    interpreter would take seconds a step)."""
     import sdsie.kernels
     from sdsie.quant.gated import gate_model
 
     global GATED_GEAR
     if GATED_GEAR is None:
         GATED_GEAR = gate_model(GATED, ["down_proj", "lm_head"])
+    with_scout, with_gear = scout_gear
+    GATED_GEAR.int4 = False  # a run without the gear decodes at full precision
     clutch = ClutchConfig(theta_low=theta[0], theta_high=theta[1], alpha=alpha)
     runs = {}
-    saved = sdsie.kernels.int4_matmul
+    saved, saved_may_flip = sdsie.kernels.int4_matmul, EntropyClutch.may_flip
     sdsie.kernels.int4_matmul = _reference_int4
+    if always:
+        EntropyClutch.may_flip = lambda self, max_bits: False
     try:
         for ahead in (False, True):
             config = DecodeConfig(max_new_tokens=max_new, eos_token_id=eos, launch_ahead=ahead)
             runs[ahead] = generate(GATED, PROMPT, config, scout=SCOUT if with_scout else None,
-                                   clutch=EntropyClutch(clutch), gear=GATED_GEAR)
+                                   clutch=EntropyClutch(clutch), gear=GATED_GEAR if with_gear else None)
     finally:
-        sdsie.kernels.int4_matmul = saved
+        sdsie.kernels.int4_matmul, EntropyClutch.may_flip = saved, saved_may_flip
     after, ahead = runs[False], runs[True]
     assert ahead.tokens == after.tokens and ahead.stop_reason == after.stop_reason
     assert [(c.k, c.accepted, c.gear_int4, c.entropy, c.ema) for c in ahead.cycles] == [

@@ -29,11 +29,12 @@ every verification row come back together. The clutch reads those entropies (tar
 were computed anyway): no extra forward and no extra synchronization. In a run without a scout every
 cycle is a plain step whose input is already on the device, so each step is launched before the previous
 one is read (DecodeConfig.launch_ahead) and the device does not wait on the host between steps; with a
-clutch, the same holds while it stays out, and a step launched before a read that flips it is dropped.
+clutch, wherever that read cannot flip it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -115,11 +116,11 @@ class DecodeConfig:
     for a static cache under cuda_graphs on CUDA, sdpa otherwise (`run_attention`).
     launch_ahead: where a plain step is to be followed by another (always without a scout; while the clutch is out
     with one), launch the next step before waiting for this one's answer (its token is already on the device), so
-    the device runs step after step while the host reads. The step ahead runs in the clutch's state before that
-    read: where the read flips the clutch (the gear changes, or speculation resumes), the step is dropped and the
-    next cycle runs as the new state says (one forward more per flip); a step launched past the run's end (EOS, or
-    on_tokens stopping it) is dropped too. Tokens, entropies, decisions, gears and the one host read per cycle are
-    unchanged. False: launch after the read (for A/B runs). timing=True launches after the read.
+    the device runs step after step while the host reads. With a clutch, only where no entropy the read can bring
+    flips it (EntropyClutch.may_flip): the step runs in the clutch's state before the read. Should the read flip it
+    anyway, or end the run (EOS, on_tokens stopping it), the step is dropped (DecodeStats.ahead_dropped). Tokens,
+    entropies, decisions, gears and the one host read per cycle are unchanged. False: launch after the read (for
+    A/B runs). timing=True launches after the read.
     """
 
     max_new_tokens: int = 64
@@ -300,6 +301,9 @@ class GenerationResult:
             "prefill_entropy": self.prefill_entropy,
             "prefill_gear_int4": self.prefill_gear_int4,
         }
+
+
+ENTROPY_SLACK_BITS = 0.01  # above log2(V): what fp32 rounding may add to a computed entropy
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -546,10 +550,16 @@ def _loop(
     # A plain step's input is the previous step's token, already on the device: where the next cycle is a plain step
     # too (every cycle without a scout; with one, while the clutch is out), launch it before waiting for this one, so
     # the device does not idle while the host reads a token and launches the next step (a graphed INT4 Llama-3.1-8B
-    # decode on the H200: 412 tok/s against 392 launching after the read, docs/log.md). The step ahead guesses that
-    # the read leaves the clutch as it is: a Schmitt trigger flips rarely, and a wrong guess costs one dropped step.
+    # decode on the H200: 412 tok/s against 392 launching after the read, docs/log.md). With a clutch, only where the
+    # read cannot flip it (EntropyClutch.may_flip): a wrong guess would cost a whole dropped forward, and on real text
+    # the clutch engages after fallback stretches of 10-40 steps (SmolLM2 and its scout, docs/log.md), about where
+    # that loses what the host's turn saves.
     ahead_ok = config.launch_ahead and not config.timing
     ahead: _Launched | None = None  # the next plain step, launched before this cycle's read
+    # the largest entropy a read can bring (a V-way distribution's, with slack for rounding): a step is launched
+    # ahead only where no entropy up to it flips the clutch, so a guess is never wasted; the drop below stays the
+    # guarantee
+    max_bits = math.log2(vocab_size(run.target)) + ENTROPY_SLACK_BITS
     while result.stop_reason == "max_new_tokens" and len(tokens) < config.max_new_tokens:
         t_start = time.perf_counter()
         engaged = clutch.engaged if clutch is not None else None
@@ -557,7 +567,8 @@ def _loop(
         gear_int4 = _set_gear(gear, clutch, config)
         if ahead_ok and k == 0:
             launched = ahead or _launch(run, 0)
-            plain_next = len(tokens) + 2 <= config.max_new_tokens and _draft_length(run, engaged, len(tokens) + 1) == 0
+            plain_next = (len(tokens) + 2 <= config.max_new_tokens and _draft_length(run, engaged, len(tokens) + 1) == 0
+                          and (clutch is None or not clutch.may_flip(max_bits)))
             ahead = _launch(run, 0) if plain_next else None  # in this cycle's gear and clutch state
             emitted, bits, n, k = _settle(run, launched)
         else:

@@ -49,8 +49,10 @@ compile with --compile-backend, and its row says whether HF did (`hf_compiled`).
 Attention: --attention picks the engine's one-token attention over its static cache (DecodeConfig.attention; the
 HF peer keeps its own). The default, auto, is the split-KV kernel under graphs on CUDA and SDPA otherwise; the
 record's config names what was asked (`attention`) and what ran (`attention_run`). Steps launch ahead of the host's
-read of the step before (DecodeConfig.launch_ahead: the engine's rows have no scout); --no-launch-ahead turns that off
-for an A/B, and the record's config says which (`launch_ahead`).
+read of the step before (DecodeConfig.launch_ahead: the engine's rows have no scout, and the gated rows' pinned clutch
+cannot flip); --no-launch-ahead turns that off for an A/B, and the record's config says which (`launch_ahead`). Each
+engine row gives its last trial's steps launched ahead, those dropped, and its decode steps (`steps_launched_ahead`,
+`steps_dropped`, `decode_steps`).
 
 Run (GPU): python -m reproductions.decode_e2e --out DIR [--models ...] [--prompt-lens ...] [--variants ...]
            [--max-seconds S] [--attention auto|sdpa|split_kv] [--no-launch-ahead]
@@ -360,6 +362,7 @@ class Variant:
     read_skip: Callable[[str], bool] = field(default=lambda name: False)
     attention: str = "auto"  # DecodeConfig.attention of the engine's runs (--attention)
     launch_ahead: bool = True  # DecodeConfig.launch_ahead of the engine's runs (--no-launch-ahead)
+    last_stats: Any = None  # DecodeStats of the engine's latest run of this variant
 
 
 def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int,
@@ -371,6 +374,7 @@ def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int,
                        launch_ahead=v.launch_ahead)
     clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
     r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
+    v.last_stats = r.stats
     return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds, [int(t) for t in r.tokens]
 
 
@@ -420,6 +424,7 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
     for _ in range(2 if graphs else 1):  # warm-up: compiles, captures the graphs (then replays them once)
         _run_once(v, prompt, new_tokens, graphs)
     runs = [_run_once(v, prompt, new_tokens, graphs) for _ in range(trials)]
+    stats = v.last_stats  # the last trial's: launch-ahead is decided by the clutch's states, the same every trial
     decode_tps = [(n - 1) / d for n, _, d, _ in runs if d > 0]
     e2e_tps = [n / (p + d) for n, p, d, _ in runs]
     result: dict[str, Any] = {
@@ -434,6 +439,9 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
         "e2e_tok_s_median": statistics.median(e2e_tps),
         "prefill_s_median": statistics.median(p for _, p, _, _ in runs),
     }
+    if stats is not None:  # steps launched before the previous read, of the decode steps after the first
+        result.update(steps_launched_ahead=stats.ahead_launched, steps_dropped=stats.ahead_dropped,
+                      decode_steps=stats.cycles)
     if meter is not None:
         per_run = statistics.median(p + d for _, p, d, _ in runs)
         n_runs = calls_to_fill(per_run, energy_window_s)

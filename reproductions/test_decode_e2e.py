@@ -39,6 +39,10 @@ def test_the_dry_run_measures_every_requested_variant_and_writes_a_record(tmp_pa
     assert list(rows) == VARIANTS
     assert all("error" not in r and r["new_tokens"] == 3 for r in rows.values()), rows
     assert rows["hf_tinygemm_compiled"]["hf_compiled"] is True  # HF compiled its forward, not an eager fallback
+    for v in VARIANTS[:-1]:  # each step after the first launched ahead (the gated clutch is pinned), none dropped
+        r = rows[v]
+        assert (r["steps_launched_ahead"], r["steps_dropped"], r["decode_steps"]) == (1, 0, 2), (v, r)
+    assert "steps_launched_ahead" not in rows["hf_tinygemm_compiled"]
     read = {v: rows[v]["bytes_per_token"] for v in VARIANTS if v != "hf_tinygemm_compiled"}
     assert read["bf16"] == read["gated_full"]  # the gated layers' INT4 halves stay unread at the bf16 gear
     assert read["gated_int4"] == read["gated_int4_compiled"] == read["int4"] == read["int4_compiled"] < read["bf16"] / 2

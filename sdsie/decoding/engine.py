@@ -225,7 +225,8 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     target_forwards: int = 0  # forwards run: a launched-ahead step that was dropped counts too
-    ahead_dropped: int = 0  # launched-ahead plain steps dropped: the run ended, or the clutch flipped under them
+    ahead_launched: int = 0  # plain steps launched before the read of the step before (DecodeConfig.launch_ahead)
+    ahead_dropped: int = 0  # of those, dropped: the run ended, or the clutch flipped under them
     scout_forwards: int = 0
     scout_catchup_tokens: int = 0
     draft_stops: int = 0  # speculate cycles whose drafting draft_stop_prob ended before the schedule's length
@@ -570,6 +571,7 @@ def _loop(
             plain_next = (len(tokens) + 2 <= config.max_new_tokens and _draft_length(run, engaged, len(tokens) + 1) == 0
                           and (clutch is None or not clutch.may_flip(max_bits)))
             ahead = _launch(run, 0) if plain_next else None  # in this cycle's gear and clutch state
+            stats.ahead_launched += ahead is not None
             emitted, bits, n, k = _settle(run, launched)
         else:
             emitted, bits, n, k = _cycle(run, k)  # k: the drafts made

@@ -568,10 +568,13 @@ def _loop(
         gear_int4 = _set_gear(gear, clutch, config)
         if ahead_ok and k == 0:
             launched = ahead or _launch(run, 0)
-            plain_next = (len(tokens) + 2 <= config.max_new_tokens and _draft_length(run, engaged, len(tokens) + 1) == 0
-                          and (clutch is None or not clutch.may_flip(max_bits)))
-            ahead = _launch(run, 0) if plain_next else None  # in this cycle's gear and clutch state
-            stats.ahead_launched += ahead is not None
+            ahead_plan = _plan(run, clutch, gear, config, produced=len(tokens) + 1)  # the next cycle, as things stand
+            if (len(tokens) + 2 <= config.max_new_tokens and ahead_plan[0] == 0
+                    and (clutch is None or not clutch.may_flip(max_bits))):
+                ahead = _launch(run, 0)  # in this cycle's gear
+                stats.ahead_launched += 1
+            else:
+                ahead = None
             emitted, bits, n, k = _settle(run, launched)
         else:
             emitted, bits, n, k = _cycle(run, k)  # k: the drafts made
@@ -582,9 +585,7 @@ def _loop(
         if clutch is not None:
             for h in bits:  # one EMA update per emitted token, from logits already computed
                 clutch.update(h)
-        if ahead is not None and clutch is not None and (
-                _draft_length(run, clutch.engaged, len(tokens)) > 0
-                or (gear is not None and _gear_for(clutch, config) != gear_int4)):
+        if ahead is not None and _plan(run, clutch, gear, config, produced=len(tokens)) != ahead_plan:
             _drop_ahead(run)  # launched in the state the clutch has just left: the next cycle runs in the new one
             ahead = None
         if emitted[-1] in eos:
@@ -684,6 +685,15 @@ def _count(stats: DecodeStats, record: CycleRecord) -> None:
 def _gear_for(clutch: EntropyClutch, config: DecodeConfig) -> bool:
     """The gear (int4 or not) the clutch's state asks for."""
     return clutch.engaged == config.int4_when_engaged
+
+
+def _plan(run: _Run, clutch: EntropyClutch | None, gear: Gear | None, config: DecodeConfig,
+          produced: int) -> tuple[int, bool | None]:
+    """What the clutch's present state makes of a cycle after `produced` tokens: its drafts and its gear. A step
+    launched ahead is kept only where the read before it leaves this unchanged."""
+    engaged = clutch.engaged if clutch is not None else None
+    gear_int4 = _gear_for(clutch, config) if gear is not None and clutch is not None else None
+    return _draft_length(run, engaged, produced), gear_int4
 
 
 def _set_gear(gear: Gear | None, clutch: EntropyClutch | None, config: DecodeConfig) -> bool | None:

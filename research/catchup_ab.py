@@ -1,7 +1,8 @@
 """Graphed gated decoding with the scout's catch-up padded and replayed, against the same loop with it eager.
 
 Answered: padded and replayed, a catch-up of 2-120 tokens took 0.19-0.22 ms against 1.44-1.49 ms eager
-(telemetry/raw/catchup_ab_s8_h200.json; docs/log.md). decode_repro's gated_tuned_graphs_unpadded variant measures the
+(telemetry/raw/catchup_ab_20261130T1725_h200.json; docs/log.md). decode_repro's gated_tuned_graphs_unpadded variant
+measures the
 same A/B in whole decodes.
 
     python -m research.catchup_ab [--preset cpu] [--trials 5] [--max-new-tokens 128] [--out FILE.json]

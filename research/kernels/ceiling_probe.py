@@ -18,7 +18,7 @@ measured copy bandwidth (a 1 GiB copy, as the suite computes it) that moving the
     python -m research.kernels.ceiling_probe --out telemetry/raw/ceiling_probe_h200.json
 
 Its answer (a copy of the INT4 bytes reaches 2.93x, 59-60% of the copy bandwidth; telemetry/raw/
-ceiling_probe_s22_h200.json) is in docs/kernel-log.md.
+ceiling_probe_20261202T0805_h200.json) is in docs/kernel-log.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 overlaps so little, and what holds the small-M planes kernel.
 
 Answered: the stall reasons, issue activity and occupancy it read are in docs/kernel-log.md
-(telemetry/raw/ncu_s10_h200.json, ncu_s10b_h200.json).
+(telemetry/raw/ncu_20261130T2011_h200.json, ncu_20261130T2011b_h200.json).
 
 The kernel log's two-ceiling model (docs/kernel-log.md) found the mid shapes' graphed M = 1 times at or above the sum of
 their SASS issue time and their bytes' copy time. This probe reads what the counters say about one launch: the warp
@@ -18,7 +18,7 @@ achieved occupancy, and how evenly the SMs were kept busy (sm__cycles_active min
 
     ncu --clock-control none --profile-from-start off --csv --page raw --section ... \
         python3 -m research.kernels.ncu_probe run int4:gate_up_14336x4096:128 > gate_up.csv
-    python3 -m research.kernels.ncu_probe summarize --out telemetry/raw/ncu_s10_h200.json *.csv
+    python3 -m research.kernels.ncu_probe summarize --out telemetry/raw/ncu_20261130T2011_h200.json *.csv
 research/kernels/ncu_run.sh runs the set of targets profiled there.
 """
 

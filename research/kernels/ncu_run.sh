@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where do the INT4 GEMV's warps stall? Nsight Compute over one M = 1 launch per target (research/kernels/ncu_probe.py),
-# then one JSON summary; the answer is in docs/kernel-log.md (telemetry/raw/ncu_s10_h200.json).
+# then one JSON summary; the answer is in docs/kernel-log.md (telemetry/raw/ncu_20261130T2011_h200.json).
 # Clocks are left as found (--clock-control none); caches are flushed before every replay pass (ncu's default).
 #   OUT=dir bash research/kernels/ncu_run.sh [TARGET...]     (targets default to NCU_TARGETS below)
 set -uo pipefail

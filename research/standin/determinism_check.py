@@ -1,7 +1,7 @@
 """Does the stand-in recipe repeat bit for bit on this machine? Train a shortened recipe twice, compare weights.
 
 Answered: on the H200 the deterministic runs repeated bit for bit and the default ones did not
-(telemetry/raw/standin_determinism_s5_h200.json; docs/log.md). The gpu recipe trains deterministically since.
+(telemetry/raw/standin_determinism_20261130T1201_h200.json; docs/log.md). The gpu recipe trains deterministically since.
 
     python -m research.standin.determinism_check --preset gpu --out determinism.json
 

@@ -1,7 +1,7 @@
 """Does distilling the scout on the target's own continuations raise agreement over distilling on the corpus?
 
 Answered: at this scale, no clear gain: greedy agreement 0.896 on corpus windows, 0.908 on the target's greedy
-continuations, 0.881 on its samples (telemetry/raw/onpolicy_probe_s6_cpu.json; docs/log.md).
+continuations, 0.881 on its samples (telemetry/raw/onpolicy_probe_20261130T1408_cpu.json; docs/log.md).
 
     python -m research.standin.onpolicy_probe [--steps 200] [--out telemetry/raw/onpolicy_probe_cpu.json]
 

@@ -1,7 +1,8 @@
 """Does one decode step of the stand-in target repeat bit for bit? Eager forwards and CUDA-graph replays, compared.
 
 Answered: yes. On the H200 every arm repeated bit for bit: one step's eager forwards, graph replays and prefills, and
-whole graphed runs' tokens and caches (telemetry/raw/replay_probe_s11_h200.json, replay_probe_s12_h200.json;
+whole graphed runs' tokens and caches (telemetry/raw/replay_probe_20261130T2214_h200.json,
+replay_probe_20261201T0006_h200.json;
 docs/log.md).
 
     python -m research.standin.replay_probe --preset gpu --replays 200 --out replay_probe.json
@@ -27,8 +28,9 @@ tokens, then repeats one 1-token forward from the same cache state:
   their tokens and bit for bit by every key and value the run left in the cache: with random weights the top
   logits are rarely close enough for a token to flip, the cache shows any difference in any step.
 
-The first H200 run (`telemetry/raw/replay_probe_s11_h200.json`) predates the prefill arm and the engine arms' cache
-comparison: it compared whole runs by their tokens only. The second (`replay_probe_s12_h200.json`) ran every arm.
+The first H200 run (`telemetry/raw/replay_probe_20261130T2214_h200.json`) predates the prefill arm and the engine
+arms' cache comparison: it compared whole runs by their tokens only. The second
+(`replay_probe_20261201T0006_h200.json`) ran every arm.
 
 Each arm reports how many of its repeats differ from its first (0 everywhere: the step repeats). Eager arms also run
 without CUDA (the graph arms are then reported as not run, with the reason).

@@ -1,7 +1,7 @@
 """How far could drafting a tree instead of a chain take speculation on a stand-in pair? A probe, before building it.
 
 Answered on the gpu pair: the best tree of at most 63 nodes on code is 4,3,3, modelled at 2.03x graphed plain
-(telemetry/raw/tree_probe_s18_h200.json); the decodes that measured it are in docs/log.md.
+(telemetry/raw/tree_probe_20261201T2247_h200.json); the decodes that measured it are in docs/log.md.
 
     python -m research.standin.tree_probe --pair gpu --device cuda --out telemetry/raw/tree_probe.json
 

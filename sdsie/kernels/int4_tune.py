@@ -79,8 +79,8 @@ def choice_configs() -> list[Int4KernelConfig]:
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
     at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2, the mma GEMV at M <= 8. Planes, timed
-    at M = 1, lost all 20 cases to the GEMV, by 15-67% (kernel_sweep_s12_planes_m1_m16_h200.json,
-    kernel_sweep_s13_xwords_h200.json), so a sweep spends no GPU time on it there."""
+    at M = 1, lost all 20 cases to the GEMV, by 15-67% (kernel_sweep_20261130T2332_planes_m1_m16_h200.json,
+    kernel_sweep_20261201T0134_xwords_h200.json), so a sweep spends no GPU time on it there."""
     if cfg.mma:  # the choice takes the mma GEMV at M <= 8 only (`mma_config`)
         return m <= 8
     if cfg.block_m == 1:

@@ -84,7 +84,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ import sdsie.kernels
 import sdsie.kernels.ops
 from reproductions.kernels.int4_bench import tuned_table_provenance
 from sdsie.clutch import ClutchConfig, EntropyClutch
-from sdsie.decoding import DecodeConfig, generate, run_attention
+from sdsie.decoding import DecodeConfig, DecodeStats, generate, run_attention
 from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
 from sdsie.kernels import int4_matmul_reference
 from sdsie.kernels.device import set_programmatic_launch
@@ -362,24 +362,32 @@ class Variant:
     read_skip: Callable[[str], bool] = field(default=lambda name: False)
     attention: str = "auto"  # DecodeConfig.attention of the engine's runs (--attention)
     launch_ahead: bool = True  # DecodeConfig.launch_ahead of the engine's runs (--no-launch-ahead)
-    last_stats: Any = None  # DecodeStats of the engine's latest run of this variant
 
 
-def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int,
-              graphs: bool) -> tuple[int, float, float, list[int]]:
-    """One decode -> (new tokens, prefill seconds, decode seconds, the new token ids)."""
+class Run(NamedTuple):
+    """One decode: its new tokens, prefill and decode seconds, the new token ids, and the engine's stats (None for
+    HF's generate())."""
+
+    tokens: int
+    prefill_s: float
+    decode_s: float
+    ids: list[int]
+    stats: DecodeStats | None = None
+
+
+def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -> Run:
+    """One decode of the variant: the engine's generate(), or HF's for the HF peer."""
     if v.hf:
         return _hf_run(v.model, prompt, new_tokens, v.hf_compile)
     cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs, attention=v.attention,
                        launch_ahead=v.launch_ahead)
     clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
     r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
-    v.last_stats = r.stats
-    return len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds, [int(t) for t in r.tokens]
+    return Run(len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds, [int(t) for t in r.tokens], r.stats)
 
 
 def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
-            compile_config: Any = None) -> tuple[int, float, float, list[int]]:
+            compile_config: Any = None) -> Run:
     """HF generate with a static cache (HF compiles its forward for it); the prefill is not separated: 0 s."""
     ids = prompt[None]
     extra = {} if compile_config is None else {"compile_config": compile_config}
@@ -390,7 +398,7 @@ def _hf_run(model: nn.Module, prompt: torch.Tensor, new_tokens: int,
                              min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
                              eos_token_id=None, pad_token_id=0, **extra)
     sync_device(prompt.device)
-    return out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
+    return Run(out.shape[1] - ids.shape[1], 0.0, time.perf_counter() - t0, out[0, ids.shape[1]:].tolist())
 
 
 def outside_kernels_us(decode_tok_s: float | None, busy_us: float) -> float | None:
@@ -408,7 +416,7 @@ def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyM
     if new_tokens < 2:
         return {}
     timed = [_run_once(v, prompt, 1, graphs) for _ in range(2)]
-    n_runs = calls_to_fill(min(p + d for _, p, d, _ in timed), window_s)
+    n_runs = calls_to_fill(min(r.prefill_s + r.decode_s for r in timed), window_s)
     window = meter.start()
     for _ in range(n_runs):
         _run_once(v, prompt, 1, graphs)
@@ -424,29 +432,29 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
     for _ in range(2 if graphs else 1):  # warm-up: compiles, captures the graphs (then replays them once)
         _run_once(v, prompt, new_tokens, graphs)
     runs = [_run_once(v, prompt, new_tokens, graphs) for _ in range(trials)]
-    stats = v.last_stats  # the last trial's: launch-ahead is decided by the clutch's states, the same every trial
-    decode_tps = [(n - 1) / d for n, _, d, _ in runs if d > 0]
-    e2e_tps = [n / (p + d) for n, p, d, _ in runs]
+    decode_tps = [(r.tokens - 1) / r.decode_s for r in runs if r.decode_s > 0]
+    e2e_tps = [r.tokens / (r.prefill_s + r.decode_s) for r in runs]
     result: dict[str, Any] = {
-        "new_tokens": runs[0][0],
+        "new_tokens": runs[0].tokens,
         # greedy decoding: every trial's tokens alike. Equal digests mean equal tokens; unequal ones across
         # processes are not evidence of a kernel difference (bf16 rows of one setting differed between processes)
-        "tokens_sha256": hashlib.sha256(json.dumps(runs[-1][3]).encode()).hexdigest()[:16],
-        "tokens_same_every_trial": all(r[3] == runs[0][3] for r in runs),
+        "tokens_sha256": hashlib.sha256(json.dumps(runs[-1].ids).encode()).hexdigest()[:16],
+        "tokens_same_every_trial": all(r.ids == runs[0].ids for r in runs),
         "decode_tok_s": decode_tps,
         "e2e_tok_s": e2e_tps,
         "decode_tok_s_median": statistics.median(decode_tps) if decode_tps else None,
         "e2e_tok_s_median": statistics.median(e2e_tps),
-        "prefill_s_median": statistics.median(p for _, p, _, _ in runs),
+        "prefill_s_median": statistics.median(r.prefill_s for r in runs),
     }
+    stats = runs[-1].stats  # the last trial's: launch-ahead follows the clutch's states, the same every trial
     if stats is not None:  # steps launched before the previous read, of the decode steps after the first
         result.update(steps_launched_ahead=stats.ahead_launched, steps_dropped=stats.ahead_dropped,
                       decode_steps=stats.cycles)
     if meter is not None:
-        per_run = statistics.median(p + d for _, p, d, _ in runs)
+        per_run = statistics.median(r.prefill_s + r.decode_s for r in runs)
         n_runs = calls_to_fill(per_run, energy_window_s)
         window = meter.start()
-        tokens = sum(_run_once(v, prompt, new_tokens, graphs)[0] for _ in range(n_runs))
+        tokens = sum(_run_once(v, prompt, new_tokens, graphs).tokens for _ in range(n_runs))
         w = meter.stop(window, tokens=tokens)
         result.update(j_per_token=w.j_per_token, energy_window_s=w.duration_s, energy_runs=n_runs,
                       mean_power_w=w.mean_power_w)

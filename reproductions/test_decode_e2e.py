@@ -336,7 +336,7 @@ def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
     def run_once(v, prompt, new_tokens, graphs):
         counter["j"] += prefill_j + (new_tokens - 1) * step_j
         counter["calls"].append(new_tokens)
-        return new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens
+        return decode_e2e.Run(new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens)
 
     class Meter:
         def start(self):

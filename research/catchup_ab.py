@@ -2,8 +2,7 @@
 
 Answered: padded and replayed, a catch-up of 2-120 tokens took 0.19-0.22 ms against 1.44-1.49 ms eager
 (telemetry/raw/catchup_ab_20261130T1725_h200.json; docs/log.md). decode_repro's gated_tuned_graphs_unpadded variant
-measures the
-same A/B in whole decodes.
+measures the same A/B in whole decodes.
 
     python -m research.catchup_ab [--preset cpu] [--trials 5] [--max-new-tokens 128] [--out FILE.json]
 

@@ -400,9 +400,8 @@ def sweep_configs() -> list[Int4KernelConfig]:
     cfgs += [Int4KernelConfig(16, bn, 128, split_k=sk, num_warps=4, num_stages=4, swap_ab=True)
              for bn, splits in ((64, (8, 16)), (128, (4, 8)), (256, (4,))) for sk in splits]
     # ... but beside the kernel without them in one run (ab_20261201T0148_xwords_h200.json) 1024x4096 at M = 4 was 4%
-    # slower
-    # with the words, on a tile whose programs run two K tiles each: the gathers again (x_tile=False), for a sweep to
-    # judge.
+    # slower with the words, on a tile whose programs run two K tiles each: the gathers again (x_tile=False), for a
+    # sweep to judge.
     cfgs += [Int4KernelConfig(16, 64, 128, split_k=sk, num_warps=4, num_stages=3, x_tile=False, swap_ab=True)
              for sk in (8, 16)]
     return cfgs

@@ -17,13 +17,11 @@ Per shape, in one process, each measurement with `int4_bench.graph_us` (L2-cold 
         (copy_beside_weights: new buffers while those weights are held)
 
 Measured on the H200 (telemetry/raw/graph_floor_probe_20261130T1906_h200.json, before the `aligned` arm existed):
-allocation
-does not matter. Fresh, repeated, reused and held-beside copies of the M = 1 LM head's bytes all took 104-109 us,
-gate_up's 11.3-11.4, kv's 2.3; INT4 and bf16 gave the same times fresh and again. What differs between the suites'
-M = 1 and M = 16 copies is the size: every M = 1 size that was not a multiple of 4 KiB (LM head, gate_up, down_proj,
-kv: 256-2048-byte multiples) copied slowly, every 4 KiB multiple (all M = 16 sizes, and 4096x4096 at M = 1: 8 KiB)
-fast. The `aligned` arm, added after that run, confirmed it in a second one
-(graph_floor_probe_aligned_20261130T1923_h200.json:
+allocation does not matter. Fresh, repeated, reused and held-beside copies of the M = 1 LM head's bytes all took 104-109
+us, gate_up's 11.3-11.4, kv's 2.3; INT4 and bf16 gave the same times fresh and again. What differs between the suites'
+M = 1 and M = 16 copies is the size: every M = 1 size that was not a multiple of 4 KiB (LM head, gate_up, down_proj, kv:
+256-2048-byte multiples) copied slowly, every 4 KiB multiple (all M = 16 sizes, and 4096x4096 at M = 1: 8 KiB) fast. The
+`aligned` arm, added after that run, confirmed it in a second one (graph_floor_probe_aligned_20261130T1923_h200.json:
 70.3 us against 105-110 for the LM head's bytes); int4_bench now sizes its floor copies in 4 KiB blocks
 (docs/kernel-log.md).
 

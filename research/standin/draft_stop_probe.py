@@ -3,9 +3,8 @@ run: fixed-K speculation on a stand-in pair with and without the stop, counted (
 target forwards, tokens), and priced with a decode record's graphed forward times.
 
 Answered on the committed CPU pair: no threshold from 0.01 to 0.6 beat the adaptive schedule without the stop on any
-family (telemetry/raw/draft_stop_probe_20261201T0520_cpu.json; docs/log.md). The gpu pair's count (`--pair gpu
---device cuda`)
-has not been run.
+family (telemetry/raw/draft_stop_probe_20261201T0520_cpu.json; docs/log.md). The gpu pair's count (`--pair gpu --device
+cuda`) has not been run.
 
     python -m research.standin.draft_stop_probe --out telemetry/raw/draft_stop_probe.json
 

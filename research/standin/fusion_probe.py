@@ -7,9 +7,8 @@ measurement of a fused step (telemetry/raw/fusion_probe_20261202T0016_h200.json;
     python -m research.standin.fusion_probe --out $OUT/fusion_probe.json
 
 tree_cycle_profile (telemetry/raw/tree_cycle_profile_20261202T0011_h200.json) counted 792 kernels per graphed plain
-token,
-1.47 ms of kernel time in a 2.06 ms step: every forward of this 91M-parameter pair is launch-bound. Random weights
-(the kernels do not depend on them). The engine's step replays its CUDA graph on a StaticKV; the compiled one is
+token, 1.47 ms of kernel time in a 2.06 ms step: every forward of this 91M-parameter pair is launch-bound. Random
+weights (the kernels do not depend on them). The engine's step replays its CUDA graph on a StaticKV; the compiled one is
 HF's forward on an HF StaticCache under mode="reduce-overhead" (inductor's kernels in its own CUDA graphs). Each is
 timed with CUDA events over `--steps` consecutive steps after warm-up, and its kernels counted for one step.
 """

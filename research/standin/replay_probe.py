@@ -2,8 +2,7 @@
 
 Answered: yes. On the H200 every arm repeated bit for bit: one step's eager forwards, graph replays and prefills, and
 whole graphed runs' tokens and caches (telemetry/raw/replay_probe_20261130T2214_h200.json,
-replay_probe_20261201T0006_h200.json;
-docs/log.md).
+replay_probe_20261201T0006_h200.json; docs/log.md).
 
     python -m research.standin.replay_probe --preset gpu --replays 200 --out replay_probe.json
 

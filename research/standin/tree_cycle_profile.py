@@ -1,8 +1,7 @@
 """Where a graphed tree cycle's time goes, on models of the gpu stand-in's shapes (random weights: no build needed).
 
 Answered: telemetry/raw/tree_cycle_profile_20261202T0011_h200.json and tree_cycle_profile_20261202T0237_h200.json
-hold the split (792
-kernels a graphed plain token, about 2 us each); the findings are in docs/log.md.
+hold the split (792 kernels a graphed plain token, about 2 us each); the findings are in docs/log.md.
 
     python -m research.standin.tree_cycle_profile --widths 4,3,3 --out $OUT/tree_cycle_profile.json
 

@@ -1,12 +1,11 @@
 """RMSNorm as one Triton kernel, and a module that swaps it into a model in place of HF's.
 
-HF's LlamaRMSNorm launches eight kernels (a cast to fp32, the square, the mean, the epsilon, rsqrt, the scaling,
-the cast back, the weight's product). At batch 1 the stand-in pair is bound by its kernel count (the
-H200 profile, telemetry/raw/tree_cycle_profile_20261202T0011_h200.json: 792 kernels a graphed plain token, about 2 us
-each), so
-one kernel a norm is less time whatever the arithmetic. The kernel computes HF's formula in the same steps and
-dtypes: x in fp32, its mean square, x * rsqrt(mean + eps) cast to x's dtype, then times the weight in the promoted
-dtype; only the mean's summation order differs from torch's.
+HF's LlamaRMSNorm launches eight kernels (a cast to fp32, the square, the mean, the epsilon, rsqrt, the scaling, the
+cast back, the weight's product). At batch 1 the stand-in pair is bound by its kernel count (the H200 profile,
+telemetry/raw/tree_cycle_profile_20261202T0011_h200.json: 792 kernels a graphed plain token, about 2 us each), so one
+kernel a norm is less time whatever the arithmetic. The kernel computes HF's formula in the same steps and dtypes: x in
+fp32, its mean square, x * rsqrt(mean + eps) cast to x's dtype, then times the weight in the promoted dtype; only the
+mean's summation order differs from torch's.
 """
 
 from __future__ import annotations

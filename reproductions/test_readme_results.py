@@ -229,7 +229,7 @@ def _shape_case(shape: str, n: int, m: int, group: str, bf16: float, sdsie: floa
 def _shape_meta(shape_set: str, names: list[str], device: str = "NVIDIA H200") -> dict:
     return {"shape_set": shape_set, "m_values": [1, 2], "groups": ["128", "pc"], "choice": "auto", "sweep": False,
             "sweep_set": "full", "reps": 10, "max_copies": 1024, "timer": "graph_us", "tuned_table": {},
-            "commit": "abcdef0123", "device": device,
+            "commit": "abcdef0123", "device": device, "programmatic_launch": True,
             "shapes": {s: {"n": 4096, "k": 4096, "aliases": [s], "tuned": False} for s in names}}
 
 

@@ -112,3 +112,25 @@ def test_scales_as_words_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
     assert pairs["bar"] == halves["bar"]
     assert pairs["left_operand_in_registers"] and halves["left_operand_in_registers"]
     assert pairs["weight_tiles_through_shared"] == 0 == halves["weight_tiles_through_shared"]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_programmatic_gemv_waits_before_x_and_prefetches_only_by_hand(stages):
+    """Launched as a programmatic dependent (PDL), the Triton GEMV waits for the kernel before (ACQBULK) once, then
+    lets the next launch (PREEXIT) once. With the register prefetch (2 stages) its first weight tile's 16-byte
+    loads come before the wait; the pipelined loop (cp.async, 4 stages) copies nothing before it, since its
+    prologue takes x's tiles with the weights'. Without PDL neither instruction is there."""
+    r = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=stages, pdl=True)
+    order = r["load_order"]
+    assert order.count("ACQBULK") == 1 and order.count("PREEXIT") == 1, order
+    wait = order.index("ACQBULK")
+    assert order[wait + 1] == "PREEXIT", order
+    before = order[:wait]
+    if stages == 2:
+        assert len(before) == 8 and all(op.startswith("LDG.E") for op in before), order  # one tile: 8 of 16 bytes
+    else:
+        assert before == [], order
+        assert any(op.startswith("LDGSTS") for op in order[wait:]), order
+    plain = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=stages)
+    assert "ACQBULK" not in plain["load_order"] and "PREEXIT" not in plain["load_order"], plain["load_order"]
+    assert r["sass_loop_per_code"] == pytest.approx(plain["sass_loop_per_code"])  # the loop is untouched

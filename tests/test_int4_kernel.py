@@ -408,8 +408,8 @@ def test_register_cap_validation_and_launch(kernel_device):
         with pytest.raises(ValueError, match="max_registers"):
             Int4KernelConfig(1, 32, 256, max_registers=bad)
     capped = Int4KernelConfig(1, 32, 256, num_stages=3, max_registers=96)
-    assert _launch_options(capped).get("maxnreg") == (96 if kernel_device.type == "cuda" else None)
-    assert "maxnreg" not in _launch_options(Int4KernelConfig(1, 32, 256))
+    assert _launch_options(capped, False).get("maxnreg") == (96 if kernel_device.type == "cuda" else None)
+    assert "maxnreg" not in _launch_options(Int4KernelConfig(1, 32, 256), False)
     gen = torch.Generator().manual_seed(37)
     w = make_weight(64, 512, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
     x = torch.randn(1, 512, generator=gen).to(torch.bfloat16).to(kernel_device)

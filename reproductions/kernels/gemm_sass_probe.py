@@ -166,7 +166,7 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
         k = _compile(_int4_gemm_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
                      + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
                      {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4,
-                      "DOT_IEEE": False, "IS_FP32": False}, warps)
+                      "DOT_IEEE": False, "IS_FP32": False, "PDL": False}, warps)
         out["package bytes"] = counts(k, codes, bn)
     if "words variant" in kernels:
         names = _COMMON + ["M", "N", "K", "NCOLS", "stride_xm", "stride_xk", "stride_qn", "stride_ym", "magic"]
@@ -181,7 +181,7 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
                          + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
                          {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
                           "DOT_IEEE": False, "STAGES": 3, "ASM": asm, "X_WORDS": x_words,
-                          "SZ_WORDS": sz_words}, warps)
+                          "SZ_WORDS": sz_words, "PDL": False}, warps)
             out[name] = counts(k, codes, bn)
     return out
 

@@ -110,23 +110,27 @@ def opcounts(lines: list[str]) -> collections.Counter:
 
 
 def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128,
-            x_tile: bool = True, rows: int = 1, stages: int = 2, per_channel: bool = False) -> dict[str, float]:
+            x_tile: bool = True, rows: int = 1, stages: int = 2, per_channel: bool = False,
+            pdl: bool = False) -> dict[str, object]:
+    """The Triton GEMV compiled for sm_90: its K loop's PTX and SASS per code, registers and spills, and (`pdl`:
+    compiled to launch as a programmatic dependent) the order of its vector loads, cp.async copies and
+    grid-dependency instructions through the kernel (ACQBULK: griddepcontrol.wait; PREEXIT: launch_dependents)."""
     consts = {"GROUP": 1 if per_channel else group, "PER_CHANNEL": per_channel, "HAS_ZEROS": True,
               "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True,
-              "X_TILE": x_tile, "ROWS": rows, "STAGES": stages}
+              "X_TILE": x_tile, "ROWS": rows, "STAGES": stages, "PDL": pdl}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(NAMES) if n in DIV16}
     sig = {**dict(zip(NAMES, TYPES, strict=True)), **{k: "constexpr" for k in consts}}
     kernel = compile(ASTSource(_int4_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": num_warps, "num_stages": stages})
+                     options={"num_warps": num_warps, "num_stages": stages, "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
     loop = opcounts(loop_body(ptx))
     codes_per_thread = block_n * block_k / (32 * num_warps)
     sass = sass_loop(kernel.asm["cubin"])
-    sass_ops = collections.Counter(op.split()[0].split(".")[0] for op in sass)
+    loop_ops = collections.Counter(op.split()[0].split(".")[0] for op in sass)
     return {
         "sass_loop_per_code": len(sass) / codes_per_thread,
-        "sass_lop3_per_code": sass_ops["LOP3"] / codes_per_thread,
-        "sass_ffma_per_code": sass_ops["FFMA"] / codes_per_thread,
+        "sass_lop3_per_code": loop_ops["LOP3"] / codes_per_thread,
+        "sass_ffma_per_code": loop_ops["FFMA"] / codes_per_thread,
         "loop_per_code": sum(loop.values()) / codes_per_thread,
         "loop_per_code_row": sum(loop.values()) / codes_per_thread / rows,  # per code and row of x it serves
         "loop_ld_global": sum(v for k, v in loop.items() if k.startswith("ld.global")),
@@ -139,6 +143,8 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
         "cvt_to_f32": len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
         "shared_bytes": kernel.metadata.shared,
         "registers": registers(kernel.asm["cubin"]),
+        "load_order": [op for op in sass_ops(kernel.asm["cubin"])  # 16-byte loads (weights, x), copies, PDL
+                       if op.startswith(("LDG", "LDGSTS")) and op.endswith(".128") or op in ("ACQBULK", "PREEXIT")],
     }
 
 

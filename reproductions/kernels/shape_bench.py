@@ -65,7 +65,7 @@ from reproductions.kernels.int4_bench import (
 )
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference
-from sdsie.kernels.device import sm_count
+from sdsie.kernels.device import programmatic_launch, set_programmatic_launch, sm_count
 from sdsie.kernels.int4_config import rule_config, select_config_with_source
 from sdsie.kernels.int4_gemm import _plan, _plans_of
 from sdsie.kernels.int4_mma import mma_consts
@@ -345,10 +345,12 @@ def estimate(cases: list[Case], configs: list[Int4KernelConfig], device: str, jo
 _WORKER_WEIGHT: dict = {}
 
 
-def _compile_task(task: tuple[int, int, int, int, dict]) -> str | None:
-    """In a worker process: one call of int4_matmul with this configuration on weights of this shape, which compiles
-    it into Triton's on-disk cache. Returns the error's text, or None."""
-    m, n, k, group_size, cfg = task
+def _compile_task(task: tuple[int, int, int, int, dict, bool]) -> str | None:
+    """In a worker process: one call of int4_matmul with this configuration on weights of this shape, launched as a
+    programmatic dependent or not as the timing process will, which compiles it into Triton's on-disk cache.
+    Returns the error's text, or None."""
+    m, n, k, group_size, cfg, pdl = task
+    set_programmatic_launch(pdl)
     try:
         key = (n, k, group_size)
         if key not in _WORKER_WEIGHT:
@@ -376,7 +378,7 @@ def precompile(pool: cf.Executor | None, cases: list[Case], configs: list[Int4Ke
         s = c.shape
         for cfg in [auto_config(c, device)[0], *case_configs(c, configs)]:
             tasks.setdefault(specialization(c.m, s.n, s.k, c.group_size, cfg),
-                             (c.m, s.n, s.k, c.group_size, asdict(cfg)))
+                             (c.m, s.n, s.k, c.group_size, asdict(cfg), programmatic_launch()))
     out: dict = {"specializations": len(tasks), "compiled": 0, "errors": {}, "cut_at_deadline": 0}
     if pool is None or not tasks:
         return out
@@ -388,7 +390,7 @@ def precompile(pool: cf.Executor | None, cases: list[Case], configs: list[Int4Ke
         futures = {pool.submit(compile_task, t): t for t in tasks.values()}
         for fut in cf.as_completed(futures, timeout=max(1.0, deadline - time.monotonic())):
             err = fut.result()
-            m, n, k, g, cfg = futures[fut]
+            m, n, k, g, cfg, _ = futures[fut]
             if err is None:
                 out["compiled"] += 1
             else:
@@ -633,7 +635,7 @@ def run_record(meta: dict, progress: dict, records: list[dict]):
     samples.update({f"{r['shape']}|m{r['m']}|g{r['group']}|choice": [r["sweep"]["choice_us"]] for r in records
                     if "choice_us" in r.get("sweep", {})})
     config = {k: meta[k] for k in ("shape_set", "m_values", "groups", "choice", "sweep", "sweep_set", "reps",
-                                   "max_copies", "timer", "tuned_table", "commit", "shapes")}
+                                   "max_copies", "timer", "tuned_table", "commit", "shapes", "programmatic_launch")}
     config["dry_run"] = meta["device"].startswith("cpu")
     config["cases"] = [{"shape": r["shape"], "n": r["n"], "k": r["k"], "m": r["m"], "group": r["group"],
                         "sdsie_config": r["sdsie_config"], "source": r["sdsie_config_source"]} for r in records]
@@ -692,6 +694,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--record-dir", type=Path, default=None,
                    help="where the run's record goes (default telemetry/ on a GPU; none for the --tiny dry run)")
     p.add_argument("--no-record", action="store_true", help="write no record (the JSON under --out only)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch the INT4 kernels as ordinary launches, not programmatic dependents (an A/B arm)")
     p.add_argument("--tiny", action="store_true", help="dry run: one tiny shape, two sweep configurations")
     p.add_argument("--estimate-only", action="store_true", help="print the work's size and estimated time, then stop")
     a = p.parse_args(argv)
@@ -720,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(markdown_rows(doc["cases"])))
         return 0
     a = parse_args(argv)
+    set_programmatic_launch(not a.no_pdl)
     t_start = time.monotonic()
     deadline = t_start + a.max_seconds
     if a.tiny:
@@ -751,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "triton": __import__("triton").__version__, "python": platform.python_version(),
             "commit": _commit(), "tuned_table": tuned_table_provenance(), "m_values": sorted(set(m_values)),
             "groups": a.groups, "part": list(a.part), "choice": a.choice, "sweep": a.sweep, "sweep_set": a.sweep_set,
-            "shape_set": a.shape_set,
+            "shape_set": a.shape_set, "programmatic_launch": not a.no_pdl,
             "reps": a.reps,
             "eager_ms": a.eager_ms, "max_copies": a.max_copies, "correct_below": CORRECT,
             "timer": "graph_us: one CUDA graph cycles over weight copies covering > 4x L2 (at most max_copies), "

@@ -39,10 +39,11 @@ def sm_count(device: torch.device) -> int:
 
 
 def set_programmatic_launch(enabled: bool) -> None:
-    """Launch the mma GEMV and the decode attention as programmatic dependents (PDL, sm_90+; on by default; INT4
-    plans made after the call follow it). Their programs may start while the kernel before them ends, and wait for
-    it (griddepcontrol.wait) only before reading what it wrote; the GEMV asks for its first weights before that
-    wait, and each lets the kernel after it start once all its programs are running. Under a CUDA graph the launch
+    """Launch the INT4 kernels (mma GEMV, Triton GEMV, planes and bytes GEMMs) and the decode attention as
+    programmatic dependents (PDL, sm_90+; on by default; INT4 plans made after the call follow it). Their programs
+    may start while the kernel before them ends, and wait for it (griddepcontrol.wait) only before reading what it
+    wrote; the GEMVs ask for their first weights before that wait (the Triton GEMV where it prefetches into
+    registers), and each lets the kernel after it start once all its programs are running. Under a CUDA graph the launch
     is a programmatic edge; without a programmatic producer the wait returns at once.
 
     Kernel profiles change meaning with it: a kernel's time includes its wait for the one before, so per-kernel

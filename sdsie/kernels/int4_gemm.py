@@ -196,6 +196,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
                      (m, n, k), mma_consts(w, cfg.num_warps, m, gate_up, pdl), options, 1, 0,
                      (w.qweight, w.scales, w.zeros), scales=scales)
     per_channel = w.group_size >= k
+    pdl = pdl_on(x2.device)
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
     consts = dict(
@@ -205,6 +206,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
         SPLIT_K=split_k,
+        PDL=pdl,
     )
     qw = w.qweight
     # Whole int32 words (8 codes) when rows allow it and the K tile holds whole runs of four words (the GEMV sums
@@ -246,13 +248,14 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
     order = _constexpr_names(kernel)
     return _Plan(kernel, grid, qw, w.zeros if w.zeros is not None else w.scales,
                  (m, n, k, qw.shape[1], w.n_groups, k_per_split), {name: consts[name] for name in order},
-                 _launch_options(cfg), split_k, n_tiles * m_tiles,
+                 _launch_options(cfg, pdl), split_k, n_tiles * m_tiles,
                  (w.qweight, w.scales, w.zeros), extra)
 
 
-def _launch_options(cfg: Int4KernelConfig) -> dict:
-    """Triton's compile options for `cfg` (maxnreg only when capped: the interpreter takes no such option)."""
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def _launch_options(cfg: Int4KernelConfig, pdl: bool) -> dict:
+    """Triton's compile options for `cfg` (maxnreg only when capped: the interpreter takes no such option), launched
+    as a programmatic dependent where `pdl`."""
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if cfg.max_registers is not None and not _interpreting():
         options["maxnreg"] = cfg.max_registers
     return options

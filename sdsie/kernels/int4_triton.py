@@ -384,13 +384,23 @@ def _row_out(acc, xs, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL: tl.constexpr
 
 
 @triton.jit
+def _grid_dependency(PDL: tl.constexpr):
+    """Launched as a programmatic dependent (PDL): wait until the kernel before has finished and its writes are
+    visible (griddepcontrol.wait; at once without a programmatic producer), then let the kernel after launch
+    (launch_dependents), which waits in turn before touching memory. Nothing without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, NCOLS, G, k_per_split,
     stride_xm, stride_xk, stride_qn, stride_ym, magic_lo, magic_hi,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PER_COL: tl.constexpr,
-    EVEN: tl.constexpr, X_TILE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+    EVEN: tl.constexpr, X_TILE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (cdiv(M, ROWS), cdiv(N, BLOCK_N), SPLIT_K); one program = BLOCK_N outputs of ROWS rows (1, 2 or 4) over
     # one K split. Each weight tile is loaded and its codes extracted once for the program's rows. Row tiles are
@@ -438,6 +448,11 @@ def _int4_gemv_kernel(
     raw = tl.zeros([BLOCK_N, BLOCK_COLS], tl.int32)  # the bytes path loads its own tiles
     if PER_COL == 8 and not PIPELINED:
         raw = _load_words(qw_ptr, offs_n, n_mask, k_begin // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
+    # PDL (programmatic dependent launch): x and y belong to the kernels around this one, the weights to no kernel,
+    # so the first weight tile is asked for (register prefetch only) before the wait for the kernel before; the
+    # pipeliner's cp.async prologue would also take x tiles, so the pipelined loop waits first. Then the kernel after
+    # may launch: it waits in turn for this one to finish.
+    _grid_dependency(PDL)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES if PIPELINED else 1):
         if PIPELINED:
             raw = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
@@ -492,9 +507,10 @@ def _int4_gemm_kernel(
     stride_xm, stride_xk, stride_qn, stride_ym,
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_IEEE: tl.constexpr, IS_FP32: tl.constexpr,
+    DOT_IEEE: tl.constexpr, IS_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL
+    _grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -652,7 +668,7 @@ def _int4_gemm_planes_kernel(
     GROUP: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_ZEROS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, DOT_IEEE: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, X_WORDS: tl.constexpr,
-    SZ_WORDS: tl.constexpr,
+    SZ_WORDS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Small M on the tensor cores with the operands swapped, so the weight tile fills the 64-row side of a Hopper
     # wgmma, which takes it from registers, and x pads only to BLOCK_M = 16 columns. The weights are taken as bytes:
@@ -672,6 +688,8 @@ def _int4_gemm_planes_kernel(
     # (_load_group_params given the row pairs), which the pipeliner stages like the weights. Else 2-byte loads per row,
     # synchronous in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait under ncu:
     # docs/kernel-log.md).
+    # PDL: wait first (the pipeliner's prologue issues x's tiles with the weights'), then let the next kernel launch
+    _grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

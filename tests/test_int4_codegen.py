@@ -114,23 +114,43 @@ def test_scales_as_words_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
     assert pairs["weight_tiles_through_shared"] == 0 == halves["weight_tiles_through_shared"]
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_a_programmatic_gemv_waits_before_x_and_prefetches_only_by_hand(stages):
-    """Launched as a programmatic dependent (PDL), the Triton GEMV waits for the kernel before (ACQBULK) once, then
-    lets the next launch (PREEXIT) once. With the register prefetch (2 stages) its first weight tile's 16-byte
-    loads come before the wait; the pipelined loop (cp.async, 4 stages) copies nothing before it, since its
-    prologue takes x's tiles with the weights'. Without PDL neither instruction is there."""
-    r = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=stages, pdl=True)
-    order = r["load_order"]
+def _waits_first(order: list[str], before: int) -> None:
+    """One wait (ACQBULK) and, right after it, one release (PREEXIT); before the wait nothing but `before` 16-byte
+    weight loads: x, the scales, the split-K workspace, its semaphores and y are touched after it."""
     assert order.count("ACQBULK") == 1 and order.count("PREEXIT") == 1, order
     wait = order.index("ACQBULK")
     assert order[wait + 1] == "PREEXIT", order
-    before = order[:wait]
-    if stages == 2:
-        assert len(before) == 8 and all(op.startswith("LDG.E") for op in before), order  # one tile: 8 of 16 bytes
-    else:
-        assert before == [], order
-        assert any(op.startswith("LDGSTS") for op in order[wait:]), order
-    plain = inspect_in_subprocess(block_n=128, block_k=256, split_k=1, num_warps=4, stages=stages)
-    assert "ACQBULK" not in plain["load_order"] and "PREEXIT" not in plain["load_order"], plain["load_order"]
-    assert r["sass_loop_per_code"] == pytest.approx(plain["sass_loop_per_code"])  # the loop is untouched
+    assert len(order[:wait]) == before and all(op.startswith("LDG.E") and op.endswith(".128")
+                                               for op in order[:wait]), order
+
+
+@pytest.mark.parametrize(("stages", "split_k"), [(2, 4), (4, 1)])
+def test_a_programmatic_gemv_touches_only_its_weights_before_the_wait(stages, split_k):
+    """Launched as a programmatic dependent (PDL), the Triton GEMV may start while the kernel before it ends: with
+    the register prefetch (2 stages) it asks for its first weight tile (8 loads of 16 bytes a thread at BN 128, BK
+    256, 4 warps) before the wait; the pipelined loop (cp.async, 4 stages) waits first, since its prologue copies x's
+    tiles with the weights'. Split K's workspace, semaphores and atomics come after the wait too. Without PDL
+    neither instruction is there, and the loop is the same."""
+    r = inspect_in_subprocess(block_n=128, block_k=256, split_k=split_k, num_warps=4, stages=stages, pdl=True)
+    _waits_first(r["memory_order"], 8 if stages == 2 else 0)
+    plain = inspect_in_subprocess(block_n=128, block_k=256, split_k=split_k, num_warps=4, stages=stages)
+    assert not set(plain["memory_order"]) & {"ACQBULK", "PREEXIT"}, plain["memory_order"]
+    assert r["sass_loop_per_code"] == pytest.approx(plain["sass_loop_per_code"])
+
+
+def test_programmatic_planes_and_bytes_kernels_wait_before_any_global_access():
+    """The planes and bytes tl.dot kernels (split K 4, BN 128, 4 warps), launched as programmatic dependents, wait
+    before their first global access and release right after: their pipelined prologue copies x with the weights."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from reproductions.kernels.gemm_sass_probe import probe; "
+            "print(json.dumps([probe(16, 128, 128, 4, ('package bytes', 'package planes'), pdl=p) "
+            "for p in (True, False)]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode != 0:
+        pytest.fail(f"compiling the tl.dot kernels for sm_90 failed:\n{out.stderr[-3000:]}")
+    pdl, plain = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("package bytes", "package planes"):
+        _waits_first(pdl[name]["memory_order"], 0)
+        assert not set(plain[name]["memory_order"]) & {"ACQBULK", "PREEXIT"}, name
+        assert pdl[name]["sass_per_code"] == pytest.approx(plain[name]["sass_per_code"]), name

@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from reproductions.kernels.inspect_ptx import registers, sass_loop
+from reproductions.kernels.inspect_ptx import global_memory_order, registers, sass_loop
 from sdsie.kernels.int4_triton import _int4_gemm_kernel, _int4_gemm_planes_kernel, _load_group_params
 
 
@@ -143,7 +143,7 @@ def counts(kernel, codes_per_thread: float, block_n: int) -> dict:
             "ldg": ops["LDG"], "ldgsts": ops["LDGSTS"],
             "hmma": ops["HMMA"], "hgmma": ops["HGMMA"], "left_operand_in_registers": a_regs,
             "weight_tiles_through_shared": via_shared, "local_memory_ops": ops["LDL"] + ops["STL"],
-            "registers": registers(kernel.asm["cubin"])}
+            "registers": registers(kernel.asm["cubin"]), "memory_order": global_memory_order(kernel.asm["cubin"])}
 
 
 KERNELS = ("package bytes", "words variant", "package planes", "package planes, Triton ops",
@@ -155,8 +155,10 @@ _PLANES = {"package planes": (True, True, True), "package planes, Triton ops": (
 _COMMON = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr"]
 
 
-def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERNELS) -> dict[str, dict]:
-    """Compile the named kernels (KERNELS) for sm_90 at one tile, group 128, and count their loops."""
+def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERNELS, pdl: bool = False,
+          split_k: int = 4) -> dict[str, dict]:
+    """Compile the named kernels (KERNELS) for sm_90 at one tile, group 128, `split_k` splits of K (the package
+    kernels), as programmatic dependents where `pdl`, and count their loops."""
     out = {}
     codes = bn * bk / (32 * warps)
     tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
@@ -165,8 +167,8 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
                            "stride_qn", "stride_ym"]
         k = _compile(_int4_gemm_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
                      + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
-                     {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4,
-                      "DOT_IEEE": False, "IS_FP32": False, "PDL": False}, warps)
+                     {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": split_k,
+                      "DOT_IEEE": False, "IS_FP32": False, "PDL": pdl}, warps)
         out["package bytes"] = counts(k, codes, bn)
     if "words variant" in kernels:
         names = _COMMON + ["M", "N", "K", "NCOLS", "stride_xm", "stride_xk", "stride_qn", "stride_ym", "magic"]
@@ -179,9 +181,9 @@ def probe(bm: int, bn: int, bk: int, warps: int, kernels: tuple[str, ...] = KERN
         if name in kernels:
             k = _compile(_int4_gemm_planes_kernel, names, ["*bf16", "*u8", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"]
                          + ["i32"] * 10, set(names) - {"M", "G", "stride_xk"},
-                         {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": 4, "EVEN": True,
-                          "DOT_IEEE": False, "STAGES": 3, "ASM": asm, "X_WORDS": x_words,
-                          "SZ_WORDS": sz_words, "PDL": False}, warps)
+                         {"GROUP": 128, "PER_CHANNEL": False, "HAS_ZEROS": True, **tiles, "SPLIT_K": split_k,
+                          "EVEN": True, "DOT_IEEE": False, "STAGES": 3, "ASM": asm, "X_WORDS": x_words,
+                          "SZ_WORDS": sz_words, "PDL": pdl}, warps)
             out[name] = counts(k, codes, bn)
     return out
 

@@ -86,6 +86,19 @@ def sass_ops(cubin: bytes) -> list[str]:
     return [ins.split()[0] for ins in _instructions(_disassembly(cubin))]
 
 
+# SASS opcodes that touch global memory (loads, stores, cp.async copies, atomics and reductions, generic-space loads
+# and stores, bulk and tensor copies), and the two grid-dependency instructions
+_GLOBAL_MEMORY = ("LDG", "STG", "LDGSTS", "ATOM", "RED", "LD.", "ST.", "UBLKCP", "UTMALDG", "UTMASTG")
+_GRID_DEPENDENCY = ("ACQBULK", "PREEXIT")
+
+
+def global_memory_order(cubin: bytes) -> list[str]:
+    """The kernel's global-memory instructions and grid-dependency instructions (ACQBULK: griddepcontrol.wait;
+    PREEXIT: launch_dependents), in program order: what a programmatic dependent touches before its wait."""
+    return [op for op in sass_ops(cubin)
+            if op.startswith(_GLOBAL_MEMORY) and op != "LDGDEPBAR" or op in _GRID_DEPENDENCY]
+
+
 def registers(cubin: bytes) -> int:
     """Registers a thread of the kernel holds (cuobjdump -res-usage, shipped with Triton): what caps warps per SM."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -112,9 +125,9 @@ def opcounts(lines: list[str]) -> collections.Counter:
 def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int = 128,
             x_tile: bool = True, rows: int = 1, stages: int = 2, per_channel: bool = False,
             pdl: bool = False) -> dict[str, object]:
-    """The Triton GEMV compiled for sm_90: its K loop's PTX and SASS per code, registers and spills, and (`pdl`:
-    compiled to launch as a programmatic dependent) the order of its vector loads, cp.async copies and
-    grid-dependency instructions through the kernel (ACQBULK: griddepcontrol.wait; PREEXIT: launch_dependents)."""
+    """The Triton GEMV compiled for sm_90: its K loop's PTX and SASS per code, registers and spills, and the order of
+    its global-memory and grid-dependency instructions (`global_memory_order`; `pdl`: compiled to launch as a
+    programmatic dependent)."""
     consts = {"GROUP": 1 if per_channel else group, "PER_CHANNEL": per_channel, "HAS_ZEROS": True,
               "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "PER_COL": 8, "EVEN": True,
               "X_TILE": x_tile, "ROWS": rows, "STAGES": stages, "PDL": pdl}
@@ -143,8 +156,7 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
         "cvt_to_f32": len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
         "shared_bytes": kernel.metadata.shared,
         "registers": registers(kernel.asm["cubin"]),
-        "load_order": [op for op in sass_ops(kernel.asm["cubin"])  # 16-byte loads (weights, x), copies, PDL
-                       if op.startswith(("LDG", "LDGSTS")) and op.endswith(".128") or op in ("ACQBULK", "PREEXIT")],
+        "memory_order": global_memory_order(kernel.asm["cubin"]),
     }
 
 

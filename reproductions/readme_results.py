@@ -692,8 +692,9 @@ def render(records_dir: Path = Path("telemetry")) -> str:
     if e2e:
         out += [*e2e, ""]
     for shape_set in SHAPE_SETS:
-        for rec in current_shapes(records, shape_set):
-            out += [*shapes_section(rec), ""]
+        for hardware in (REFERENCE_GPU, *other_gpus(records, "kernel_shapes")):
+            for rec in current_shapes(records, shape_set, hardware):
+                out += [*shapes_section(rec), ""]
     out.append(END)
     return "\n".join(out)
 
@@ -717,7 +718,7 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
     shown rounded down, so a figure never reads as meeting a target its verdict says it misses."""
     suffix = ".int4_compiled.speedup_vs_baseline"
     newest_of: dict[str, RunRecord] = {}
-    for rec in _default_attention_e2e(records):
+    for rec in _default_attention_e2e(records, REFERENCE_GPU):
         for key in rec.metrics:
             if key.endswith(suffix):
                 newest_of[key] = rec
@@ -761,16 +762,17 @@ def _up(v: float) -> str:
     return f"{math.ceil(v * 1000) / 1000:.3f}x"
 
 
-def _default_attention_e2e(records: list[RunRecord]) -> list[RunRecord]:
+def _default_attention_e2e(records: list[RunRecord], hardware: str | None = None) -> list[RunRecord]:
     """decode_e2e records whose one-token attention is the one the engine's default runs under graphs on CUDA (a
-    record without `attention_run` ran the `attention` it names), oldest first."""
+    record without `attention_run` ran the `attention` it names), run on `hardware` (None: any), oldest first."""
     import torch
 
     from sdsie.decoding import DecodeConfig, run_attention
 
     default = run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True), torch.device("cuda"))
     return sorted((r for r in records if r.suite == "decode_e2e"
-                   and r.config.get("attention_run", r.config.get("attention", "sdpa")) == default),
+                   and r.config.get("attention_run", r.config.get("attention", "sdpa")) == default
+                   and hardware in (None, r.conditions.get("hardware"))),
                   key=lambda r: r.created)
 
 
@@ -779,17 +781,18 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
     newest record that ran it with the default attention: tok/s, against its baseline (bf16 with the same
     compilation), J/token, kernels and GPU time a token by kind (from the profile), time outside kernels, share of
     the bytes bound."""
-    newest_of: dict[str, RunRecord] = {}
+    newest_of: dict[tuple[str, str], RunRecord] = {}
     for rec in _default_attention_e2e(records):
         for key in rec.metrics:
             if key.endswith(".decode_tok_s_median"):
-                newest_of[key.removesuffix(".decode_tok_s_median")] = rec
+                newest_of[(rec.conditions.get("hardware", "?"), key.removesuffix(".decode_tok_s_median"))] = rec
     if not newest_of:
         return []
 
-    def order(row: str) -> tuple:
+    def order(hardware_row: tuple[str, str]) -> tuple:
+        hardware, row = hardware_row
         model, prompt, variant = row.rsplit(".", 2)
-        return model, int(prompt[1:]), variant
+        return hardware != REFERENCE_GPU, hardware, model, int(prompt[1:]), variant
 
     lines = ["Decoding end to end, 7-8B shapes (`reproductions/decode_e2e.py`: random weights, batch 1, greedy, 128 "
              "new tokens, static cache, the newest record of each row). x baseline: against the bf16 variant with "
@@ -799,11 +802,12 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
              "\"summed\". PDL: the record launched kernels as programmatic dependents (its sdsie kernels, and "
              "inductor's where its options say triton.enable_pdl); there a kernel starts early and waits for the one "
              "before inside its own span, so summed durations count that wait twice and the time outside kernels "
-             "taken from them reads negative:", "",
-             "| model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
-             "GPU us/token | us outside kernels | share of bound | PDL | record |", "|---" * 13 + "|"]
-    for row in sorted(newest_of, key=order):
-        rec = newest_of[row]
+             "taken from them reads negative. The issues' bars are judged on the " + REFERENCE_GPU + "'s rows; "
+             "another card's rows compare variants within their own record:", "",
+             "| GPU | model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
+             "GPU us/token | us outside kernels | share of bound | PDL | record |", "|---" * 14 + "|"]
+    for hardware, row in sorted(newest_of, key=order):
+        rec = newest_of[(hardware, row)]
         mt = rec.metrics
         model, prompt, variant = row.rsplit(".", 2)
 
@@ -819,13 +823,25 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
                 break
         if variant.startswith("gated_"):  # decode_e2e's --gated-layout; records without it ran unfused
             variant += f", {rec.config.get('gated_layout', 'unfused')} q/k/v and gate/up"
-        lines.append(f"| {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
+        lines.append(f"| {hardware} | {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
                      f"{cell('j_per_token_decode', '.2f')} | {cell('per_token.kernels', '.0f')} | {gpu} | "
                      f"{cell('per_token.outside_us', '.0f')} | "
                      f"{cell('share_of_bound', '.0f', 100, '%')} | {'yes' if rec.config.get('pdl') else 'no'} | "
                      f"`{_rid(rec)}` |")
     return lines
+
+
+# The card the issues' bars are measured on: README's rows and the verdicts read its records alone; another card's
+# records get rows of their own in docs/results.md, never mixed into this card's
+REFERENCE_GPU = "NVIDIA H200"
+
+
+def other_gpus(records: list[RunRecord], suite: str) -> list[str]:
+    """The cards other than REFERENCE_GPU that GPU records of `suite` ran on, sorted."""
+    return sorted({r.conditions.get("hardware") for r in records if r.suite == suite and not r.config.get("dry_run")
+                   and r.conditions.get("hardware") not in (None, REFERENCE_GPU)
+                   and not str(r.conditions.get("hardware")).lower().startswith("cpu")})
 
 
 SHAPE_TARGETS = {"m1_geomean": 2.8, "small_m_worst": 1.8}  # the kernel issue's bars (and 90% of the best: summarize)
@@ -838,14 +854,15 @@ SHAPE_SETS = {"fit": "decoder shapes the configuration choice was fitted on",
 HELD_OUT_SETS = ("heldout2", "heldout")
 
 
-def current_shapes(records: list[RunRecord], shape_set: str) -> list[RunRecord]:
-    """The GPU `kernel_shapes` records (`reproductions/kernels/shape_bench.py`) of a shape set that still count,
-    newest first: the newest, and each older one holding an (M, group) that no newer one kept covers (a run split by
-    M keeps every part)."""
+def current_shapes(records: list[RunRecord], shape_set: str, hardware: str = REFERENCE_GPU) -> list[RunRecord]:
+    """The GPU `kernel_shapes` records (`reproductions/kernels/shape_bench.py`) of a shape set run on `hardware` that
+    still count, newest first: the newest, and each older one holding an (M, group) that no newer one kept covers (a
+    run split by M keeps every part)."""
     kept: list[RunRecord] = []
     covered: set[tuple[int, str]] = set()
     for rec in sorted((r for r in records if r.suite == "kernel_shapes" and r.config.get("shape_set") == shape_set
-                       and not r.config.get("dry_run")), key=lambda r: r.created, reverse=True):
+                       and not r.config.get("dry_run") and r.conditions.get("hardware") == hardware),
+                      key=lambda r: r.created, reverse=True):
         mine = {(c["m"], c["group"]) for c in rec.config["cases"]}
         if mine - covered:
             kept.append(rec)
@@ -937,8 +954,9 @@ def shapes_section(rec: RunRecord) -> list[str]:
                      f"{_down(mt[key + '.sdsie_geomean_speedup'])} ({_down(mt[key + '.sdsie_min_speedup'])}) | "
                      f"{get('tinygemm_geomean_speedup', '.2f')}x | {beats} | {get('ceiling_geomean_speedup', '.2f')}x "
                      f"| {within} |")
-    verdicts = _shape_verdicts(rec)
-    if verdicts:
+    if rec.conditions.get("hardware") != REFERENCE_GPU:
+        lines += ["", f"The kernel issue's bars are judged on the {REFERENCE_GPU}'s records, not this card's."]
+    elif verdicts := _shape_verdicts(rec):
         lines += ["", "Against the kernel issue's bars: " + "; ".join(verdicts) + "."]
     cases = {(c["shape"], c["m"], c["group"]): c for c in cfg["cases"]}
     m1 = [c for c in cfg["cases"] if c["m"] == 1 and c["group"] == "128"]

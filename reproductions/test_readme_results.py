@@ -96,7 +96,10 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
         return r.source.name.split("-", 1)[1][:8]
 
     records = load_records(TELEMETRY)
-    rows = e2e_rows(records)  # the newest record of each model and prompt, each pricing the prefill apart
+    # the newest H200 record of each model and prompt, each pricing the prefill apart; the newer H100 records
+    # (179d0704, dec0d32e) are another card's and leave the headline alone
+    rows = e2e_rows(records)
+    assert not any("`179d0704`" in r or "`dec0d32e`" in r for r in rows)
     newest = {("llama", "prompt 32,"): "ce7b760c", ("llama", "prompt 2048,"): "c792f0a2",
               ("qwen", "prompt 32,"): "6990cfac", ("qwen", "prompt 2048,"): "38d0f2c1"}
     assert len(rows) == 4 and all(f"`{rec}`" in r for r in rows for (m, p), rec in newest.items() if m in r and p in r)
@@ -162,7 +165,7 @@ def test_e2e_section_lists_every_variant_from_its_newest_default_attention_recor
     from sdsie.telemetry.records import load_records
 
     lines = e2e_section(load_records(TELEMETRY))
-    rows = [line for line in lines if line.startswith("| llama") or line.startswith("| qwen")]
+    rows = [line.removeprefix("| NVIDIA H200 ") for line in lines if line.startswith("| NVIDIA H200 |")]
     assert len(rows) == len({tuple(r.split(" | ")[:4]) for r in rows})  # one row per model, prompt, variant
     assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 538.2 | 2.68 | 1.15 | 1.10 |")
                and "| yes | `ce7b760c`" in r for r in rows)  # J/token of the runs, then of the decode steps alone
@@ -173,6 +176,11 @@ def test_e2e_section_lists_every_variant_from_its_newest_default_attention_recor
     # the models in order, prompts by length: 32 before 2048
     assert [r.split(" | ")[1] for r in rows if r.startswith("| llama")] == sorted(
         [r.split(" | ")[1] for r in rows if r.startswith("| llama")], key=int)
+    # another card's newer records get rows of their own, after the reference card's, and replace none of them
+    other = [line for line in lines if line.startswith("| NVIDIA H100 80GB HBM3 |")]
+    assert lines.index(other[0]) > max(lines.index("| NVIDIA H200 " + r) for r in rows)
+    assert any("| llama3.1-8b | 32 | gated_int4_compiled, fused q/k/v and gate/up | 478.2 | 3.07 |" in r
+               and "`179d0704`" in r for r in other)
     assert e2e_section([]) == []
 
 
@@ -183,14 +191,15 @@ def test_e2e_section_gives_busy_gpu_time_where_a_record_has_it_and_marks_summed_
 
     records = load_records(TELEMETRY)
     row = "llama3.1-8b.p32.int4_compiled"
-    newest = max((r for r in records if r.suite == "decode_e2e" and f"{row}.decode_tok_s_median" in r.metrics),
-                 key=lambda r: r.created)
-    summed = next(line for line in e2e_section([newest]) if line.startswith("| llama3.1-8b | 32 | int4_compiled |"))
+    newest = max((r for r in records if r.suite == "decode_e2e" and f"{row}.decode_tok_s_median" in r.metrics
+                  and r.conditions["hardware"] == "NVIDIA H200"), key=lambda r: r.created)
+    start = "| NVIDIA H200 | llama3.1-8b | 32 | int4_compiled |"
+    summed = next(line for line in e2e_section([newest]) if line.startswith(start))
     assert "summed |" in summed
     busy = {f"{row}.per_token.{kind}.busy_us": us for kind, us in (("gemv_gemm", 1501.0), ("attention", 150.0),
                                                                    ("other", 120.0))}
     with_busy = dataclasses.replace(newest, metrics={**newest.metrics, **busy})
-    line = next(line for line in e2e_section([with_busy]) if line.startswith("| llama3.1-8b | 32 | int4_compiled |"))
+    line = next(line for line in e2e_section([with_busy]) if line.startswith(start))
     assert "| 1501 / 150 / 120 |" in line and "summed" not in line
 
 
@@ -279,6 +288,14 @@ def test_the_shapes_section_judges_the_kernel_issues_bars_and_lists_each_m1_shap
     old = _write_shapes(tmp_path, {**_shape_meta("heldout", ["D.o"]), "sweep": True},
                         [_shape_case("D.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=9.5)])
     assert f"1 of 1; target every case met | `{old}` |" in headline(load_records(tmp_path))
+    # a newer run on another card gets its own section, unjudged, and leaves the headline to the reference card's
+    other = _write_shapes(tmp_path, _shape_meta("fit", names, "NVIDIA H100 80GB HBM3"),
+                          [_shape_case("A.q", 4096, 1, "128", 30.0, 20.0, 12.0)])
+    page = render(tmp_path)
+    assert "on the NVIDIA H100 80GB HBM3: each arm" in page and f"record `{other}`" in page
+    assert "The kernel issue's bars are judged on the NVIDIA H200's records, not this card's." in page
+    assert (f"geometric mean 2.94x (worst 2.90x), faster than torch's tinygemm INT4 on 1 of 2; target 2.8x met | "
+            f"`{rid}`") in headline(load_records(tmp_path))
     hid = _write_shapes(tmp_path, {**_shape_meta("heldout2", ["C.o"]), "sweep": True}, held, complete=False)
     page = render(tmp_path)
     assert "no part of the configuration choice was fitted or tuned on them) (C)" in page

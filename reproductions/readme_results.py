@@ -35,15 +35,26 @@ SHAPES = {  # N, K
 }
 FAMILIES = ("code", "physics", "poem")
 KERNEL_TARGET = 3.0  # the kernel's target: M = 1 geometric-mean speedup over bf16 on the five Llama shapes
+# The card the issues' bars are measured on: README's rows and the verdicts read its records (and CPU records) alone;
+# another card's records get rows of their own in docs/results.md, never mixed into this card's
+REFERENCE_GPU = "NVIDIA H200"
 
 
 def newest(records: list[RunRecord], suite: str,
            variants: tuple[str, ...] | Callable[[RunRecord], bool] = ()) -> RunRecord | None:
-    """The newest record of a suite; with `variants`, the newest whose run decoded all of them (a `--variants`
-    subset run does not replace the full table, it adds its own), or, given a predicate, the newest it accepts."""
+    """The newest record of a suite run on a CPU or on REFERENCE_GPU (another GPU's record does not replace that
+    card's figures); with `variants`, the newest whose run decoded all of them (a `--variants` subset run does not
+    replace the full table, it adds its own), or, given a predicate, the newest it accepts."""
+    records = [r for r in records if on_reference(r)]
     if callable(variants):
         return newest_record(records, suite, variants)
     return newest_record(records, suite, lambda r: set(variants) <= set(r.config.get("variants", variants)))
+
+
+def on_reference(rec: RunRecord) -> bool:
+    """Run on a CPU or on REFERENCE_GPU: a record that README's rows and the verdicts may read."""
+    hardware = str(rec.conditions.get("hardware", ""))
+    return hardware == REFERENCE_GPU or hardware.lower().startswith("cpu")
 
 
 MAIN_DECODE = ("plain", "fixed_k5", "gated_production", "gated_tuned", "hf_assisted", "hf_generate")
@@ -832,16 +843,9 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
     return lines
 
 
-# The card the issues' bars are measured on: README's rows and the verdicts read its records alone; another card's
-# records get rows of their own in docs/results.md, never mixed into this card's
-REFERENCE_GPU = "NVIDIA H200"
-
-
 def other_gpus(records: list[RunRecord], suite: str) -> list[str]:
     """The cards other than REFERENCE_GPU that GPU records of `suite` ran on, sorted."""
-    return sorted({r.conditions.get("hardware") for r in records if r.suite == suite and not r.config.get("dry_run")
-                   and r.conditions.get("hardware") not in (None, REFERENCE_GPU)
-                   and not str(r.conditions.get("hardware")).lower().startswith("cpu")})
+    return sorted({r.conditions["hardware"] for r in records if r.suite == suite and not on_reference(r)})
 
 
 SHAPE_TARGETS = {"m1_geomean": 2.8, "small_m_worst": 1.8}  # the kernel issue's bars (and 90% of the best: summarize)

@@ -339,3 +339,20 @@ def test_a_shapes_run_split_by_m_keeps_every_part_until_a_newer_run_covers_it(tm
     third = _write_shapes(tmp_path, meta, [_shape_case("C.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=10.0)])
     kept = current_shapes(load_records(tmp_path), "heldout")
     assert [r.source.name.split("-", 1)[1][:8] for r in kept] == [third, second]  # the first is covered now
+
+
+def test_a_newer_record_of_another_gpu_replaces_no_reference_card_figure():
+    """README's rows read the H200's (and CPU) records: a newer copy of a record run on another GPU is passed over,
+    and the same copy on the H200 is taken."""
+    import dataclasses
+
+    from reproductions.readme_results import newest, on_reference
+
+    records = load_records(TELEMETRY)
+    current = newest(records, "kernel_int4")
+    later = "2999" + current.created[4:]  # an ISO timestamp a millennium on
+    for hardware, taken in (("NVIDIA H100 80GB HBM3", False), ("NVIDIA H200", True)):
+        copy = dataclasses.replace(current, created=later, conditions={**current.conditions, "hardware": hardware})
+        assert (newest([*records, copy], "kernel_int4") is copy) is taken
+        assert on_reference(copy) is taken
+    assert on_reference(dataclasses.replace(current, conditions={**current.conditions, "hardware": "cpu"}))

@@ -18,15 +18,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def inspect_in_subprocess(**kwargs) -> dict:
+def compiled_offline(imports: str, expression: str, what: str):
+    """The JSON value of `expression` evaluated after `imports` in a subprocess without TRITON_INTERPRET, where
+    Triton compiles for sm_90 (`what` names the kernels in a failure)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json, sys; from reproductions.kernels.inspect_ptx import inspect; "
-            f"print(json.dumps(inspect(**{kwargs!r})))")
+    code = f"import json; {imports}; print(json.dumps({expression}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     if out.returncode != 0:
-        pytest.fail(f"compiling the GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
+        pytest.fail(f"compiling {what} for sm_90 failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def inspect_in_subprocess(**kwargs) -> dict:
+    return compiled_offline("from reproductions.kernels.inspect_ptx import inspect", f"inspect(**{kwargs!r})",
+                            "the GEMV")
 
 
 def test_each_code_costs_one_lop3_and_the_pipelined_loop_stays_lean():
@@ -66,15 +72,9 @@ def test_swap_ab_dequantizes_the_weight_tile_in_the_wgmmas_registers_with_fewer_
     the shared-memory load and no dequantized tile is stored (a words kernel, whose one loaded word fed several
     dots, stored one per dot: the hoist check's two). The inline PTX dequantizes two bytes per call; the loop
     costs fewer instructions per code than the bytes tl.dot kernel's (offline at BN 256: 2.6 against 6.4)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.gemm_sass_probe import probe, hoist_check; "
-            "print(json.dumps([hoist_check(), probe(16, 256, 128, 4, ('package bytes', 'package planes', "
-            "'package planes, Triton ops', 'package planes, x gathers'))]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"compiling the tl.dot kernels for sm_90 failed:\n{out.stderr[-3000:]}")
-    hoist, r = json.loads(out.stdout.strip().splitlines()[-1])
+    hoist, r = compiled_offline("from reproductions.kernels.gemm_sass_probe import probe, hoist_check",
+                                "[hoist_check(), probe(16, 256, 128, 4, ('package bytes', 'package planes', "
+                                "'package planes, Triton ops', 'package planes, x gathers'))]", "the tl.dot kernels")
     assert hoist == {"1": 0, "2": 2}  # one int32 tile for one wgmma: no round trip; for two: one per dot
     planes, bytes_ = r["package planes"], r["package bytes"]
     assert planes["left_operand_in_registers"] and planes["hgmma"] > 0
@@ -98,14 +98,9 @@ def test_scales_as_words_join_the_weights_in_cp_async_on_a_bn64_planes_tile():
     in the loop; as 2-byte values a thread's share is under the 4 bytes cp.async takes, so they are loaded
     synchronously in every tile (under ncu the down_proj BN 64 tile's hottest wait). The words add no
     barrier (pairs for the scales too add two: docs/kernel-log.md). The left operand stays in registers either way."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.gemm_sass_probe import probe; "
-            "print(json.dumps(probe(16, 64, 128, 4, ('package planes', 'package planes, 2-byte scales'))))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"compiling the planes kernel for sm_90 failed:\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = compiled_offline("from reproductions.kernels.gemm_sass_probe import probe",
+                         "probe(16, 64, 128, 4, ('package planes', 'package planes, 2-byte scales'))",
+                         "the planes kernel")
     pairs, halves = r["package planes"], r["package planes, 2-byte scales"]
     assert pairs["ldg"] == 0 < halves["ldg"]
     assert pairs["ldgsts"] > halves["ldgsts"]
@@ -141,15 +136,9 @@ def test_a_programmatic_gemv_touches_only_its_weights_before_the_wait(stages, sp
 def test_programmatic_planes_and_bytes_kernels_wait_before_any_global_access():
     """The planes and bytes tl.dot kernels (split K 4, BN 128, 4 warps), launched as programmatic dependents, wait
     before their first global access and release right after: their pipelined prologue copies x with the weights."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.gemm_sass_probe import probe; "
-            "print(json.dumps([probe(16, 128, 128, 4, ('package bytes', 'package planes'), pdl=p) "
-            "for p in (True, False)]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"compiling the tl.dot kernels for sm_90 failed:\n{out.stderr[-3000:]}")
-    pdl, plain = json.loads(out.stdout.strip().splitlines()[-1])
+    pdl, plain = compiled_offline("from reproductions.kernels.gemm_sass_probe import probe",
+                                  "[probe(16, 128, 128, 4, ('package bytes', 'package planes'), pdl=p) "
+                                  "for p in (True, False)]", "the tl.dot kernels")
     for name in ("package bytes", "package planes"):
         _waits_first(pdl[name]["memory_order"], 0)
         assert not set(plain[name]["memory_order"]) & {"ACQBULK", "PREEXIT"}, name

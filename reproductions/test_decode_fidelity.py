@@ -280,12 +280,13 @@ def test_readme_keeps_the_full_decode_table_and_adds_the_graphed_k_sweep_from_a_
 
     from reproductions.readme_results import K_SWEEP, MAIN_DECODE, k_sweep_section, newest
 
+    h200 = {"hardware": "NVIDIA H200"}
     full = SimpleNamespace(suite="decode_standin", created="2026-11-30T11:00", record_id="full",
-                           config={"variants": list(MAIN_DECODE)})
+                           config={"variants": list(MAIN_DECODE)}, conditions=h200)
     subset = SimpleNamespace(suite="decode_standin", created="2026-11-30T13:00", record_id="subset",
-                             config={"variants": list(K_SWEEP)})
+                             config={"variants": list(K_SWEEP)}, conditions=h200)
     older = SimpleNamespace(suite="decode_standin", created="2026-11-30T06:00", record_id="older",
-                            config={})  # before 'variants'
+                            config={}, conditions=h200)  # before 'variants'
     assert newest([full, subset, older], "decode_standin", MAIN_DECODE) is full
     assert newest([full, subset, older], "decode_standin", K_SWEEP) is subset
     assert newest([full, subset, older], "decode_standin") is subset
@@ -341,7 +342,8 @@ def _gated_record(ratios_high: list[float], p50: dict[str, float]):
                 ratios = ratios_high if fam == max(p50, key=p50.get) else [1.0] * len(ratios_high)
                 samples[f"gated_{mode}_graphs|{pr}|tokens_per_s"] = [500.0 * r for r in ratios]
     return SimpleNamespace(metrics=metrics, samples=samples, config={"trials": len(ratios_high)},
-                           conditions={"model": "m"}, source=SimpleNamespace(name="r.json"), environment={})
+                           conditions={"model": "m", "hardware": "NVIDIA H200"}, source=SimpleNamespace(name="r.json"),
+                           environment={})
 
 
 @pytest.mark.parametrize("ratios, verdict", [([0.995, 1.0, 1.005, 0.998, 1.002], "**met**"),
@@ -671,7 +673,8 @@ def test_a_tree_run_is_any_graphed_run_of_an_ungated_tree_and_each_replication_i
             SimpleNamespace(name=name), widths
         rec.record_id = name
     gated_only = SimpleNamespace(suite="decode_standin", created="2026-12-02T10:00", record_id="gated_only",
-                                 config={"variants": ["plain", "plain_graphs", "gated_tuned_graphs"]})
+                                 config={"variants": ["plain", "plain_graphs", "gated_tuned_graphs"]},
+                                 conditions={"hardware": "NVIDIA H200"})
     records = [second, gated_only, first, other]
     assert tree_run(first) and not tree_run(gated_only)
     assert newest(records, "decode_standin", tree_run) is second

@@ -729,7 +729,7 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
     shown rounded down, so a figure never reads as meeting a target its verdict says it misses."""
     suffix = ".int4_compiled.speedup_vs_baseline"
     newest_of: dict[str, RunRecord] = {}
-    for rec in _default_attention_e2e(records, REFERENCE_GPU):
+    for rec in _default_attention_e2e([r for r in records if on_reference(r)]):
         for key in rec.metrics:
             if key.endswith(suffix):
                 newest_of[key] = rec
@@ -773,17 +773,16 @@ def _up(v: float) -> str:
     return f"{math.ceil(v * 1000) / 1000:.3f}x"
 
 
-def _default_attention_e2e(records: list[RunRecord], hardware: str | None = None) -> list[RunRecord]:
+def _default_attention_e2e(records: list[RunRecord]) -> list[RunRecord]:
     """decode_e2e records whose one-token attention is the one the engine's default runs under graphs on CUDA (a
-    record without `attention_run` ran the `attention` it names), run on `hardware` (None: any), oldest first."""
+    record without `attention_run` ran the `attention` it names), oldest first."""
     import torch
 
     from sdsie.decoding import DecodeConfig, run_attention
 
     default = run_attention(DecodeConfig(kv_cache="static", cuda_graphs=True), torch.device("cuda"))
     return sorted((r for r in records if r.suite == "decode_e2e"
-                   and r.config.get("attention_run", r.config.get("attention", "sdpa")) == default
-                   and hardware in (None, r.conditions.get("hardware"))),
+                   and r.config.get("attention_run", r.config.get("attention", "sdpa")) == default),
                   key=lambda r: r.created)
 
 

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sdsie.kernels.device import DEFAULT_SMS, interpreting, kernel_runs_on, pdl_on, sm_count
+from sdsie.kernels.device import DEFAULT_SMS, grid_dependency, interpreting, kernel_runs_on, pdl_on, sm_count
 
 __all__ = ["DEFAULT_SMS", "MAX_SPLITS", "PROGRAMS_PER_SM", "SplitPlan", "decode_attention", "split_rule"]
 
@@ -93,9 +93,7 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
                   PDL: tl.constexpr):
-    if PDL:  # programmatic dependent: q and the caches are the kernels' before, so wait first; let the next start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    grid_dependency(PDL)  # q and the caches are the kernels' before: wait first, then let the next start
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H_KV).to(tl.int64)
@@ -160,9 +158,7 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
 @triton.jit
 def _attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, G, NUM_SPLITS,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    grid_dependency(PDL)
     bh = tl.program_id(0)
     g = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)

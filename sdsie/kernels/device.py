@@ -8,9 +8,11 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["DEFAULT_SMS", "interpreting", "kernel_runs_on", "programmatic_launch", "set_programmatic_launch", "pdl_on",
-           "sm_count"]
+__all__ = ["DEFAULT_SMS", "grid_dependency", "interpreting", "kernel_runs_on", "programmatic_launch",
+           "set_programmatic_launch", "pdl_on", "sm_count"]
 
 # On by default: Llama-3.1-8B's INT4 decode on an H200 runs 537.6 tok/s with it and 494.8 without (records 296e3593,
 # 0a719e2c), with every GEMV output bit for bit the same (docs/kernel-log.md, 2026-12-04 20:00)
@@ -68,3 +70,13 @@ def pdl_on(device: torch.device) -> bool:
 def _sm90(index: int) -> bool:
     """sm_90 or newer (memoized: asked on every attention launch)."""
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def grid_dependency(PDL: tl.constexpr):
+    """In a Triton kernel launched as a programmatic dependent (`pdl_on`): wait until the kernel before has finished
+    and its writes are visible (griddepcontrol.wait; at once without a programmatic producer), then let the kernel
+    after launch (launch_dependents), which waits in turn before touching memory. Nothing without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -181,6 +181,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
     weight's silu * up epilogue, y [M, N/2]."""
     m, k = x2.shape
     n = w.out_features
+    pdl = pdl_on(x2.device)
     if cfg.mma:
         if not mma_supported(x2, w):
             raise ValueError(f"int4_matmul: the mma configuration needs CUDA sm_90+, bf16 x [M <= 16, K] with unit "
@@ -188,7 +189,6 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
                              f"128 codes or per channel; got x {x2.dtype} {tuple(x2.shape)} strides {x2.stride()} on "
                              f"{x2.device}, N={n}, group {w.group_size}")
         words, scales, zeros = _fragments(w, gate_up)
-        pdl = pdl_on(x2.device)
         options = {"num_warps": cfg.num_warps, "launch_pdl": pdl}
         if cfg.max_registers is not None:
             options["maxnreg"] = cfg.max_registers
@@ -196,7 +196,6 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
                      (m, n, k), mma_consts(w, cfg.num_warps, m, gate_up, pdl), options, 1, 0,
                      (w.qweight, w.scales, w.zeros), scales=scales)
     per_channel = w.group_size >= k
-    pdl = pdl_on(x2.device)
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
     consts = dict(

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from sdsie.int4_format import SYMMETRIC_ZERO
+from sdsie.kernels.device import grid_dependency
 
 assert SYMMETRIC_ZERO == 8  # the dequant kernel hard-codes the symmetric zero-point
 
@@ -384,16 +385,6 @@ def _row_out(acc, xs, s_ptr, z_ptr, offs_n, n_mask, N, PER_CHANNEL: tl.constexpr
 
 
 @triton.jit
-def _grid_dependency(PDL: tl.constexpr):
-    """Launched as a programmatic dependent (PDL): wait until the kernel before has finished and its writes are
-    visible (griddepcontrol.wait; at once without a programmatic producer), then let the kernel after launch
-    (launch_dependents), which waits in turn before touching memory. Nothing without PDL."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def _int4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, NCOLS, G, k_per_split,
@@ -452,7 +443,7 @@ def _int4_gemv_kernel(
     # so the first weight tile is asked for (register prefetch only) before the wait for the kernel before; the
     # pipeliner's cp.async prologue would also take x tiles, so the pipelined loop waits first. Then the kernel after
     # may launch: it waits in turn for this one to finish.
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES if PIPELINED else 1):
         if PIPELINED:
             raw = _load_words(qw_ptr, offs_n, n_mask, k0 // 8, NCOLS, stride_qn, BLOCK_COLS, EVEN)
@@ -510,7 +501,7 @@ def _int4_gemm_kernel(
     DOT_IEEE: tl.constexpr, IS_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)); BLOCK_K <= GROUP unless PER_CHANNEL
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -689,7 +680,7 @@ def _int4_gemm_planes_kernel(
     # synchronous in every K tile below BN 64 x warps (the down_proj BN 64 tile's hottest wait under ncu:
     # docs/kernel-log.md).
     # PDL: wait first (the pipeliner's prologue issues x's tiles with the weights'), then let the next kernel launch
-    _grid_dependency(PDL)
+    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

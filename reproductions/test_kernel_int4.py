@@ -177,7 +177,7 @@ def test_the_choice_sweep_holds_every_configuration_the_choice_returns_on_the_he
     none of these shapes), and the mma configurations are timed at exactly the M the choice gives them."""
     from reproductions.kernels.int4_bench import choice_configs, fits
     from reproductions.kernels.shape_bench import HELD_OUT_2_LINEARS, HELD_OUT_LINEARS, shape_table
-    from sdsie.kernels.int4_config import MMA_CONFIGS, mma_config, rule_config
+    from sdsie.kernels.int4_config import MMA_BLOCK_CONFIGS, MMA_CONFIGS, mma_config, rule_config
 
     configs = choice_configs()
     assert set(MMA_CONFIGS.values()) <= set(configs)
@@ -186,7 +186,9 @@ def test_the_choice_sweep_holds_every_configuration_the_choice_returns_on_the_he
             for group in (128, s.k):
                 picked = mma_config(m, s.n, s.k, group) or rule_config(m, s.n, s.k, min(group, s.k), 132)
                 assert picked in configs and fits(picked, m), (s.name, m, group, picked)
-    assert all(fits(c, m) == (m <= 8) for c in MMA_CONFIGS.values() for m in range(1, 17))
+    assert all(fits(c, m) for c in MMA_CONFIGS.values() for m in range(1, 17))
+    assert all(fits(c, m) == (m <= 8 or c.block_n < 64) for c in MMA_BLOCK_CONFIGS.values() for m in range(1, 17))
+    assert set(MMA_BLOCK_CONFIGS.values()) <= set(configs)
 
 
 @pytest.mark.parametrize("argv, named", [(["--part", "3/2"], "--part"), (["--device", "cpu"], "--tiny"),

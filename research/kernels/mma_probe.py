@@ -5,7 +5,7 @@ times each warps count again under ptxas register caps (`Int4KernelConfig.max_re
 result bit for bit against the uncapped one: does a cap that fits more programs on an SM make the mid shapes faster?
 
     python -m research.kernels.mma_probe --out telemetry/raw/mma_probe_h200.json [--shapes 4096x4096 ...] [--silu] \
-        [--max-registers 80 72 64]
+        [--max-registers 80 72 64] [--blocks 2 4]
 """
 
 from __future__ import annotations
@@ -31,26 +31,27 @@ from reproductions.kernels.int4_bench import (
     weight_rotation,
 )
 from sdsie.kernels import int4_matmul, int4_matmul_reference, int4_silu_mul
-from sdsie.kernels.int4_config import MMA_CONFIGS
+from sdsie.kernels.int4_config import MMA_CONFIGS, mma_blocks
 
 SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
           "3584x3584", "4608x3584", "18944x3584", "3584x18944", "512x3584", "8960x1536", "2048x3584")
 
 
-def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Generator) -> dict:
-    """Worst error of the mma GEMV and of the shipped kernel against the float64 reference, relative to max |ref|."""
+def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Generator, blocks: int = 1) -> dict:
+    """Worst error of the mma GEMV (`blocks` row blocks a program) and of the shipped kernel against the float64
+    reference, relative to max |ref|."""
     w = random_int4(n, k, group, "cuda", gen)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ref = int4_matmul_reference(x.double(), w).double()
-    y = int4_matmul(x, w, config=MMA_CONFIGS[warps]).double()
+    y = int4_matmul(x, w, config=mma_blocks(warps, blocks)).double()
     y0 = int4_matmul(x, w).double()
     scale = ref.abs().max().item()
-    return {"n": n, "k": k, "group": group, "m": m, "warps": warps,
+    return {"n": n, "k": k, "group": group, "m": m, "warps": warps, "blocks": blocks,
             "mma_err": (y - ref).abs().max().item() / scale, "int4_err": (y0 - ref).abs().max().item() / scale}
 
 
 def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
-              caps: tuple[int, ...] = ()) -> dict:
+              caps: tuple[int, ...] = (), blocks: tuple[int, ...] = ()) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -65,6 +66,10 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
             out[f"same_bits_w{warps}_r{cap}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg),
                                                                  int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])))
             out[f"mma_w{warps}_r{cap}"] = graph_us(
+                lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
+        for b in blocks:  # several row blocks a program, x's registers shared (`Int4KernelConfig.block_n`)
+            cfg = mma_blocks(warps, b)
+            out[f"mma_w{warps}_b{b}"] = graph_us(
                 lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
     if silu:
         out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--silu", action="store_true", help="also time int4_silu_mul (the silu * up epilogue)")
     ap.add_argument("--no-checks", dest="checks", action="store_false", help="skip the error checks")
+    ap.add_argument("--blocks", nargs="*", type=int, default=[],
+                    help="also time each warps count with these row blocks a program (2, 4), checked as the rest")
     ap.add_argument("--max-registers", nargs="*", type=int, default=[],
                     help="also time each warps count under these register caps (multiples of 8)")
     args = ap.parse_args(argv)
@@ -107,13 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     checks = [check(n, k, g, m, w, gen) for n, k, g in ((256, 4096, 128), (512, 1024, 256), (128, 3584, None),
                                                      (256, 14336, 128), (160, 1536, 128))
               for m in (1, 3, 8, 13) for w in args.warps] if args.checks else []
+    checks += [check(n, k, g, m, w, gen, b) for n, k, g in ((256, 4096, 128), (80, 1536, 128), (208, 3584, None))
+               for m in (1, 5, 8, 16) for w in args.warps for b in args.blocks] if args.checks else []
     for c in checks:
         print(json.dumps(c), flush=True)
     rows = []
     for m in args.m:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
-            r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers))
+            r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks))
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

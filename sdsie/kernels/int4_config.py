@@ -29,12 +29,15 @@ import triton
 
 from sdsie.kernels.device import DEFAULT_SMS, sm_count
 
-__all__ = ["Int4KernelConfig", "MMA_CONFIGS", "TUNED_M", "candidate_configs", "device_name", "mma_config",
-           "read_tuned_cache", "rule_config", "select_config", "select_config_with_source", "tuned_cache_path",
-           "tuned_key", "tuned_lookup", "tuned_path"]
+__all__ = ["Int4KernelConfig", "MMA_BLOCK_CONFIGS", "MMA_CONFIGS", "TUNED_M", "candidate_configs", "device_name",
+           "mma_blocks", "mma_config", "read_tuned_cache", "rule_config", "select_config", "select_config_with_source",
+           "tuned_cache_path", "tuned_key", "tuned_lookup", "tuned_path"]
 
 
 GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
+
+
+MMA_BLOCK_N = (16, 32, 64)  # an mma configuration's rows a program: 1, 2 or 4 blocks of 16
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,12 @@ class Int4KernelConfig:
     swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
     # ptxas's cap on registers per thread (Triton's maxnreg; None: its own choice). The M = 1 GEMV is latency-bound
     # for lack of warps, and its 160 registers a thread allow 12 warps an SM (docs/kernel-log.md); a cap trades
-    # spills for warps. The mma GEMV takes one too (95 registers uncapped: 5 programs of 4 warps an SM; 80: 6).
+    # spills for warps. The mma GEMV takes one too (96 registers uncapped at M <= 8: 5 programs of 4 warps an SM;
+    # 80: 6).
     # Ignored by the interpreter.
     max_registers: int | None = None
-    # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, a 16-row block a program and
-    # num_warps warps along K; block_m 8, block_n 16, block_k 128 name that tile
+    # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, block_n / 16 row blocks of 16
+    # rows a program (sharing x's registers) and num_warps warps along K; block_m 8 and block_k 128 name that tile
     mma: bool = False
 
     def __post_init__(self) -> None:
@@ -68,9 +72,10 @@ class Int4KernelConfig:
             raise ValueError(f"Int4KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], got "
                              f"{self.max_registers!r}")
         if self.mma:
-            if (self.block_m, self.block_n, self.block_k, self.split_k, self.swap_ab) != (8, 16, 128, 1, False):
-                raise ValueError(f"an mma configuration is block_m 8, block_n 16, block_k 128, no split, no swap_ab, "
-                                 f"got {self}")
+            if (self.block_m, self.block_k, self.split_k, self.swap_ab) != (8, 128, 1, False) or \
+                    self.block_n not in MMA_BLOCK_N:
+                raise ValueError(f"an mma configuration is block_m 8, block_n one of {MMA_BLOCK_N}, block_k 128, no "
+                                 f"split, no swap_ab, got {self}")
             if self.num_warps not in (4, 8):
                 raise ValueError(f"an mma configuration takes 4 or 8 warps, got {self.num_warps}")
             return
@@ -366,6 +371,21 @@ def select_config_with_source(m: int, n: int, k: int, device: torch.device, grou
 MMA_MAX_N = 65536
 MMA_LM_HEAD_MIN_K = 3072
 MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
+# Several row blocks a program: each warp's x registers serve them all, so x's bytes read per weight byte fall from
+# M / 4 (one block, 16 rows: 4 at M = 16) by the block count; fewer programs, more registers a thread (sm_90: 96,
+# 128 and 255 at 1, 2 and 4 blocks, M <= 8; 128 and 178 at 1 and 2 blocks, M = 9-16, where 4 blocks spill).
+MMA_BLOCK_CONFIGS = {(w, bn // 16): Int4KernelConfig(8, bn, 128, num_warps=w, mma=True)
+                     for w in (4, 8) for bn in MMA_BLOCK_N[1:]}
+
+
+def mma_blocks(warps: int, blocks: int = 1) -> Int4KernelConfig:
+    """The mma configuration of `warps` warps and `blocks` row blocks (of 16 rows) a program."""
+    if blocks == 1:
+        return MMA_CONFIGS[warps]
+    if (warps, blocks) not in MMA_BLOCK_CONFIGS:
+        raise ValueError(f"no mma configuration of {warps} warps and {blocks} row blocks a program; there are "
+                         f"{sorted(MMA_CONFIGS)} warps and {[bn // 16 for bn in MMA_BLOCK_N]} blocks")
+    return MMA_BLOCK_CONFIGS[warps, blocks]
 
 
 def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS) -> Int4KernelConfig | None:

@@ -183,55 +183,56 @@ def _release_dependents():
 
 @gluon.jit
 def _zero_splat(z, HAS_ZEROS: gl.constexpr):
-    """bf16x2 bits of (128 + z, 128 + z) for z [W, 32]: the offset the code registers carry, as one subtrahend,
-    [W, 32, 1]."""
+    """bf16x2 bits of (128 + z, 128 + z) for z [B, W, 32]: the offset the code registers carry, as one subtrahend,
+    [B, W, 32, 1]."""
     if not HAS_ZEROS:
         z = gl.full(z.shape, SYMMETRIC_ZERO_F, gl.float32, z.type.layout)
     v = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return gl.expand_dims(v | (v << 16), 2)
+    return gl.expand_dims(v | (v << 16), 3)
 
 
 @gluon.jit
-def _x_loads(xw3, xw3_h, p, pairs, HALVES: gl.constexpr):
-    """x's words for one pair of chunks of each warp (pair p [W, 1], clamped to the last): xa, xb of both chunks
-    [W, 32, 4] for x's rows 0-7, then for rows 8-15 (HALVES 2; else the same tensors again, unused). A thread's B
-    fragments for a chunk are x's words 8t .. 8t + 7 of its row: two 16-byte loads."""
-    kc = gl.expand_dims(2 * gl.minimum(p, pairs - 1), 2)  # [W, 1, 1] first chunk of the pair
-    xa0 = gl.load(xw3 + kc * 32)
-    xb0 = gl.load(xw3 + kc * 32 + 4)
-    xa1 = gl.load(xw3 + kc * 32 + 32)
-    xb1 = gl.load(xw3 + kc * 32 + 36)
+def _x_loads(xw4, xw4_h, p, pairs, HALVES: gl.constexpr):
+    """x's words for one pair of chunks of each warp (pair p [1, W, 1], clamped to the last): xa, xb of both chunks
+    [1, W, 32, 4] for x's rows 0-7, then for rows 8-15 (HALVES 2; else the same tensors again, unused). A thread's B
+    fragments for a chunk are x's words 8t .. 8t + 7 of its row: two 16-byte loads, shared by the program's row
+    blocks."""
+    kc = gl.expand_dims(2 * gl.minimum(p, pairs - 1), 3)  # [1, W, 1, 1] first chunk of the pair
+    xa0 = gl.load(xw4 + kc * 32)
+    xb0 = gl.load(xw4 + kc * 32 + 4)
+    xa1 = gl.load(xw4 + kc * 32 + 32)
+    xb1 = gl.load(xw4 + kc * 32 + 36)
     if HALVES == 2:
-        ha0 = gl.load(xw3_h + kc * 32)
-        hb0 = gl.load(xw3_h + kc * 32 + 4)
-        ha1 = gl.load(xw3_h + kc * 32 + 32)
-        hb1 = gl.load(xw3_h + kc * 32 + 36)
+        ha0 = gl.load(xw4_h + kc * 32)
+        hb0 = gl.load(xw4_h + kc * 32 + 4)
+        ha1 = gl.load(xw4_h + kc * 32 + 32)
+        hb1 = gl.load(xw4_h + kc * 32 + 36)
     else:
         ha0, hb0, ha1, hb1 = xa0, xb0, xa1, xb1
     return xa0, xb0, xa1, xb1, ha0, hb0, ha1, hb1
 
 
 @gluon.jit
-def _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
+def _wsz_loads(pw4, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
                HAS_ZEROS: gl.constexpr):
-    """One pair of chunks (128 codes of K) of each warp: the weight words of both chunks [W, 32, 4], the pair's
-    weight on the sum [W, 32] for rows g and g + 8 (grouped: its group's scales; per channel: 1) and the
-    zero-points. p [W, 1]: each warp's pair. A pair past K reads the last pair again with weight 0: the loads carry
-    no mask, so ptxas may issue them as early as it likes."""
-    live = p < pairs  # [W, 1]
+    """One pair of chunks (128 codes of K) of each warp and row block: the weight words of both chunks
+    [B, W, 32, 4], the pair's weight on the sum [B, W, 32] for rows g and g + 8 (grouped: its group's scales; per
+    channel: 1) and the zero-points. p [1, W, 1]: each warp's pair; rows [B, 1, 32]. A pair past K reads the last
+    pair again with weight 0: the loads carry no mask, so ptxas may issue them as early as it likes."""
+    live = p < pairs  # [1, W, 1]
     p = gl.minimum(p, pairs - 1)
-    kc = gl.expand_dims(2 * p, 2)  # [W, 1, 1] first chunk of the pair
-    w0 = gl.load(pw3 + kc * 128)
-    w1 = gl.load(pw3 + kc * 128 + 128)
+    kc = gl.expand_dims(2 * p, 3)  # [1, W, 1, 1] first chunk of the pair
+    w0 = gl.load(pw4 + kc * 128)
+    w1 = gl.load(pw4 + kc * 128 + 128)
     if PER_CHANNEL:
         grp = p * 0
     else:
         grp = p // GROUP_PAIRS
     if PER_CHANNEL:
-        s_g = gl.where(live, 1.0, 0.0) + (rows * 0).to(gl.float32)  # [W, 32]
+        s_g = gl.where(live, 1.0, 0.0) + (rows * 0).to(gl.float32)  # [B, W, 32]
         s_g8 = s_g
     else:
-        s_g = gl.where(live, gl.load(s_ptr + grp * N + rows).to(gl.float32), 0.0)  # [W, 32]
+        s_g = gl.where(live, gl.load(s_ptr + grp * N + rows).to(gl.float32), 0.0)  # [B, W, 32]
         s_g8 = gl.where(live, gl.load(s_ptr + grp * N + rows + 8).to(gl.float32), 0.0)
     if HAS_ZEROS:
         z_g = gl.load(z_ptr + grp * N + rows).to(gl.float32)
@@ -243,24 +244,24 @@ def _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, 
 
 
 @gluon.jit
-def _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr,
+def _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr,
                 PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr):
     """`_wsz_loads` and `_x_loads` of one pair, as one tuple: (w0, w1, s_g, s_g8, z_g, z_g8, the 8 x tensors)."""
-    return _wsz_loads(pw3, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS) + _x_loads(
-        xw3, xw3_h, p, pairs, HALVES)
+    return _wsz_loads(pw4, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS) + _x_loads(
+        xw4, xw4_h, p, pairs, HALVES)
 
 
 @gluon.jit
 def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr):
-    """tot [W, 32, 4] (and tot_h, x's rows 8-15) += one pair's products (buf: `_pair_loads`), weighted by rows g
+    """tot [B, W, 32, 4] (and tot_h, x's rows 8-15) += one pair's products (buf: `_pair_loads`), weighted by rows g
     (c0, c1) and g + 8 (c2, c3): the group's scale, or per channel 1 (the scale comes at the end) and 0 for a pair
-    past K."""
+    past K. x's registers [1, W, 32, 4] serve every row block (the asm broadcasts them)."""
     w0, w1, s_g, s_g8, z_g, z_g8, xa0, xb0, xa1, xb1, ha0, hb0, ha1, hb1 = buf
     zg = _zero_splat(z_g, HAS_ZEROS)
     zg8 = _zero_splat(z_g8, HAS_ZEROS)
     part, part_h = _chunk_mma(w0, xa0, xb0, ha0, hb0, zg, zg8, gl.zeros_like(tot), gl.zeros_like(tot), HALVES)
     part, part_h = _chunk_mma(w1, xa1, xb1, ha1, hb1, zg, zg8, part, part_h, HALVES)
-    scale = gl.where(j < 2, gl.expand_dims(s_g, 2), gl.expand_dims(s_g8, 2))
+    scale = gl.where(j < 2, gl.expand_dims(s_g, 3), gl.expand_dims(s_g8, 3))
     if HALVES == 2:
         tot_h = tot_h + scale * part_h
     return tot + scale * part, tot_h
@@ -269,86 +270,106 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 @gluon.jit
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                          WARPS: gl.constexpr, HALVES: gl.constexpr, SILU_MUL: gl.constexpr, PDL: gl.constexpr):
-    # grid: (N // 16,): one row block a program; its WARPS warps take every WARPS-th pair of chunks (128 codes) of
-    # K, each loading its next pair before it multiplies the current one, and their sums meet in one cross-warp
-    # reduction. GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
+                          WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
+                          PDL: gl.constexpr):
+    # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
+    # pair of chunks (128 codes) of K, each loading its next pair before it multiplies the current one, and their
+    # sums meet in one cross-warp reduction. A warp's x registers for a pair serve all BLOCKS blocks: x's bytes read
+    # a program fall by BLOCKS against the weights' (at M = 16 one block reads 4 bytes of x a byte of weights).
+    # The last program's blocks past N / 16 repeat the last block and store nothing.
+    # GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
     # SILU_MUL (HALVES 1): rows in `gate_up_order`; y [M, N/2] = silu(gate) * up, computed in fp32 from the sums.
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])  # [W, 32 lanes, 4]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [W, 32]
-    nb = gl.program_id(0)
-    warp = gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(1, L2)), 1)  # [W, 1]
-    lane = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)  # [1, 32]
-    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
+    L4: gl.constexpr = gl.BlockedLayout([BLOCKS, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])
+    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [B, W, 32]
+    LJ: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))  # [4] along j
+    nb0 = gl.program_id(0) * BLOCKS
+    blocks = N // 16
+    blk = gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1),
+                         2)  # [B, 1, 1]
+    warp = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))), 0),
+                          2)  # [1, W, 1]
+    lane = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0),
+                          1)  # [1, 1, 32]
+    j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LJ), 0), 1), 2)  # [1, 1, 1, 4]
     g = lane // 4
     t = lane % 4
-    rows = nb * 16 + g  # [1, 32] row of c0, c1 (c2, c3: rows + 8)
+    nb = gl.minimum(nb0 + blk, blocks - 1)  # [B, 1, 1] each block's row block (the last one repeated past N)
+    rows = nb * 16 + g  # [B, 1, 32] row of c0, c1 (c2, c3: rows + 8)
     kcs = K // 64
     pairs = kcs // 2
     xw = x_ptr.to(gl.pointer_type(gl.int32))
-    xw3 = gl.expand_dims(xw + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t, 2) + j  # [1, 32, 4]: x's row g
-    xw3_h = gl.expand_dims(xw + gl.minimum(g + 8, M - 1) * (stride_xm // 2) + 8 * t, 2) + j  # row g + 8
-    pw3 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 2) + j  # [1, 32, 4]
-    tot = gl.zeros([WARPS, 32, 4], gl.float32, L3)
-    tot_h = gl.zeros([WARPS, 32, 4], gl.float32, L3)
+    xw4 = gl.expand_dims(xw + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t, 3) + j  # [1, 1, 32, 4]: x's row g
+    xw4_h = gl.expand_dims(xw + gl.minimum(g + 8, M - 1) * (stride_xm // 2) + 8 * t, 3) + j  # row g + 8
+    pw4 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 3) + j  # [B, 1, 32, 4]
+    tot = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)
+    tot_h = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)
     # two pairs in flight a warp, A and B: each is reloaded (pair + 2 W) right after its mmas, into the registers
     # they free (ptxas places a load after the mmas whose registers it reuses, so a buffer rotation would cost moves
     # and one pair ahead would leave the latency exposed)
     # PDL (programmatic dependent launch): the weights, scales and zero-points of the first two pairs are asked for
     # before the wait for the kernel that writes x, so their latency overlaps that kernel's end
-    a = _wsz_loads(pw3, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    b = _wsz_loads(pw3, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    a = _wsz_loads(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    b = _wsz_loads(pw4, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
     if PER_CHANNEL:  # one scale a row, applied once at the end
-        s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 2),
-                         gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 2))
+        s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 3),
+                         gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 3))
     if PDL:
         _wait_for_producer()
-    a = a + _x_loads(xw3, xw3_h, warp, pairs, HALVES)
-    b = b + _x_loads(xw3, xw3_h, warp + WARPS, pairs, HALVES)
+    a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
+    b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
     if PDL:
         _release_dependents()
     p = warp
     for _ in range(0, gl.cdiv(pairs, 2 * WARPS)):
         tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
-        a = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+        a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
                         HAS_ZEROS, HALVES)
         tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
-        b = _pair_loads(pw3, xw3, xw3_h, s_ptr, z_ptr, p + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+        b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
                         HAS_ZEROS, HALVES)
         p += 2 * WARPS
     if PER_CHANNEL:
         tot = tot * s_end
         tot_h = tot_h * s_end
-    LO: gl.constexpr = gl.SliceLayout(0, L3)
-    ol = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, LO)), 1)  # [32, 1]
-    oc = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LO)), 0)  # [1, 4]
-    orow = nb * 16 + ol // 4 + 8 * (oc // 2)  # [32, 4]
-    om = 2 * (ol % 4) + oc % 2  # x's row (B's column) of each accumulator
+    LO: gl.constexpr = gl.SliceLayout(1, L4)  # [B, 32, 4]
+    ob = gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LO))), 1),
+                        2)  # [B, 1, 1]
+    ol = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LO))), 0),
+                        2)  # [1, 32, 1]
+    oc = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LO))), 0),
+                        1)  # [1, 1, 4]
+    onb = nb0 + ob  # [B, 1, 1]
+    live = onb < blocks
+    om = 2 * (ol % 4) + oc % 2  # [1, 32, 4] x's row (B's column) of each accumulator
     if SILU_MUL:
         # a lane's c0, c1: gate of channel 8 nb + g for x's rows 2t, 2t + 1; c2, c3: up of the same (exact
         # extractions: each sums one value and three zeros)
-        y4 = gl.sum(tot, axis=0)  # [32, 4]
-        lo = gl.arange(0, 32, layout=gl.SliceLayout(1, LO))  # [32]
-        ch = nb * 8 + lo // 4
+        y4 = gl.sum(tot, axis=1)  # [B, 32, 4]
+        ch = onb * 8 + ol // 4  # [B, 32, 1]
         for e in gl.static_range(2):
-            gate = gl.sum(gl.where(oc == e, y4, 0.0), axis=1)
-            up = gl.sum(gl.where(oc == e + 2, y4, 0.0), axis=1)
-            me = 2 * (lo % 4) + e
+            gate = gl.sum(gl.where(oc == e, y4, 0.0), axis=2, keep_dims=True)  # [B, 32, 1]
+            up = gl.sum(gl.where(oc == e + 2, y4, 0.0), axis=2, keep_dims=True)
+            me = 2 * (ol % 4) + e  # [1, 32, 1]
             out = gate / (1.0 + gl.exp(-gate)) * up
-            gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=me < M)
+            gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=(me < M) & live)
     else:
-        gl.store(y_ptr + om * stride_ym + orow, gl.sum(tot, axis=0).to(y_ptr.dtype.element_ty), mask=om < M)
+        orow = onb * 16 + ol // 4 + 8 * (oc // 2)  # [B, 32, 4]
+        gl.store(y_ptr + om * stride_ym + orow, gl.sum(tot, axis=1).to(y_ptr.dtype.element_ty),
+                 mask=(om < M) & live)
     if HALVES == 2:
-        gl.store(y_ptr + (om + 8) * stride_ym + orow, gl.sum(tot_h, axis=0).to(y_ptr.dtype.element_ty),
-                 mask=om + 8 < M)
+        orow = onb * 16 + ol // 4 + 8 * (oc // 2)
+        gl.store(y_ptr + (om + 8) * stride_ym + orow, gl.sum(tot_h, axis=1).to(y_ptr.dtype.element_ty),
+                 mask=(om + 8 < M) & live)
 
 
-def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False) -> dict:
+def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
-    fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`)."""
+    fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
+    `blocks`: 16-row blocks a program)."""
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
-                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, SILU_MUL=silu_mul, PDL=pdl)
+                HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
+                SILU_MUL=silu_mul, PDL=pdl)

@@ -33,6 +33,7 @@ from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels.device import kernel_runs_on
 from sdsie.kernels.int4_config import (
     _LARGE_M_CONFIG,
+    MMA_BLOCK_CONFIGS,
     MMA_CONFIGS,
     TUNED_CACHE_FORMAT,
     TUNED_M,
@@ -71,18 +72,21 @@ def config_name(cfg: Int4KernelConfig) -> str:
 
 def choice_configs() -> list[Int4KernelConfig]:
     """Every configuration `select_config` can return at M <= 16: the rule's terms and the tuned tables' entries
-    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's two (`MMA_CONFIGS`). A
-    sweep of these per shape is the exhaustive best of the choice's own candidates."""
-    return [c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values())
+    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's (`MMA_CONFIGS`, one row
+    block a program, and `MMA_BLOCK_CONFIGS`, two or four). A sweep of these per shape is the exhaustive best of the
+    choice's own candidates."""
+    return ([c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values())
+            + list(MMA_BLOCK_CONFIGS.values()))
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2, the mma GEMV at M <= 8. Planes, timed
+    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2, the mma GEMV at M <= 16 (four row
+    blocks a program at M <= 8: at M = 9-16 they spill, 255 registers a thread on sm_90). Planes, timed
     at M = 1, lost all 20 cases to the GEMV, by 15-67% (kernel_sweep_20261130T2332_planes_m1_m16_h200.json,
     kernel_sweep_20261201T0134_xwords_h200.json), so a sweep spends no GPU time on it there."""
-    if cfg.mma:  # the choice takes the mma GEMV at M <= 8 only (`mma_config`)
-        return m <= 8
+    if cfg.mma:
+        return m <= (8 if cfg.block_n >= 64 else 16)
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
     if cfg.gemv:

@@ -123,7 +123,12 @@ def test_mma_config_follows_its_rule_on_programs_warps_and_lm_heads():
     assert mma_config(1, 128256, 3072, 128) == MMA_CONFIGS[4]
     assert mma_config(2, 256000, 2304, 128) is None
     assert mma_config(4, 151936, 1536, 128) is None
-    for m, n, k, g in ((9, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
+    # M = 9-16: 4 warps where the N / 16 programs fit in one wave at 4 an SM, else the planes kernel
+    assert mma_config(9, 4096, 4096, 128) == mma_config(16, 8448, 3584, 4096) == MMA_CONFIGS[4]  # 528 programs
+    assert mma_config(16, 8464, 3584, 128) is None  # 529
+    assert mma_config(16, 8464, 3584, 128, sms=144) == MMA_CONFIGS[4]
+    assert mma_config(12, 4096, 14336, 128) == MMA_CONFIGS[4]  # no 8 warps past M = 8
+    for m, n, k, g in ((17, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
         assert mma_config(m, n, k, g) is None, (m, n, k, g)
 
 

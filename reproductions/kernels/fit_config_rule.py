@@ -17,7 +17,7 @@ rule held out, the rule fitted on everything (in sample), and a tuned table hold
     python -m reproductions.kernels.fit_config_rule                      # tables
     python -m reproductions.kernels.fit_config_rule --emit               # the fitted RULE_FAMILIES, as Python
     python -m reproductions.kernels.fit_config_rule --write-table sdsie/kernels/tuned_configs.json \
-        --data telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h200.json   # merge each case's pick (best_table)
+        --data telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h200.json   # each case's pick (best_table)
 """
 
 from __future__ import annotations
@@ -34,14 +34,23 @@ import numpy as np
 from reproductions.kernels.int4_bench import config_name
 from sdsie.kernels import Int4KernelConfig
 from sdsie.kernels.device import DEFAULT_SMS
-from sdsie.kernels.int4_config import GEMV_MAX_M, RuleFamily, RuleTerm, rule_choice, rule_features, tuned_key
-from sdsie.kernels.int4_tune import CORRECT_REL_ERROR
+from sdsie.kernels.int4_config import (
+    GEMV_MAX_M,
+    RuleFamily,
+    RuleTerm,
+    mma_config,
+    rule_choice,
+    rule_features,
+    tuned_key,
+)
+from sdsie.kernels.int4_tune import CORRECT_REL_ERROR, choice_configs
 from sdsie.stats import geomean
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "telemetry/raw/shape_sweep_m1_m16_h200.json"
-# the sweep of the choice's own candidates (mma GEMV included) over the fitted shapes that the shipped table's
-# entries come from (best_table with KEEP_WITHIN)
-TABLE_DATA = Path(__file__).resolve().parents[2] / "telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h200.json"
+# the sweeps of the choice's own candidates (mma GEMV included) over the fitted shapes that the shipped table's
+# entries come from (best_table with KEEP_WITHIN), one a GPU model
+TABLE_DATA = tuple(Path(__file__).resolve().parents[2] / "telemetry/raw" / name for name in (
+    "shape_fit_choice_sweep_m1_to_m16_h200.json", "shape_fit_choice_sweep_m1_to_m16_h100.json"))
 # A table entry keeps the configuration the choice ran in the sweep unless another candidate was faster by more than
 # this: the same configuration timed twice in one run differs by up to 9% on large shapes (the sdsie arm against its
 # own sweep timing, shape_fit_choice_sweep_m1_to_m16_h200.json), so smaller wins are not evidence.
@@ -215,23 +224,32 @@ def scores(cases: list[Case], configs: dict[str, Int4KernelConfig], sms: int) ->
     return {"per_case": per_case, "families": families, "groups": groups}
 
 
-def best_table(cases: list[Case], configs: dict[str, Int4KernelConfig],
-               keep_within: float = 0.0) -> dict[str, Int4KernelConfig]:
-    """{tuned_key: the sweep's fastest correct configuration} for every case; with `keep_within` > 0, the
-    configuration the choice ran instead where its sweep time is within that fraction of the fastest."""
+def best_table(cases: list[Case], configs: dict[str, Int4KernelConfig], keep_within: float = 0.0,
+               sms: int = DEFAULT_SMS) -> dict[str, Int4KernelConfig]:
+    """{tuned_key: the sweep's fastest correct configuration among `configs`} for each case; with `keep_within` > 0,
+    the configuration the choice ran instead where its sweep time is within that fraction of the fastest.
+
+    No entry where the mma GEMV's rule (`mma_config`, on a GPU of `sms` SMs) takes the case and the sweep did not
+    time its pick: the entry would stand, measured, against a candidate it was never measured beside (the sweeps
+    before the mma GEMV ran at M = 9-16 timed it at M <= 8 only)."""
     out = {}
     for c in cases:
-        pick = min(c.times, key=c.times.get)
-        if keep_within > 0 and c.choice in c.times and c.times[c.choice] <= c.best * (1 + keep_within):
+        times = {n: t for n, t in c.times.items() if n in configs}
+        rule = mma_config(c.m, c.n, c.k, c.group_size, sms)
+        if not times or (rule is not None and config_name(rule) not in times):
+            continue
+        pick = min(times, key=times.get)
+        if keep_within > 0 and c.choice in times and times[c.choice] <= times[pick] * (1 + keep_within):
             pick = c.choice
         out[tuned_key(c.m, c.n, c.k, c.group_size)] = configs[pick]
     return out
 
 
-def write_table(path: Path, device: str, table: dict[str, Int4KernelConfig]) -> None:
-    """Merge `table` into the tuned table at `path` under `device` (its entries replace those of the same key)."""
+def write_table(path: Path, device: str, table: dict[str, Int4KernelConfig], covered: set[str]) -> None:
+    """Write `table` into the tuned table at `path` under `device`: the keys in `covered` (the sweep's cases) are
+    the table's to set or to clear; the device's other entries stay."""
     raw = json.loads(path.read_text()) if path.exists() else {}
-    entries = raw.setdefault(device, {})
+    entries = {key: v for key, v in raw.get(device, {}).items() if key not in covered}
     entries.update({key: asdict(cfg) for key, cfg in table.items()})
     raw[device] = dict(sorted(entries.items()))
     path.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
@@ -299,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         print(emit(fit_rule(cases, configs, sms)))
         return 0
     if a.write_table is not None:
-        write_table(a.write_table, meta["device"], best_table(cases, configs, a.keep_within))
-        print(f"merged {len(cases)} entries into {a.write_table} under {meta['device']!r}")
+        choice = {config_name(c) for c in choice_configs()}
+        table = best_table(cases, {n: c for n, c in configs.items() if n in choice}, a.keep_within, sms)
+        write_table(a.write_table, meta["device"], table, {tuned_key(c.m, c.n, c.k, c.group_size) for c in cases})
+        print(f"wrote {len(table)} entries of {len(cases)} cases into {a.write_table} under {meta['device']!r}")
         return 0
     s = scores(cases, configs, sms)
     print_tables(s)

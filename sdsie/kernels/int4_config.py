@@ -354,7 +354,7 @@ def select_config_with_source(m: int, n: int, k: int, device: torch.device, grou
     return _select_config(m, n, k, device.type, index, group_size if group_size is not None else k, allow_mma)
 
 
-# M <= 8 on sm_90+, bf16 x, a shape the shipped table does not hold: the fragment-order tensor-core GEMV
+# M <= 16 on sm_90+, bf16 x, a shape the shipped table does not hold: the fragment-order tensor-core GEMV
 # (`sdsie.kernels.int4_mma`). Fitted on graphed sweeps of every candidate over 59 decoder shapes of 11 models at M = 1-8
 # (telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h200.json, shape_heldout_choice_sweep_*_h200.json; docs/kernel-log.md,
 # 2026-12-05 04:45). It declines where the CUDA-core kernels were faster:
@@ -364,16 +364,24 @@ def select_config_with_source(m: int, n: int, k: int, device: torch.device, grou
 #   every N.
 # - LM heads (N >= MMA_MAX_N) with K < MMA_LM_HEAD_MIN_K: its warps get too few k16 pairs each. Gemma-2-2B's head
 #   (K = 2304) at M = 1: 119.0 against the GEMV's 98.8 us; Qwen2.5-1.5B's (K = 1536): 54.6 against 40.7.
-# M = 9-16 stays on the planes kernel: the mma kernel's second half of B's columns ran it at 1.31x bf16 against the
-# planes' 1.56x (geomean of 30 shapes). Its warps split K: 8 where K >= 2N, K >= 4096 and the 8-warp programs all fit
-# on the SMs at two a SM (N / 16 <= 2 x SMs), else 4. Where the programs overflow (N = 5120 downs: 320 > 264), or
-# K < 4096 (1024-row k/v at K = 2304-3072), 8 warps lost 15-29% to 4.
+# M = 9-16 (a second mma on the same A registers, 128 registers a thread on sm_90: 4 programs of 4 warps an SM) takes
+# it where its N / 16 programs fit in one wave at 4 an SM, else the planes kernel: on an H100, graphed sweeps of both
+# with every candidate (telemetry/raw/shape_fit_choice_sweep_m1_to_m16_h100.json, shape_heldout2_choice_sweep_*_h100
+# .json) put the mma GEMV ahead at M = 16 on 12 of the 17 one-wave fitted shapes (the rest within a few percent) and
+# behind on 12 of the 13 larger ones (Qwen2.5-7B gate/up: 29.9 against 26.4 us); with this rule 28 of 30 fitted and 38
+# of 42 held-out cases (group 128) run within 90% of the sweep's best, with the planes rule alone 18 and 26
+# (docs/kernel-log.md, 2026-12-05 15:40). Its warps split K at M <= 8: 8 where K >= 2N, K >= 4096 and the 8-warp
+# programs all fit on the SMs at two a SM (N / 16 <= 2 x SMs), else 4. Where the programs overflow (N = 5120 downs:
+# 320 > 264), or K < 4096 (1024-row k/v at K = 2304-3072), 8 warps lost 15-29% to 4.
 MMA_MAX_N = 65536
+MMA_ONE_WAVE = 4  # programs an SM at M = 9-16 (128 registers a thread, 4 warps)
 MMA_LM_HEAD_MIN_K = 3072
 MMA_CONFIGS = {w: Int4KernelConfig(8, 16, 128, num_warps=w, mma=True) for w in (4, 8)}
 # Several row blocks a program: each warp's x registers serve them all, so x's bytes read per weight byte fall from
 # M / 4 (one block, 16 rows: 4 at M = 16) by the block count; fewer programs, more registers a thread (sm_90: 96,
-# 128 and 255 at 1, 2 and 4 blocks, M <= 8; 128 and 178 at 1 and 2 blocks, M = 9-16, where 4 blocks spill).
+# 128 and 255 at 1, 2 and 4 blocks, M <= 8; 128 and 178 at 1 and 2 blocks, M = 9-16, where 4 blocks spill). Not
+# among the choice's candidates: on an H100 they were the fastest in 10 of 468 swept cases, by at most 4%, and a
+# median 1.20x slower than one block (docs/kernel-log.md, 2026-12-05 15:40). A configuration can name them.
 MMA_BLOCK_CONFIGS = {(w, bn // 16): Int4KernelConfig(8, bn, 128, num_warps=w, mma=True)
                      for w in (4, 8) for bn in MMA_BLOCK_N[1:]}
 
@@ -392,9 +400,11 @@ def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS) 
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU of `sms` SMs, or None where the kernel
     does not apply (shape or group) or its rule says the CUDA-core kernels are faster."""
     shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
-    if not (1 <= m <= 8 and shape_ok) or (n >= MMA_MAX_N and k < MMA_LM_HEAD_MIN_K):
+    if not (1 <= m <= 16 and shape_ok) or (n >= MMA_MAX_N and k < MMA_LM_HEAD_MIN_K):
         return None
     programs = n // 16
+    if m > 8:
+        return MMA_CONFIGS[4] if programs <= MMA_ONE_WAVE * sms else None
     if (m == 1 and 2 * programs < sms) or (m == 2 and 4 * programs < sms):
         return None
     eight = k >= 2 * n and k >= 4096 and programs <= 2 * sms

@@ -33,7 +33,6 @@ from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels.device import kernel_runs_on
 from sdsie.kernels.int4_config import (
     _LARGE_M_CONFIG,
-    MMA_BLOCK_CONFIGS,
     MMA_CONFIGS,
     TUNED_CACHE_FORMAT,
     TUNED_M,
@@ -72,11 +71,9 @@ def config_name(cfg: Int4KernelConfig) -> str:
 
 def choice_configs() -> list[Int4KernelConfig]:
     """Every configuration `select_config` can return at M <= 16: the rule's terms and the tuned tables' entries
-    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's (`MMA_CONFIGS`, one row
-    block a program, and `MMA_BLOCK_CONFIGS`, two or four). A sweep of these per shape is the exhaustive best of the
-    choice's own candidates."""
-    return ([c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values())
-            + list(MMA_BLOCK_CONFIGS.values()))
+    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's two (`MMA_CONFIGS`). A
+    sweep of these per shape is the exhaustive best of the choice's own candidates."""
+    return [c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values())
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:

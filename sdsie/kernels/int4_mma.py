@@ -6,8 +6,8 @@ one `mma.sync.m16n8k16` takes 256 codes of a warp, and a thread's eight codes fo
 nibbles are already where the A fragment wants them (Marlin's offline repacking): three shifts, four LOP3s (code
 -> bf16 128 + q, exact), four bf16x2 subtractions of 128 + z (exact) and one mma, 1.5 instructions a code; with the
 group scales, x's loads and addressing the compiled loop issues 2.1 (sm_90, docs/kernel-log.md).
-x fills the B operand's 8 columns (its rows, M <= 8; M <= 16 runs a second mma on the same A registers, which
-`int4_matmul` takes only when named: at M = 16 it measured slower than the planes kernel); products are exact and
+x fills the B operand's 8 columns (its rows, M <= 8; M <= 16 runs a second mma on the same A registers, which the
+choice takes where the grid fits one wave, `int4_config.mma_config`); products are exact and
 accumulate in fp32, and each group's sum is scaled in fp32, so the numerics match the CUDA-core kernel's.
 
 Fragment order (`pack_fragments`): for row block nb (16 rows) and K chunk kc (64 codes), lane l = 4g + t holds four

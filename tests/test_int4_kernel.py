@@ -385,16 +385,16 @@ def test_swap_ab_config_validation():
 
 def test_the_rule_takes_planes_up_to_m16_and_the_launch_runs_it(kernel_device):
     """Without a tuned entry, M <= 2 gets a GEMV configuration, M in 3..16 a planes configuration, M = 17 the bytes
-    tl.dot kernel; an automatic call at M = 12 launches the planes kernel and is correct (past the mma GEMV's M <= 8,
-    which sm_90 takes for this shape at M = 5)."""
+    tl.dot kernel; an automatic call at M = 12 launches the planes kernel and is correct (fp16 x: on sm_90 the mma
+    GEMV, bf16 only, takes this shape's bf16 calls at M <= 16)."""
     from sdsie.kernels import select_config
 
     cpu = torch.device("cpu")
     assert [select_config(m, 4096, 4096, cpu, 128).swap_ab for m in (3, 16, 17)] == [True, True, False]
     assert all(select_config(m, 4096, 4096, cpu, 128).gemv for m in (1, 2))
     gen = torch.Generator().manual_seed(29)
-    w = make_weight(64, 256, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.bfloat16)
-    x = torch.randn(12, 256, generator=gen).to(torch.bfloat16).to(kernel_device)
+    w = make_weight(64, 256, 128, False, 0.02, kernel_device, gen, scale_dtype=torch.float16)
+    x = torch.randn(12, 256, generator=gen).to(torch.float16).to(kernel_device)
     assert_close_to_reference(int4_matmul(x, w), x, w)
     (plan,) = _plans_of(w).values()
     assert getattr(plan.kernel, "fn", plan.kernel).__name__ == "_int4_gemm_planes_kernel"

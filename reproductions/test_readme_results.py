@@ -12,7 +12,7 @@ from reproductions.readme_results import HEAD_BEGIN, HEAD_END, headline, lossles
 from sdsie.telemetry.records import load_records
 
 TELEMETRY = Path(__file__).resolve().parents[1] / "telemetry"
-RECORDS = ("20261202T052856521175Z-f9372e49_kernel_int4.json",
+RECORDS = ("20261202T052856521175Z-f9372e49_kernel_int4.json.gz",
            "20261202T074826947969Z-cddbea2b_decode_standin.json",
            "20261130T122043185603Z-cd768096_speculative_lossless_cpu.json")
 

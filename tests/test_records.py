@@ -16,6 +16,7 @@ from sdsie.telemetry.records import (
     RecordError,
     RunRecord,
     capture_environment,
+    gzip_record,
     load_record,
     load_records,
     newest_record,
@@ -59,6 +60,30 @@ def test_writes_are_unique_and_never_overwrite(tmp_path: Path) -> None:
         write_record(record, tmp_path)  # same record id -> same name
     assert sorted(tmp_path.iterdir()) == before
     assert not list(tmp_path.glob(f"*{PARTIAL_SUFFIX}")), "temp files must not be left behind"
+
+
+def test_a_gzipped_record_loads_as_the_plain_one_and_a_copy_of_either_is_refused(tmp_path: Path) -> None:
+    """`gzip_record` replaces a record's file by its gzip (the same bytes whenever it runs); `load_records` reads
+    it, and refuses a folder where one record id sits in two files. A damaged gzip is named, not skipped."""
+    record = make_record()
+    plain = write_record(record, tmp_path)
+    text = plain.read_bytes()
+    packed = gzip_record(plain)
+    assert packed.name == plain.name + ".gz" and not plain.exists()
+    assert load_record(packed) == record and [r.record_id for r in load_records(tmp_path)] == [record.record_id]
+    again = gzip_record(write_record(record, tmp_path / "again"))
+    assert again.read_bytes() == packed.read_bytes()
+    plain.write_bytes(text)  # the plain file back beside its gzip
+    with pytest.raises(RecordError, match=f"record id {record.record_id} is also in"):
+        load_records(tmp_path)
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        gzip_record(plain)
+    plain.unlink()
+    packed.write_bytes(packed.read_bytes()[:40])
+    with pytest.raises(RecordError, match="unreadable"):
+        load_records(tmp_path)
+    with pytest.raises(ValueError, match="takes a record's .json file"):
+        gzip_record(packed)
 
 
 def test_write_creates_directory_and_load_orders_by_creation(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Run records: the one format every benchmark writes, and every claim and report reads.
 
-A record is one JSON file under `telemetry/`:
+A record is one JSON file under `telemetry/`, plain or gzipped (`.json.gz`: `gzip_record` stores the large kernel
+sweeps so, to keep the tree that travels to a GPU machine small; loading reads both):
 
     schema_version  int                     SCHEMA_VERSION of the writer
     record_id       str                     unique id (also part of the file name)
@@ -23,6 +24,7 @@ a corrupt, partial or hand-edited record is reported, never skipped.
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import hashlib
 import json
 import math
@@ -47,6 +49,7 @@ __all__ = [
     "text_hash",
     "write_record",
     "write_raw",
+    "gzip_record",
     "load_record",
     "load_records",
     "records_for_claim",
@@ -56,6 +59,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 CONDITION_KEYS = ("model", "hardware", "trials")
 PARTIAL_SUFFIX = ".partial"  # a temp file left behind by an interrupted write
+RECORD_SUFFIXES = (".json", ".json.gz")  # a record's file, plain or gzipped
 _SUITE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -285,8 +289,9 @@ def load_record(path: str | os.PathLike[str]) -> RunRecord:
     if path.name.endswith(PARTIAL_SUFFIX):
         raise RecordError(path, "partial record left by an interrupted write; delete it and rerun")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        raw = path.read_bytes()
+        text = (gzip.decompress(raw) if path.name.endswith(".json.gz") else raw).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as err:  # gzip: BadGzipFile, EOFError, zlib.error
         raise RecordError(path, f"unreadable: {err}") from None
     if not text.strip():
         raise RecordError(path, "empty file (partial write?)")
@@ -309,9 +314,9 @@ def _reject_constant(name: str) -> float:
 def load_records(directory: str | os.PathLike[str] = "telemetry") -> list[RunRecord]:
     """All records directly in `directory`, oldest first.
 
-    Every `*.json` file there must be a valid record, and no interrupted-write temp file may be left:
-    the first bad file raises RecordError naming it. Subdirectories hold other artifacts (raw dumps,
-    logs) and are not read. A missing directory means no records.
+    Every `*.json` and `*.json.gz` file there must be a valid record, no two may hold the same record id, and no
+    interrupted-write temp file may be left: the first bad file raises RecordError naming it. Subdirectories hold
+    other artifacts (raw dumps, logs) and are not read. A missing directory means no records.
     """
     root = Path(directory)
     if not root.exists():
@@ -320,11 +325,33 @@ def load_records(directory: str | os.PathLike[str] = "telemetry") -> list[RunRec
         raise RecordError(root, "not a directory")
     paths = sorted(p for p in root.iterdir() if p.is_file() and _is_record_file(p))
     records = [load_record(p) for p in paths]
+    seen: dict[str, Path] = {}
+    for r in records:
+        if r.record_id in seen:
+            raise RecordError(r.source, f"record id {r.record_id} is also in {seen[r.record_id].name}")
+        seen[r.record_id] = r.source
     return sorted(records, key=lambda r: (r.created, r.record_id))
 
 
 def _is_record_file(path: Path) -> bool:
-    return path.suffix == ".json" or path.name.endswith(PARTIAL_SUFFIX)
+    return path.name.endswith(RECORD_SUFFIXES) or path.name.endswith(PARTIAL_SUFFIX)
+
+
+def gzip_record(path: str | os.PathLike[str]) -> Path:
+    """Store the record at `path` (`*.json`) gzipped beside it as `*.json.gz`, after checking it loads, and remove
+    the plain file; the gzip header carries no time, so the bytes depend on the record alone. Returns the new path."""
+    path = Path(path)
+    if not path.name.endswith(".json"):
+        raise ValueError(f"gzip_record takes a record's .json file, got {path}")
+    load_record(path)
+    out = path.with_name(path.name + ".gz")
+    if out.exists():
+        raise FileExistsError(f"{out} exists: refusing to overwrite")
+    out.write_bytes(gzip.compress(path.read_bytes(), compresslevel=9, mtime=0))
+    if load_record(out).record_id != load_record(path).record_id:
+        raise RecordError(out, "does not read back as the record it was made from")
+    path.unlink()
+    return out
 
 
 def records_for_claim(records: Iterable[RunRecord], claim_id: str) -> list[RunRecord]:

@@ -317,17 +317,9 @@ def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_sp
     tensor cores, is compiled here offline (Triton's bundled ptxas; no GPU) for the Llama/Qwen decode shape (D 128,
     G padded to 16, 64-position tiles), split and one chunk: scores and P @ V as bf16 MMAs, nothing in local memory,
     and the programmatic launch's wait and release where PDL asks for them."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from reproductions.kernels.inspect_ptx import compiled_offline
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = compiled_offline(SM90_COMPILE, "the decode attention kernels")
     assert r["mma_bf16"] > 0 and r["local"] == 0 and 0 < r["shared"] <= 64 * 1024, r
     # PDL (the default on sm_90+): each kernel waits for its producer and releases its dependents once; without it,
     # neither instruction is there

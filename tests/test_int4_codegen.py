@@ -7,27 +7,15 @@ rather than on the next GPU run. The compile runs in a subprocess: the test sess
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from reproductions.kernels import inspect_ptx
 
 
 def compiled_offline(imports: str, expression: str, what: str):
-    """The JSON value of `expression` evaluated after `imports` in a subprocess without TRITON_INTERPRET, where
-    Triton compiles for sm_90 (`what` names the kernels in a failure)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json; {imports}; print(json.dumps({expression}))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"compiling {what} for sm_90 failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """The JSON value of `expression` evaluated after `imports`, compiled for sm_90 offline (`what` names the kernels
+    in a failure)."""
+    return inspect_ptx.compiled_offline(f"import json; {imports}; print(json.dumps({expression}))", what)
 
 
 def inspect_in_subprocess(**kwargs) -> dict:

@@ -9,11 +9,6 @@ product (`emulate_fragments`, the kernel's CPU twin); the choice of configuratio
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +18,9 @@ from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference, 
 from sdsie.kernels.int4_config import MMA_BLOCK_CONFIGS, MMA_CONFIGS, mma_blocks, mma_config, select_config_with_source
 from sdsie.kernels.int4_gemm import _plans_of
 from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, emulate_fragments, gate_up_order, mma_consts, pack_fragments
+from tests.test_int4_codegen import compiled_offline
 from tests.test_int4_kernel import EPS, TINY, assert_close_to_reference, make_weight, tolerance
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
@@ -198,14 +193,9 @@ VARIANTS = [(pc, hz, 1, False) for pc, hz in itertools.product([False, True], [F
 
 
 def inspect_offline(args: str) -> dict:
-    """`inspect_mma(<args>)` in a subprocess (the test run interprets kernels; this compiles for sm_90 offline)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from reproductions.kernels.inspect_ptx import inspect_mma; "
-            f"print(json.dumps(inspect_mma({args})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        pytest.fail(f"compiling the mma GEMV for sm_90 failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """`inspect_mma(<args>)` compiled for sm_90 offline (the test run interprets kernels)."""
+    return compiled_offline("from reproductions.kernels.inspect_ptx import inspect_mma", f"inspect_mma({args})",
+                            "the mma GEMV")
 
 
 @pytest.mark.parametrize("per_channel, has_zeros, halves, silu_mul", VARIANTS)
@@ -237,8 +227,7 @@ def test_row_blocks_share_x_loads_and_multiply_the_mmas(halves, blocks):
 def test_a_register_cap_fits_a_sixth_program_an_sm_at_the_cost_of_two_spills():
     """Offline sm_90: uncapped, the kernel holds 96 registers a thread at M <= 8 (5 programs of 4 warps an SM);
     capped at 80 (`Int4KernelConfig.max_registers`) it fits 6, with 2 spill instructions and the same loop (its HMMA
-    and 16-byte loads). At M = 9-16 it holds 128 uncapped (4 programs), the count a cap of 128 bought at 136, 7-18%
-    faster at M = 16 on the H200 (docs/kernel-log.md, 2026-12-05 03:20)."""
+    and 16-byte loads). (At M = 9-16 it holds 128, 4 programs: the compile test above pins that.)"""
     free = inspect_offline("halves=1")
     capped = inspect_offline("halves=1, max_registers=80")
     assert capped["registers"] <= 80 < free["registers"], (free["registers"], capped["registers"])

@@ -230,8 +230,8 @@ def best_table(cases: list[Case], configs: dict[str, Int4KernelConfig], keep_wit
     the configuration the choice ran instead where its sweep time is within that fraction of the fastest.
 
     No entry where the mma GEMV's rule (`mma_config`, on a GPU of `sms` SMs) takes the case and the sweep did not
-    time its pick: the entry would stand, measured, against a candidate it was never measured beside (the sweeps
-    before the mma GEMV ran at M = 9-16 timed it at M <= 8 only)."""
+    time its pick: the entry would stand, measured, against a candidate it was never measured beside (the H200's
+    sweep times the mma GEMV at M <= 8 only)."""
     out = {}
     for c in cases:
         times = {n: t for n, t in c.times.items() if n in configs}

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -97,6 +101,18 @@ def global_memory_order(cubin: bytes) -> list[str]:
     PREEXIT: launch_dependents), in program order: what a programmatic dependent touches before its wait."""
     return [op for op in sass_ops(cubin)
             if op.startswith(_GLOBAL_MEMORY) and op != "LDGDEPBAR" or op in _GRID_DEPENDENCY]
+
+
+def compiled_offline(code: str, what: str) -> Any:
+    """The JSON value that Python `code` prints last, run in a subprocess without TRITON_INTERPRET, where Triton
+    compiles for sm_90 with its bundled ptxas (no GPU): how a test session that interprets kernels reads what the
+    compiler makes of them. RuntimeError naming `what`, with the subprocess's stderr, when it fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"compiling {what} for sm_90 failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def registers(cubin: bytes) -> int:

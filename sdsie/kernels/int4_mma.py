@@ -153,8 +153,9 @@ _MMA16_PTX = gl.constexpr(_mma_ptx(2))
 
 @gluon.jit
 def _chunk_mma(words, xa, xb, xa_h, xb_h, zg, zg8, acc, acc_h, HALVES: gl.constexpr):
-    """One chunk (four k16 blocks) of one row block: acc [W, 32, 4] (c0..c3 per lane) += the chunk's products with
-    x's rows 0-7, and (HALVES 2) acc_h with rows 8-15 from the same dequantized registers."""
+    """One chunk (four k16 blocks) of each row block: acc [B, W, 32, 4] (c0..c3 per lane) += the chunk's products
+    with x's rows 0-7 (x [1, W, 32, 4], broadcast over the blocks), and (HALVES 2) acc_h with rows 8-15 from the same
+    dequantized registers."""
     if HALVES == 1:
         acc = gl.inline_asm_elementwise(
             _MMA_PTX, "=f,=f,=f,=f," + "r," * 20 + "f,f,f,f", [words, xa, xb, zg, zg8, acc],
@@ -284,7 +285,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [B, W, 32]
     LJ: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))  # [4] along j
     nb0 = gl.program_id(0) * BLOCKS
-    blocks = N // 16
+    row_blocks = N // 16
     blk = gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1),
                          2)  # [B, 1, 1]
     warp = gl.expand_dims(gl.expand_dims(gl.arange(0, WARPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))), 0),
@@ -294,7 +295,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=LJ), 0), 1), 2)  # [1, 1, 1, 4]
     g = lane // 4
     t = lane % 4
-    nb = gl.minimum(nb0 + blk, blocks - 1)  # [B, 1, 1] each block's row block (the last one repeated past N)
+    nb = gl.minimum(nb0 + blk, row_blocks - 1)  # [B, 1, 1] each block's row block (the last one repeated past N)
     rows = nb * 16 + g  # [B, 1, 32] row of c0, c1 (c2, c3: rows + 8)
     kcs = K // 64
     pairs = kcs // 2
@@ -340,7 +341,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     oc = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LO))), 0),
                         1)  # [1, 1, 4]
     onb = nb0 + ob  # [B, 1, 1]
-    live = onb < blocks
+    live = onb < row_blocks
     om = 2 * (ol % 4) + oc % 2  # [1, 32, 4] x's row (B's column) of each accumulator
     if SILU_MUL:
         # a lane's c0, c1: gate of channel 8 nb + g for x's rows 2t, 2t + 1; c2, c3: up of the same (exact

@@ -78,12 +78,11 @@ def choice_configs() -> list[Int4KernelConfig]:
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2, the mma GEMV at M <= 16 (four row
-    blocks a program at M <= 8: at M = 9-16 they spill, 255 registers a thread on sm_90). Planes, timed
+    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2, the mma GEMV at M <= 16. Planes, timed
     at M = 1, lost all 20 cases to the GEMV, by 15-67% (kernel_sweep_20261130T2332_planes_m1_m16_h200.json,
     kernel_sweep_20261201T0134_xwords_h200.json), so a sweep spends no GPU time on it there."""
     if cfg.mma:
-        return m <= (8 if cfg.block_n >= 64 else 16)
+        return m <= 16
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
     if cfg.gemv:

@@ -343,12 +343,12 @@ def gzip_record(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     if not path.name.endswith(".json"):
         raise ValueError(f"gzip_record takes a record's .json file, got {path}")
-    load_record(path)
+    record = load_record(path)
     out = path.with_name(path.name + ".gz")
     if out.exists():
         raise FileExistsError(f"{out} exists: refusing to overwrite")
     out.write_bytes(gzip.compress(path.read_bytes(), compresslevel=9, mtime=0))
-    if load_record(out).record_id != load_record(path).record_id:
+    if load_record(out) != record:
         raise RecordError(out, "does not read back as the record it was made from")
     path.unlink()
     return out

@@ -174,6 +174,13 @@ def test_best_table_keeps_the_choice_within_the_margin_and_takes_a_clear_win():
     assert best_table([case(10.2)], configs, 0.03) == {"m1|64|256|128": kept}
     assert best_table([case(10.4)], configs, 0.03) == {"m1|64|256|128": fast}
     assert best_table([case(10.2)], configs) == {"m1|64|256|128": fast}  # no margin: the best
+    # where the mma rule takes the case (M = 16, 256 one-wave programs) and the sweep did not time its pick: no entry
+    untimed = Case("F", "F-8B.q", 4096, 4096, 16, "128", {"fast": 10.0, "kept": 10.2}, 20.0, 10.2, None, "kept")
+    assert best_table([untimed], configs, 0.03) == {}
+    mma = {**configs, "int4[8,16,128,s1,w4,mma]": MMA_CONFIGS[4]}
+    timed = Case("F", "F-8B.q", 4096, 4096, 16, "128", {"fast": 10.0, "kept": 10.2, "int4[8,16,128,s1,w4,mma]": 8.0},
+                 20.0, 10.2, None, "kept")
+    assert best_table([timed], mma, 0.03) == {"m16|4096|4096|128": MMA_CONFIGS[4]}
 
 
 @pytest.mark.parametrize("value", ["-0.1", "1.5"])

@@ -145,6 +145,8 @@ def test_on_sm90_the_table_comes_first_then_mma_config_then_the_rule(monkeypatch
         assert ig._select_config(1, 4096, 14336, "cuda", 0, 128) == (MMA_CONFIGS[4], "table")
         assert ig._select_config(1, 4096, 14336, "cuda", 0, 128, False)[1] == "rule"  # not bf16 x: no mma entry
         assert ig._select_config(1, 3584, 14336, "cuda", 0, 128) == (MMA_CONFIGS[8], "mma")  # no entry
+        assert ig._select_config(12, 4096, 4096, "cuda", 0, 128) == (MMA_CONFIGS[4], "mma")  # one wave: 256 programs
+        assert ig._select_config(12, 14336, 4096, "cuda", 0, 128)[1] == "rule"  # 896 programs: planes
         assert ig._select_config(1, 1024, 4096, "cuda", 0, 128)[1] == "rule"
         assert ig._select_config(1, 3584, 14336, "cuda", 0, 128, False)[1] == "rule"
         capability["major"] = 8

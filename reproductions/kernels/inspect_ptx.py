@@ -105,7 +105,7 @@ def global_memory_order(cubin: bytes) -> list[str]:
 
 def compiled_offline(code: str, what: str) -> Any:
     """The JSON value that Python `code` prints last, run in a subprocess without TRITON_INTERPRET, where Triton
-    compiles for sm_90 with its bundled ptxas (no GPU): how a test session that interprets kernels reads what the
+    compiles for sm_90 with its bundled ptxas (no GPU): how a test run that interprets kernels reads what the
     compiler makes of them. RuntimeError naming `what`, with the subprocess's stderr, when it fails."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,

@@ -173,6 +173,33 @@ def test_an_mma_configuration_is_one_tile_of_one_two_or_four_row_blocks():
     assert len(MMA_BLOCK_CONFIGS) == 4
     with pytest.raises(ValueError, match="3 row blocks"):
         mma_blocks(4, 3)
+    with pytest.raises(ValueError, match="2 warps and 1 row blocks"):
+        mma_blocks(2)
+
+
+def test_an_mma_configuration_keeps_two_to_four_pairs_in_flight_a_warp():
+    """num_stages names the pairs of chunks a warp has in flight (2, 3 or 4), in its name and its launch's STAGES;
+    other counts are refused when the configuration is made."""
+    from sdsie.kernels import int4_gemm
+    from sdsie.kernels.int4_tune import config_name
+
+    assert mma_blocks(4, 1, 2) is MMA_CONFIGS[4]
+    three = mma_blocks(8, 1, 3)
+    assert three == Int4KernelConfig(8, 16, 128, num_warps=8, num_stages=3, mma=True)
+    assert config_name(three) == "int4[8,16,128,s1,w8,p3,mma]"
+    assert mma_blocks(4, 2, 4).block_n == 32 and mma_blocks(4, 2, 4).num_stages == 4
+    for stages in (1, 5):
+        with pytest.raises(ValueError, match=r"\(2, 3, 4\) pairs in flight a warp"):
+            Int4KernelConfig(8, 16, 128, num_stages=stages, mma=True)
+    w = make_weight(32, 256, 128, False, 0.02, torch.device("cpu"), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"\(2, 3, 4\) pairs in flight a warp, got 5"):
+        mma_consts(w, 4, 1, stages=5)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(int4_gemm, "mma_supported", lambda x, w: True)
+        mp.setattr(int4_gemm, "_fragments", lambda w, gate_up: (w.qweight, w.scales, w.zeros))
+        assert int4_gemm._plan(x, w, three).consts["STAGES"] == 3
+        assert int4_gemm._plan(x, w, MMA_CONFIGS[4]).consts["STAGES"] == 2
 
 
 def test_a_plan_of_several_row_blocks_launches_one_program_per_blocks(monkeypatch):
@@ -224,6 +251,20 @@ def test_row_blocks_share_x_loads_and_multiply_the_mmas(halves, blocks):
     assert r["sass_ops"].get("LDG.E.128") == 4 * blocks + 8 * halves, r
     assert r["spill_instructions"] == 0 and r["local_mem"] == 0, r
     assert r["sass_loop_per_code"] / blocks < 2.6, r
+
+
+@pytest.mark.parametrize("halves, stages, most_registers", [(1, 3, 128), (1, 4, 168), (2, 3, 184)])
+def test_more_stages_keep_more_pairs_in_flight_for_registers(halves, stages, most_registers):
+    """Offline sm_90: with `stages` pairs in flight a warp the loop covers that many pairs, with their HMMAs and
+    16-byte loads (weights: 2 a pair; x: 4 a pair and half), spills nothing, keeps the two-stage loop's 2.1-2.4 SASS
+    a code, and holds at most `most_registers` a thread (M <= 8: 128 fits 4 programs of 4 warps an SM, 168 fits 3;
+    M = 9-16 at 3 stages: 2)."""
+    r = inspect_offline(f"halves={halves}, stages={stages}")
+    assert r["sass_ops"].get("HMMA.16816.F32.BF16") == 8 * halves * stages, r
+    assert r["sass_ops"].get("LDG.E.128") == (2 + 4 * halves) * stages, r
+    assert r["spill_instructions"] == 0 and r["local_mem"] == 0, r
+    assert r["sass_loop_per_code"] < 2.6, r
+    assert r["registers"] <= most_registers, r
 
 
 def test_a_register_cap_fits_a_sixth_program_an_sm_at_the_cost_of_two_spills():
@@ -392,6 +433,28 @@ def test_several_row_blocks_a_program_give_the_bits_of_one(warps, blocks, group,
         assert_close_to_reference(y, x, w)
         if m <= 8 and n % 32 == 0:
             assert torch.equal(int4_silu_mul(x, w, config=cfg), int4_silu_mul(x, w, config=one)), (m, n, k)
+
+
+@pytest.mark.gpu
+@gpu90
+@pytest.mark.parametrize("warps, stages", [(4, 3), (4, 4), (8, 3), (8, 4)])
+@pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
+def test_more_pairs_in_flight_give_the_bits_of_two(warps, stages, group, symmetric):
+    """3 or 4 pairs in flight a warp add each warp's pairs in the order 2 do, and a spare pair (past K) adds 0:
+    the same bits at M = 1-16, K a multiple of stages x warps pairs and not, and through the silu * up epilogue;
+    within the kernel's tolerance of the float64 reference."""
+    gen = torch.Generator().manual_seed(hash((warps, stages, group, symmetric)) % 2**31)
+    cfg, two = mma_blocks(warps, 1, stages), MMA_CONFIGS[warps]
+    for m, n, k in ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (1, 4096, 14336), (9, 48, 256),
+                    (13, 4096, 1024), (16, 512, 4096), (16, 80, 3584)):
+        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = int4_matmul(x, w, config=cfg, out=out)
+        assert torch.equal(y, int4_matmul(x, w, config=two)), (m, n, k)
+        assert_close_to_reference(y, x, w)
+        if m <= 8 and n % 32 == 0:
+            assert torch.equal(int4_silu_mul(x, w, config=cfg), int4_silu_mul(x, w, config=two)), (m, n, k)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,11 @@ times each warps count again under ptxas register caps (`Int4KernelConfig.max_re
 result bit for bit against the uncapped one: does a cap that fits more programs on an SM make the mid shapes faster?
 
     python -m research.kernels.mma_probe --out telemetry/raw/mma_probe_h200.json [--shapes 4096x4096 ...] [--silu] \
-        [--max-registers 80 72 64] [--blocks 2 4]
+        [--max-registers 80 72 64] [--blocks 2 4] [--stages 3 4]
+
+--stages times each warps count with 3 or 4 pairs of chunks in flight a warp (2 by default), each result checked
+bit for bit against 2 stages: do more bytes in flight a warp make the mid shapes, whose programs leave SM slots
+empty or whose warps get few pairs of K each, faster?
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
 
 
 def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
-              caps: tuple[int, ...] = (), blocks: tuple[int, ...] = ()) -> dict:
+              caps: tuple[int, ...] = (), blocks: tuple[int, ...] = (), stages: tuple[int, ...] = ()) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -66,6 +70,12 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
             out[f"same_bits_w{warps}_r{cap}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg),
                                                                  int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])))
             out[f"mma_w{warps}_r{cap}"] = graph_us(
+                lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
+        for s in stages:  # pairs in flight a warp (`Int4KernelConfig.num_stages`)
+            cfg = mma_blocks(warps, 1, s)
+            out[f"same_bits_w{warps}_p{s}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg),
+                                                                int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])))
+            out[f"mma_w{warps}_p{s}"] = graph_us(
                 lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
         for b in blocks:  # several row blocks a program, x's registers shared (`Int4KernelConfig.block_n`)
             cfg = mma_blocks(warps, b)
@@ -99,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-checks", dest="checks", action="store_false", help="skip the error checks")
     ap.add_argument("--blocks", nargs="*", type=int, default=[],
                     help="also time each warps count with these row blocks a program (2, 4), checked as the rest")
+    ap.add_argument("--stages", nargs="*", type=int, default=[],
+                    help="also time each warps count with these pairs in flight a warp (3, 4), checked bit for bit")
     ap.add_argument("--max-registers", nargs="*", type=int, default=[],
                     help="also time each warps count under these register caps (multiples of 8)")
     args = ap.parse_args(argv)
@@ -122,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.m:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
-            r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks))
+            r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks),
+                          tuple(args.stages))
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
 
 
 MMA_BLOCK_N = (16, 32, 64)  # an mma configuration's rows a program: 1, 2 or 4 blocks of 16
+MMA_STAGES = (2, 3, 4)  # an mma configuration's num_stages: pairs of chunks (128 codes) in flight a warp
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class Int4KernelConfig:
     # Ignored by the interpreter.
     max_registers: int | None = None
     # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, block_n / 16 row blocks of 16
-    # rows a program (sharing x's registers) and num_warps warps along K; block_m 8 and block_k 128 name that tile
+    # rows a program (sharing x's registers), num_warps warps along K, each with num_stages pairs of 128 codes in
+    # flight; block_m 8 and block_k 128 name that tile
     mma: bool = False
 
     def __post_init__(self) -> None:
@@ -78,6 +80,9 @@ class Int4KernelConfig:
                                  f"split, no swap_ab, got {self}")
             if self.num_warps not in (4, 8):
                 raise ValueError(f"an mma configuration takes 4 or 8 warps, got {self.num_warps}")
+            if self.num_stages not in MMA_STAGES:
+                raise ValueError(f"an mma configuration keeps {MMA_STAGES} pairs in flight a warp (num_stages), got "
+                                 f"{self.num_stages}")
             return
         for flag in ("x_tile", "swap_ab"):
             if not isinstance(getattr(self, flag), bool):
@@ -386,14 +391,14 @@ MMA_BLOCK_CONFIGS = {(w, bn // 16): Int4KernelConfig(8, bn, 128, num_warps=w, mm
                      for w in (4, 8) for bn in MMA_BLOCK_N[1:]}
 
 
-def mma_blocks(warps: int, blocks: int = 1) -> Int4KernelConfig:
-    """The mma configuration of `warps` warps and `blocks` row blocks (of 16 rows) a program."""
-    if blocks == 1:
-        return MMA_CONFIGS[warps]
-    if (warps, blocks) not in MMA_BLOCK_CONFIGS:
+def mma_blocks(warps: int, blocks: int = 1, stages: int = 2) -> Int4KernelConfig:
+    """The mma configuration of `warps` warps, `blocks` row blocks (of 16 rows) a program and `stages` pairs of
+    chunks in flight a warp."""
+    if warps not in MMA_CONFIGS or (blocks != 1 and (warps, blocks) not in MMA_BLOCK_CONFIGS):
         raise ValueError(f"no mma configuration of {warps} warps and {blocks} row blocks a program; there are "
                          f"{sorted(MMA_CONFIGS)} warps and {[bn // 16 for bn in MMA_BLOCK_N]} blocks")
-    return MMA_BLOCK_CONFIGS[warps, blocks]
+    cfg = MMA_CONFIGS[warps] if blocks == 1 else MMA_BLOCK_CONFIGS[warps, blocks]
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
 def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS) -> Int4KernelConfig | None:

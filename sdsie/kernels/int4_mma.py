@@ -33,6 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
+from sdsie.kernels.int4_config import MMA_STAGES
 
 __all__ = ["pack_fragments", "emulate_fragments", "gate_up_order", "mma_consts", "mma_supported", "MMA_MAX_M",
            "PAIR"]
@@ -272,12 +273,12 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                           WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
-                          PDL: gl.constexpr):
+                          PDL: gl.constexpr, STAGES: gl.constexpr):
     # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
-    # pair of chunks (128 codes) of K, each loading its next pair before it multiplies the current one, and their
-    # sums meet in one cross-warp reduction. A warp's x registers for a pair serve all BLOCKS blocks: x's bytes read
-    # a program fall by BLOCKS against the weights' (at M = 16 one block reads 4 bytes of x a byte of weights).
-    # The last program's blocks past N / 16 repeat the last block and store nothing.
+    # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs ahead
+    # right after its mmas), and their sums meet in one cross-warp reduction. A warp's x registers for a pair serve
+    # all BLOCKS blocks: x's bytes read a program fall by BLOCKS against the weights' (at M = 16 one block reads 4
+    # bytes of x a byte of weights). The last program's blocks past N / 16 repeat the last block and store nothing.
     # GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
     # SILU_MUL (HALVES 1): rows in `gate_up_order`; y [M, N/2] = silu(gate) * up, computed in fp32 from the sums.
@@ -305,13 +306,20 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     pw4 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 3) + j  # [B, 1, 32, 4]
     tot = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)
     tot_h = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)
-    # two pairs in flight a warp, A and B: each is reloaded (pair + 2 W) right after its mmas, into the registers
-    # they free (ptxas places a load after the mmas whose registers it reuses, so a buffer rotation would cost moves
-    # and one pair ahead would leave the latency exposed)
-    # PDL (programmatic dependent launch): the weights, scales and zero-points of the first two pairs are asked for
-    # before the wait for the kernel that writes x, so their latency overlaps that kernel's end
+    # STAGES pairs in flight a warp (buffers a, b, c, d): each is reloaded (pair + STAGES W) right after its mmas,
+    # into the registers they free (ptxas places a load after the mmas whose registers it reuses, so a buffer
+    # rotation would cost moves). More stages keep more bytes in flight a warp where few programs share an SM
+    # (short K a warp, or fewer programs than SM slots), at the cost of registers (docs/kernel-log.md).
+    # PDL (programmatic dependent launch): the weights, scales and zero-points of the first STAGES pairs are asked
+    # for before the wait for the kernel that writes x, so their latency overlaps that kernel's end
     a = _wsz_loads(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
     b = _wsz_loads(pw4, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    c = a  # STAGES 2: c and d unused
+    d = b
+    if STAGES >= 3:
+        c = _wsz_loads(pw4, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    if STAGES == 4:
+        d = _wsz_loads(pw4, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
     if PER_CHANNEL:  # one scale a row, applied once at the end
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 3),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 3))
@@ -319,17 +327,29 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
         _wait_for_producer()
     a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
     b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
+    if STAGES >= 3:
+        c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
+    if STAGES == 4:
+        d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
     if PDL:
         _release_dependents()
     p = warp
-    for _ in range(0, gl.cdiv(pairs, 2 * WARPS)):
+    for _ in range(0, gl.cdiv(pairs, STAGES * WARPS)):
         tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
-        a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
-                        HAS_ZEROS, HALVES)
+        a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS,
+                        PER_CHANNEL, HAS_ZEROS, HALVES)
         tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
-        b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
-                        HAS_ZEROS, HALVES)
-        p += 2 * WARPS
+        b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 1) * WARPS, pairs, rows, N, GROUP_PAIRS,
+                        PER_CHANNEL, HAS_ZEROS, HALVES)
+        if STAGES >= 3:
+            tot, tot_h = _pair_mma(tot, tot_h, c, j, HAS_ZEROS, HALVES)
+            c = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 2) * WARPS, pairs, rows, N, GROUP_PAIRS,
+                            PER_CHANNEL, HAS_ZEROS, HALVES)
+        if STAGES == 4:
+            tot, tot_h = _pair_mma(tot, tot_h, d, j, HAS_ZEROS, HALVES)
+            d = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 3) * WARPS, pairs, rows, N, GROUP_PAIRS,
+                            PER_CHANNEL, HAS_ZEROS, HALVES)
+        p += STAGES * WARPS
     if PER_CHANNEL:
         tot = tot * s_end
         tot_h = tot_h * s_end
@@ -364,13 +384,16 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
                  mask=(om + 8 < M) & live)
 
 
-def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1) -> dict:
+def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1,
+               stages: int = 2) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
-    `blocks`: 16-row blocks a program)."""
+    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4)."""
+    if stages not in MMA_STAGES:
+        raise ValueError(f"the mma kernel keeps {MMA_STAGES} pairs in flight a warp, got {stages}")
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
-                SILU_MUL=silu_mul, PDL=pdl)
+                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages)

@@ -15,7 +15,14 @@ import torch
 
 from sdsie.int4_format import Int4Weight
 from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference, int4_silu_mul
-from sdsie.kernels.int4_config import MMA_BLOCK_CONFIGS, MMA_CONFIGS, mma_blocks, mma_config, select_config_with_source
+from sdsie.kernels.int4_config import (
+    MMA_BLOCK_CONFIGS,
+    MMA_CONFIGS,
+    mma_blocks,
+    mma_config,
+    mma_stages,
+    select_config_with_source,
+)
 from sdsie.kernels.int4_gemm import _plans_of
 from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, emulate_fragments, gate_up_order, mma_consts, pack_fragments
 from tests.test_int4_codegen import compiled_offline
@@ -102,7 +109,7 @@ def test_pack_fragments_refuses_shapes_it_cannot_tile(n, k):
 def test_mma_config_follows_its_rule_on_programs_warps_and_lm_heads():
     assert mma_config(1, 4096, 4096, 128) == MMA_CONFIGS[4]
     assert mma_config(2, 4096, 14336, 128) == MMA_CONFIGS[8]  # K >= 2N, K >= 4096, 256 programs fit at 2 a SM
-    assert mma_config(1, 5120, 13824, 128) == MMA_CONFIGS[4]  # 320 programs of 8 warps overflow 264 slots
+    assert mma_config(1, 5120, 13824, 128) == mma_blocks(4, 1, 4)  # 320 programs of 8 warps overflow 264 slots
     assert mma_config(4, 1024, 3072, 128) == MMA_CONFIGS[4]  # K < 4096: 8 warps get too little K each
     assert mma_config(1, 3584, 4096, 4096) == MMA_CONFIGS[4]  # per channel
     assert mma_config(8, 4096, 4096, 128) == MMA_CONFIGS[4]
@@ -123,6 +130,14 @@ def test_mma_config_follows_its_rule_on_programs_warps_and_lm_heads():
     assert mma_config(16, 8464, 3584, 128) is None  # 529
     assert mma_config(16, 8464, 3584, 128, sms=144) == MMA_CONFIGS[4]
     assert mma_config(12, 4096, 14336, 128) == MMA_CONFIGS[4]  # no 8 warps past M = 8
+    # 4 pairs in flight a warp where 2-3 programs of 4 warps share an SM (264 < N / 16 <= 396), at M <= 8
+    four = mma_blocks(4, 1, 4)
+    assert mma_config(1, 6144, 4096, 128) == mma_config(8, 4608, 3584, 4096) == four
+    assert mma_config(1, 4240, 4096, 128) == mma_config(2, 6336, 4096, 128) == four  # 265 and 396 programs
+    assert mma_config(1, 4224, 4096, 128) == mma_config(4, 6352, 4096, 128) == MMA_CONFIGS[4]  # 264 and 397
+    assert mma_config(1, 4240, 4096, 128, sms=144) == MMA_CONFIGS[4]  # the band scales with the GPU's SMs
+    assert mma_config(12, 6144, 4096, 128) == MMA_CONFIGS[4]  # M = 9-16: 4 pairs leave 2 programs an SM
+    assert mma_stages(1, 6144, 8) == 2  # 8 warps: 2 programs an SM already
     for m, n, k, g in ((17, 4096, 4096, 128), (1, 4096, 4096, 64), (1, 4096, 4032, 4032), (1, 4104, 4096, 128)):
         assert mma_config(m, n, k, g) is None, (m, n, k, g)
 

@@ -30,8 +30,8 @@ import triton
 from sdsie.kernels.device import DEFAULT_SMS, sm_count
 
 __all__ = ["Int4KernelConfig", "MMA_BLOCK_CONFIGS", "MMA_CONFIGS", "TUNED_M", "candidate_configs", "device_name",
-           "mma_blocks", "mma_config", "read_tuned_cache", "rule_config", "select_config", "select_config_with_source",
-           "tuned_cache_path", "tuned_key", "tuned_lookup", "tuned_path"]
+           "mma_blocks", "mma_config", "mma_stages", "read_tuned_cache", "rule_config", "select_config",
+           "select_config_with_source", "tuned_cache_path", "tuned_key", "tuned_lookup", "tuned_path"]
 
 
 GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
@@ -401,6 +401,22 @@ def mma_blocks(warps: int, blocks: int = 1, stages: int = 2) -> Int4KernelConfig
     return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
+# 4 pairs in flight a warp (166 registers a thread at M <= 8: 3 programs of 4 warps an SM, against 5 at 2 pairs) where
+# the N / 16 programs number 2-3 an SM: the cap of 3 spreads them evenly over the SMs and each warp keeps twice the
+# bytes in flight. On an H100 (telemetry/raw/mma_stages_probe_h100.json, mma_stages4_probe_m1_m4_h100.json), at
+# M = 1 and 4: Llama-3.1-8B fused q/k/v (6144x4096, 2.9 programs an SM) 8.34 -> 6.27 us and 8.88 -> 6.82, Qwen2.5-7B
+# fused q/k/v (4608x3584, 2.2) 6.49 -> 5.70 and 6.88 -> 6.43, 5120x3072 5.77 -> 5.37 and 6.09 -> 5.89, 5120x5120
+# unchanged; at 2 or fewer programs an SM (4096x4096, 3584x3584) and past 3 (14336x4096) 2-13% slower
+# (docs/kernel-log.md, 2026-12-05 18:10). Not at M = 9-16, where 4 pairs take 254 registers (2 programs an SM).
+MMA_SPREAD_STAGES = 4
+
+
+def mma_stages(m: int, n: int, warps: int, sms: int = DEFAULT_SMS) -> int:
+    """Pairs in flight a warp for the mma GEMV's one-block programs: MMA_SPREAD_STAGES where M <= 8, 4 warps and
+    2 x SMs < N / 16 <= 3 x SMs, else 2."""
+    return MMA_SPREAD_STAGES if m <= 8 and warps == 4 and 2 * sms < n // 16 <= 3 * sms else 2
+
+
 def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS) -> Int4KernelConfig | None:
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU of `sms` SMs, or None where the kernel
     does not apply (shape or group) or its rule says the CUDA-core kernels are faster."""
@@ -412,8 +428,8 @@ def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS) 
         return MMA_CONFIGS[4] if programs <= MMA_ONE_WAVE * sms else None
     if (m == 1 and 2 * programs < sms) or (m == 2 and 4 * programs < sms):
         return None
-    eight = k >= 2 * n and k >= 4096 and programs <= 2 * sms
-    return MMA_CONFIGS[8 if eight else 4]
+    warps = 8 if k >= 2 * n and k >= 4096 and programs <= 2 * sms else 4
+    return mma_blocks(warps, 1, mma_stages(m, n, warps, sms))
 
 
 @functools.lru_cache(maxsize=4096)

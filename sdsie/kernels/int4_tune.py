@@ -34,11 +34,13 @@ from sdsie.kernels.device import kernel_runs_on
 from sdsie.kernels.int4_config import (
     _LARGE_M_CONFIG,
     MMA_CONFIGS,
+    MMA_SPREAD_STAGES,
     TUNED_CACHE_FORMAT,
     TUNED_M,
     Int4KernelConfig,
     candidate_configs,
     device_name,
+    mma_blocks,
     read_tuned_cache,
     select_config_with_source,
     tuned_cache_path,
@@ -71,18 +73,21 @@ def config_name(cfg: Int4KernelConfig) -> str:
 
 def choice_configs() -> list[Int4KernelConfig]:
     """Every configuration `select_config` can return at M <= 16: the rule's terms and the tuned tables' entries
-    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's two (`MMA_CONFIGS`). A
-    sweep of these per shape is the exhaustive best of the choice's own candidates."""
-    return [c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values())
+    (`candidate_configs`, less the prompt tile it runs only when named) and the mma GEMV's three (`MMA_CONFIGS`, and
+    4 warps with 4 pairs in flight, `mma_stages`). A sweep of these per shape is the exhaustive best of the choice's
+    own candidates."""
+    return [c for c in candidate_configs() if c != _LARGE_M_CONFIG] + list(MMA_CONFIGS.values()) + [
+        mma_blocks(4, 1, MMA_SPREAD_STAGES)]
 
 
 def fits(cfg: Int4KernelConfig, m: int) -> bool:
     """Whether a sweep times `cfg` at this M: one-row GEMV configs at GEMV_SWEEP_M, GEMV programs of several rows
-    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2, the mma GEMV at M <= 16. Planes, timed
+    at M in MULTI_ROW_SWEEP_M, the tl.dot configs (planes included) at M >= 2, the mma GEMV at M <= 16 (more than 2
+    pairs in flight at M <= 8: at M = 9-16 they leave 2 programs an SM, `mma_stages`). Planes, timed
     at M = 1, lost all 20 cases to the GEMV, by 15-67% (kernel_sweep_20261130T2332_planes_m1_m16_h200.json,
     kernel_sweep_20261201T0134_xwords_h200.json), so a sweep spends no GPU time on it there."""
     if cfg.mma:
-        return m <= 16
+        return m <= (16 if cfg.num_stages == 2 else 8)
     if cfg.block_m == 1:
         return m in GEMV_SWEEP_M
     if cfg.gemv:

@@ -144,11 +144,13 @@ def test_mma_config_follows_its_rule_on_programs_warps_and_lm_heads():
 
 def test_on_sm90_the_table_comes_first_then_mma_config_then_the_rule(monkeypatch):
     """The CUDA branch of the choice, on a stand-in device (no GPU needed): a shape the table holds runs its entry;
-    an mma entry serves bf16 x on sm_90 only; other shapes take `mma_config`'s rule on sm_90, else the rule."""
+    an mma entry serves bf16 x on sm_90 only; other shapes take `mma_config`'s rule on sm_90, else the rule. A
+    larger M bucket's entry serves a smaller M only where the mma rule declines (here: fp16 x)."""
     import sdsie.kernels.int4_config as ig
 
     gemv = Int4KernelConfig(1, 32, 1024, num_stages=3)
-    table = {"m1|4096|4096|128": gemv, "m1|4096|14336|128": MMA_CONFIGS[4]}
+    planes = Int4KernelConfig(16, 128, 128, split_k=4, num_stages=4, swap_ab=True)
+    table = {"m1|4096|4096|128": gemv, "m1|4096|14336|128": MMA_CONFIGS[4], "m16|4608|3584|128": planes}
     capability = {"major": 9}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (capability["major"], 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
@@ -164,6 +166,9 @@ def test_on_sm90_the_table_comes_first_then_mma_config_then_the_rule(monkeypatch
         assert ig._select_config(12, 14336, 4096, "cuda", 0, 128)[1] == "rule"  # 896 programs: planes
         assert ig._select_config(1, 1024, 4096, "cuda", 0, 128)[1] == "rule"
         assert ig._select_config(1, 3584, 14336, "cuda", 0, 128, False)[1] == "rule"
+        assert ig._select_config(4, 4608, 3584, "cuda", 0, 128) == (mma_blocks(4, 1, 4), "mma")  # no m4 entry
+        assert ig._select_config(4, 4608, 3584, "cuda", 0, 128, False) == (planes, "table")  # lent by m16
+        assert ig._select_config(16, 4608, 3584, "cuda", 0, 128) == (planes, "table")
         capability["major"] = 8
         ig._select_config.cache_clear()
         assert ig._select_config(1, 4096, 14336, "cuda", 0, 128)[1] == "rule"

@@ -441,13 +441,18 @@ def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_s
         if cfg is not None and (allow_mma or not cfg.mma):
             return cfg, "tuned"
     mma_ok = allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9
+    sms = sm_count(torch.device(device_type, index))
+    mma = mma_config(m, n, k, group_size, sms) if mma_ok else None
     if device_type == "cuda" and m <= TUNED_M[-1]:
-        cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size)
+        table = _tuned_table().get(torch.cuda.get_device_name(index), {})
+        # M's own bucket first; a larger bucket's entry only where the mma GEMV's rule declines: a table leaves out
+        # the cases whose sweep never timed the rule's pick (`best_table`), and the M = 16 entry it would lend to
+        # M = 4 can be a planes tile 1.6x slower than the mma GEMV there (docs/kernel-log.md, 2026-12-05 18:10)
+        cfg = table.get(tuned_key(m, n, k, group_size))
+        if cfg is None and mma is None:
+            cfg = tuned_lookup(table, m, n, k, group_size)
         if cfg is not None and (mma_ok or not cfg.mma):
             return cfg, "table"
-    sms = sm_count(torch.device(device_type, index))
-    if mma_ok:
-        cfg = mma_config(m, n, k, group_size, sms)
-        if cfg is not None:
-            return cfg, "mma"
+    if mma is not None:
+        return mma, "mma"
     return rule_config(m, n, k, min(group_size, k), sms), "rule"

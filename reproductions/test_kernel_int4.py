@@ -177,7 +177,7 @@ def test_the_choice_sweep_holds_every_configuration_the_choice_returns_on_the_he
     none of these shapes), and the mma configurations are timed at exactly the M the choice gives them."""
     from reproductions.kernels.int4_bench import choice_configs, fits
     from reproductions.kernels.shape_bench import HELD_OUT_2_LINEARS, HELD_OUT_LINEARS, shape_table
-    from sdsie.kernels.int4_config import MMA_BLOCK_CONFIGS, MMA_CONFIGS, mma_config, rule_config
+    from sdsie.kernels.int4_config import MMA_BLOCK_CONFIGS, MMA_CONFIGS, mma_blocks, mma_config, rule_config
 
     configs = choice_configs()
     assert set(MMA_CONFIGS.values()) <= set(configs)
@@ -187,6 +187,8 @@ def test_the_choice_sweep_holds_every_configuration_the_choice_returns_on_the_he
                 picked = mma_config(m, s.n, s.k, group) or rule_config(m, s.n, s.k, min(group, s.k), 132)
                 assert picked in configs and fits(picked, m), (s.name, m, group, picked)
     assert all(fits(c, m) for c in MMA_CONFIGS.values() for m in range(1, 17))
+    four = mma_blocks(4, 1, 4)  # 4 pairs in flight: the choice gives it at M <= 8 only, and a sweep times it there
+    assert four in configs and fits(four, 8) and not fits(four, 9)
     assert not set(MMA_BLOCK_CONFIGS.values()) & set(configs)  # a configuration names them; the choice does not
 
 

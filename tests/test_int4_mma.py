@@ -431,6 +431,21 @@ def test_the_kernel_matches_the_reference(warps, group, symmetric):
         assert_close_to_reference(int4_matmul(x, w, config=cfg, out=out), x, w)
 
 
+def assert_same_bits(cfg: Int4KernelConfig, base: Int4KernelConfig, cases, group, symmetric, gen) -> None:
+    """For each (M, N, K) of `cases`: `cfg` gives the bits of `base` on a random weight (every output element
+    written), within the kernel's tolerance of the float64 reference, and through the silu * up epilogue where
+    M <= 8 and N / 2 holds whole row blocks."""
+    for m, n, k in cases:
+        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = int4_matmul(x, w, config=cfg, out=out)
+        assert torch.equal(y, int4_matmul(x, w, config=base)), (m, n, k)
+        assert_close_to_reference(y, x, w)
+        if m <= 8 and n % 32 == 0:
+            assert torch.equal(int4_silu_mul(x, w, config=cfg), int4_silu_mul(x, w, config=base)), (m, n, k)
+
+
 @pytest.mark.gpu
 @gpu90
 @pytest.mark.parametrize("warps, blocks", [(4, 2), (8, 2), (4, 4), (8, 4)])
@@ -440,19 +455,10 @@ def test_several_row_blocks_a_program_give_the_bits_of_one(warps, blocks, group,
     for N a multiple of the blocks and not (the last program's spare blocks store nothing), at M = 1-16 (4 blocks:
     M <= 8), and through the silu * up epilogue; within the kernel's tolerance of the float64 reference."""
     gen = torch.Generator().manual_seed(hash((warps, blocks, group, symmetric)) % 2**31)
-    cfg, one = mma_blocks(warps, blocks), MMA_CONFIGS[warps]
-    for m, n, k in ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (2, 28672, 512), (9, 48, 256),
-                    (13, 4096, 1024), (16, 14336, 4096), (16, 80, 3584)):
-        if blocks == 4 and m > 8:
-            continue
-        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        y = int4_matmul(x, w, config=cfg, out=out)
-        assert torch.equal(y, int4_matmul(x, w, config=one)), (m, n, k)
-        assert_close_to_reference(y, x, w)
-        if m <= 8 and n % 32 == 0:
-            assert torch.equal(int4_silu_mul(x, w, config=cfg), int4_silu_mul(x, w, config=one)), (m, n, k)
+    cases = ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (2, 28672, 512), (9, 48, 256),
+             (13, 4096, 1024), (16, 14336, 4096), (16, 80, 3584))
+    assert_same_bits(mma_blocks(warps, blocks), MMA_CONFIGS[warps], [c for c in cases if blocks < 4 or c[0] <= 8],
+                     group, symmetric, gen)
 
 
 @pytest.mark.gpu
@@ -464,17 +470,9 @@ def test_more_pairs_in_flight_give_the_bits_of_two(warps, stages, group, symmetr
     the same bits at M = 1-16, K a multiple of stages x warps pairs and not, and through the silu * up epilogue;
     within the kernel's tolerance of the float64 reference."""
     gen = torch.Generator().manual_seed(hash((warps, stages, group, symmetric)) % 2**31)
-    cfg, two = mma_blocks(warps, 1, stages), MMA_CONFIGS[warps]
-    for m, n, k in ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (1, 4096, 14336), (9, 48, 256),
-                    (13, 4096, 1024), (16, 512, 4096), (16, 80, 3584)):
-        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        y = int4_matmul(x, w, config=cfg, out=out)
-        assert torch.equal(y, int4_matmul(x, w, config=two)), (m, n, k)
-        assert_close_to_reference(y, x, w)
-        if m <= 8 and n % 32 == 0:
-            assert torch.equal(int4_silu_mul(x, w, config=cfg), int4_silu_mul(x, w, config=two)), (m, n, k)
+    cases = ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (1, 4096, 14336), (9, 48, 256),
+             (13, 4096, 1024), (16, 512, 4096), (16, 80, 3584))
+    assert_same_bits(mma_blocks(warps, 1, stages), MMA_CONFIGS[warps], cases, group, symmetric, gen)
 
 
 @pytest.mark.gpu

@@ -588,7 +588,7 @@ def test_invalid_inputs_raise_clear_errors(kernel_device):
 def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_shape_and_kernel_family():
     """An M bucket the sweep did not tune uses the configuration tuned for more rows on that shape (correct
     for fewer rows), never one tuned for fewer rows or for another shape or group, and never across the GEMV (M <= 2)
-    and planes (M in 3..16) families; none left: None."""
+    and planes (M in 3..16) families; none left: None. Without lending, M's own bucket only."""
     m1, m2, m4, m16, other = (Int4KernelConfig(1, 64, 256, split_k=s) for s in (1, 2, 4, 8, 16))
     table = {"m1|8|64|32": m1, "m4|8|64|32": m4, "m16|8|64|32": m16, "m16|16|64|32": other, "m16|8|64|pc": other}
     assert tuned_lookup(table, 1, 8, 64, 32) is m1
@@ -600,6 +600,8 @@ def test_tuned_lookup_falls_back_to_the_nearest_larger_tuned_bucket_of_the_same_
     assert tuned_lookup(table, 16, 8, 64, 32) is m16
     assert tuned_lookup(table, 8, 8, 64, 64) is other  # group >= K is "pc"
     assert tuned_lookup(table, 8, 32, 64, 32) is None  # no entry for this shape in any bucket >= m8
+    assert tuned_lookup(table, 8, 8, 64, 32, lend=False) is None  # m8 missing, and no lending
+    assert tuned_lookup(table, 16, 8, 64, 32, lend=False) is m16
     assert tuned_lookup({"m1|8|64|32": m1}, 2, 8, 64, 32) is None
 
 

@@ -224,6 +224,12 @@ def scores(cases: list[Case], configs: dict[str, Int4KernelConfig], sms: int) ->
     return {"per_case": per_case, "families": families, "groups": groups}
 
 
+def choice_only(configs: dict[str, Int4KernelConfig]) -> dict[str, Int4KernelConfig]:
+    """The swept configurations the choice can return (`choice_configs`): the candidates of a table entry."""
+    choice = set(choice_configs())
+    return {name: cfg for name, cfg in configs.items() if cfg in choice}
+
+
 def best_table(cases: list[Case], configs: dict[str, Int4KernelConfig], keep_within: float = 0.0,
                sms: int = DEFAULT_SMS) -> dict[str, Int4KernelConfig]:
     """{tuned_key: the sweep's fastest correct configuration among `configs`} for each case; with `keep_within` > 0,
@@ -317,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         print(emit(fit_rule(cases, configs, sms)))
         return 0
     if a.write_table is not None:
-        choice = {config_name(c) for c in choice_configs()}
-        table = best_table(cases, {n: c for n, c in configs.items() if n in choice}, a.keep_within, sms)
+        table = best_table(cases, choice_only(configs), a.keep_within, sms)
         write_table(a.write_table, meta["device"], table, {tuned_key(c.m, c.n, c.k, c.group_size) for c in cases})
         print(f"wrote {len(table)} entries of {len(cases)} cases into {a.write_table} under {meta['device']!r}")
         return 0

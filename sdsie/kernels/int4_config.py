@@ -310,19 +310,22 @@ def tuned_key(m: int, n: int, k: int, group_size: int) -> str:
 
 
 def tuned_lookup(
-    table: dict[str, Int4KernelConfig], m: int, n: int, k: int, group_size: int
+    table: dict[str, Int4KernelConfig], m: int, n: int, k: int, group_size: int, lend: bool = True
 ) -> Int4KernelConfig | None:
-    """M's own bucket for this shape, else the nearest larger bucket of the same kernel family (GEMV rows: M <= 2;
-    planes: M in 3..16) the sweep tuned for it, else None.
+    """M's own bucket for this shape, else (`lend`) the nearest larger bucket of the same kernel family (GEMV rows:
+    M <= 2; planes: M in 3..16) the sweep tuned for it, else None.
 
     A configuration tuned for more rows is correct for fewer. On the H200, M = 8, which no sweep had tuned,
     ran the heuristic GEMM at 0.43-0.83x of bf16; on 14336x4096 it took 74.4 us where the tuned M = 16
     configuration took 48.4 us with twice the rows (records ca1fd3d4 and 22f3a099 agree within 1%). An M = 2 call
-    does not borrow an M = 4-16 planes entry: the rule's GEMV serves it (docs/kernel-log.md, 2026-12-03).
+    does not borrow an M = 4-16 planes entry: the rule's GEMV serves it (docs/kernel-log.md, 2026-12-03). The choice
+    lends only where the mma GEMV's rule declines: a table leaves out the cases whose sweep never timed that rule's
+    pick (`best_table`), and the M = 16 entry lent to M = 4 can be a planes tile 1.6x slower than the mma GEMV there
+    (docs/kernel-log.md, 2026-12-05 18:10).
     """
     key = tuned_key(m, n, k, group_size)
     bucket = int(key.split("|", 1)[0][1:])
-    limit = GEMV_MAX_M if bucket <= GEMV_MAX_M else TUNED_M[-1]
+    limit = (GEMV_MAX_M if bucket <= GEMV_MAX_M else TUNED_M[-1]) if lend else bucket
     for b in (b for b in TUNED_M if bucket <= b <= limit):
         cfg = table.get(f"m{b}|{key.split('|', 1)[1]}")
         if cfg is not None:
@@ -444,13 +447,8 @@ def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_s
     sms = sm_count(torch.device(device_type, index))
     mma = mma_config(m, n, k, group_size, sms) if mma_ok else None
     if device_type == "cuda" and m <= TUNED_M[-1]:
-        table = _tuned_table().get(torch.cuda.get_device_name(index), {})
-        # M's own bucket first; a larger bucket's entry only where the mma GEMV's rule declines: a table leaves out
-        # the cases whose sweep never timed the rule's pick (`best_table`), and the M = 16 entry it would lend to
-        # M = 4 can be a planes tile 1.6x slower than the mma GEMV there (docs/kernel-log.md, 2026-12-05 18:10)
-        cfg = table.get(tuned_key(m, n, k, group_size))
-        if cfg is None and mma is None:
-            cfg = tuned_lookup(table, m, n, k, group_size)
+        cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size,
+                           lend=mma is None)
         if cfg is not None and (mma_ok or not cfg.mma):
             return cfg, "table"
     if mma is not None:

@@ -1,7 +1,7 @@
 """Run records: the one format every benchmark writes, and every claim and report reads.
 
 A record is one JSON file under `telemetry/`, plain or gzipped (`.json.gz`: `gzip_record` stores the large kernel
-sweeps so, to keep the tree that travels to a GPU machine small; loading reads both):
+sweeps that way, which keeps the tree that travels to a GPU machine small; loading reads both):
 
     schema_version  int                     SCHEMA_VERSION of the writer
     record_id       str                     unique id (also part of the file name)

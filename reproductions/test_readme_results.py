@@ -321,6 +321,7 @@ def test_the_shapes_section_judges_the_kernel_issues_bars_and_lists_each_m1_shap
     _write_shapes(tmp_path, _shape_meta("heldout2", ["C.o"]), [{k: v for k, v in c.items() if k != "sweep"}
                                                                 for c in held])
     assert f"| 1 of 2; target every case not met | `{hid}` |" in headline(load_records(tmp_path))
+    assert f"record `{hid}`" in render(tmp_path)  # and results.md keeps the sweep's table beside the newer run
 
 
 def test_shape_bench_writes_its_record_only_where_told_on_a_dry_run(tmp_path: Path, monkeypatch):

@@ -61,26 +61,20 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
     ws, wb = weight_rotation(case, gen, "cuda")
     out = {"n": n, "k": k, "m": m, "copies": len(ws)}
     out["int4"] = graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, "cuda")
+
+    def timed(cfg):  # graphed, cycling over the rotated weights
+        return graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
+
     for warps in warps_list:
-        out[f"mma_w{warps}"] = graph_us(
-            lambda i, warps=warps: (lambda: int4_matmul(x, ws[i % len(ws)], config=MMA_CONFIGS[warps])),
-            n * k // 2, "cuda")
-        for cap in caps:
-            cfg = dataclasses.replace(MMA_CONFIGS[warps], max_registers=cap)
-            out[f"same_bits_w{warps}_r{cap}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg),
-                                                                 int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])))
-            out[f"mma_w{warps}_r{cap}"] = graph_us(
-                lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
-        for s in stages:  # pairs in flight a warp (`Int4KernelConfig.num_stages`)
-            cfg = mma_blocks(warps, 1, s)
-            out[f"same_bits_w{warps}_p{s}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg),
-                                                                int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])))
-            out[f"mma_w{warps}_p{s}"] = graph_us(
-                lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
+        out[f"mma_w{warps}"] = timed(MMA_CONFIGS[warps])
+        base = int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])  # the bits a variant must give
+        variants = [(f"r{cap}", dataclasses.replace(MMA_CONFIGS[warps], max_registers=cap)) for cap in caps]
+        variants += [(f"p{s}", mma_blocks(warps, 1, s)) for s in stages]  # pairs in flight a warp (num_stages)
+        for tag, cfg in variants:
+            out[f"same_bits_w{warps}_{tag}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg), base))
+            out[f"mma_w{warps}_{tag}"] = timed(cfg)
         for b in blocks:  # several row blocks a program, x's registers shared (`Int4KernelConfig.block_n`)
-            cfg = mma_blocks(warps, b)
-            out[f"mma_w{warps}_b{b}"] = graph_us(
-                lambda i, cfg=cfg: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
+            out[f"mma_w{warps}_b{b}"] = timed(mma_blocks(warps, b))
     if silu:
         out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")

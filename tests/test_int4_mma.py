@@ -237,48 +237,6 @@ def test_a_plan_of_several_row_blocks_launches_one_program_per_blocks(monkeypatc
         assert plan.grid[0] == programs and plan.consts["BLOCKS"] == blocks and plan.consts["HALVES"] == 2
 
 
-def test_an_mma_configuration_splits_k_over_one_to_eight_programs(monkeypatch):
-    """split_k names the programs that share each row block's K (`MMA_SPLITS`): the plan's grid gains that axis, its
-    semaphore slots are the programs along N, and the kernel learns the count as SPLIT; other counts, and the
-    silu * up epilogue with a split (it needs K whole in a program), are refused before anything runs."""
-    from sdsie.kernels import int4_gemm
-    from sdsie.kernels.int4_tune import config_name
-
-    four = mma_blocks(4, 1, 2, 4)
-    assert four == Int4KernelConfig(8, 16, 128, split_k=4, mma=True) and config_name(four) == \
-        "int4[8,16,128,s4,w4,mma]"
-    assert mma_blocks(8, 2, 3, 2).split_k == 2 and mma_blocks(8, 2, 3, 2).block_n == 32
-    for split in (3, 16):
-        with pytest.raises(ValueError, match=r"split_k one of \(1, 2, 4, 8\)"):
-            Int4KernelConfig(8, 16, 128, split_k=split, mma=True)
-    w = make_weight(80, 512, 128, False, 0.02, torch.device("cpu"), torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=r"splits K over \(1, 2, 4, 8\) programs, got 3"):
-        mma_consts(w, 4, 1, split=3)
-    with pytest.raises(ValueError, match="needs K whole in a program, got a split of 2"):
-        mma_consts(w, 4, 1, silu_mul=True, split=2)
-    monkeypatch.setattr(int4_gemm, "mma_supported", lambda x, w: True)
-    monkeypatch.setattr(int4_gemm, "_fragments", lambda w, gate_up: (w.qweight, w.scales, w.zeros))
-    x = torch.zeros(3, 512, dtype=torch.bfloat16)
-    for blocks, split, programs in ((1, 1, 5), (1, 4, 5), (2, 8, 3)):
-        plan = int4_gemm._plan(x, w, mma_blocks(4, blocks, 2, split))
-        assert plan.grid == (programs, split, 1) and plan.consts["SPLIT"] == split
-        assert (plan.split_k, plan.lock_slots) == (split, programs)
-
-
-@pytest.mark.parametrize("halves", [1, 2])
-def test_a_split_of_k_leaves_the_loop_alone_and_adds_two_atomics(halves):
-    """Offline sm_90: with K split over 4 programs the loop is the one of K whole (its HMMA, 16-byte loads and SASS a
-    code), with no more registers and no spills; the epilogue adds one atomic to take the semaphore and one to zero
-    it, where K whole has none."""
-    whole = inspect_offline(f"halves={halves}")
-    split = inspect_offline(f"halves={halves}, split=4")
-    for op in ("HMMA.16816.F32.BF16", "LDG.E.128"):
-        assert split["sass_ops"][op] == whole["sass_ops"][op], op
-    assert split["sass_loop_per_code"] == pytest.approx(whole["sass_loop_per_code"], abs=0.05)
-    assert split["registers"] <= whole["registers"] and split["spill_instructions"] == 0
-    assert (whole["atomics"], split["atomics"]) == (0, 2)
-
-
 VARIANTS = [(pc, hz, 1, False) for pc, hz in itertools.product([False, True], [False, True])] + [
     (False, True, 2, False), (False, True, 1, True)]
 
@@ -515,52 +473,6 @@ def test_more_pairs_in_flight_give_the_bits_of_two(warps, stages, group, symmetr
     cases = ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (1, 4096, 14336), (9, 48, 256),
              (13, 4096, 1024), (16, 512, 4096), (16, 80, 3584))
     assert_same_bits(mma_blocks(warps, 1, stages), MMA_CONFIGS[warps], cases, group, symmetric, gen)
-
-
-@pytest.mark.gpu
-@gpu90
-@pytest.mark.parametrize("warps, split", [(4, 2), (4, 8), (8, 4)])
-@pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
-def test_a_split_of_k_matches_the_reference_and_leaves_its_semaphores_zeroed(warps, split, group, symmetric):
-    """K split over 2-8 programs, at M = 1-16, with splits that hold no pair (K = 256: 2 pairs) and K not a
-    multiple of the split: within the kernel's tolerance of the float64 reference, every output element written;
-    the same bits on a second call (the sums are added in split order whichever program arrives last, and the
-    semaphores were left zeroed), and under graph replay."""
-    gen = torch.Generator().manual_seed(hash((warps, split, group, symmetric)) % 2**31)
-    cfg = mma_blocks(warps, 1, 2, split)
-    for m, n, k in ((1, 16, 256), (3, 64, 640), (1, 1024, 4096), (8, 48, 1536), (2, 512, 3584), (9, 32, 256),
-                    (16, 1536, 8960), (13, 80, 3584)):
-        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        y = int4_matmul(x, w, config=cfg, out=out)
-        assert_close_to_reference(y, x, w)
-        assert torch.equal(int4_matmul(x, w, config=cfg), y), (m, n, k)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        yg = int4_matmul(x, w, config=cfg)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(yg, y)
-
-
-@pytest.mark.gpu
-@gpu90
-def test_silu_mul_composes_where_the_choice_splits_k(monkeypatch):
-    """The silu * up epilogue needs K whole in a program: where the choice returns a split, `int4_silu_mul` runs the
-    split GEMV and torch's silu and product; a split named for it is refused."""
-    from sdsie.kernels import int4_gemm
-
-    gen = torch.Generator().manual_seed(11)
-    w = make_weight(1024, 4096, 128, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
-    x = torch.randn(2, 4096, generator=gen).to(torch.bfloat16).cuda()
-    split = mma_blocks(4, 1, 2, 4)
-    monkeypatch.setattr(int4_gemm, "select_config", lambda *a, **k: split)
-    gate, up = int4_matmul(x, w, config=split).split(512, dim=-1)
-    assert torch.equal(int4_silu_mul(x, w), torch.nn.functional.silu(gate) * up)
-    with pytest.raises(ValueError, match="needs K whole in a program"):
-        int4_silu_mul(x, w, config=split)
 
 
 @pytest.mark.gpu

@@ -178,23 +178,21 @@ def inspect(block_n: int, block_k: int, split_k: int, num_warps: int, group: int
 
 def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 4,
                 halves: int = 1, silu_mul: bool = False, pdl: bool = False,
-                max_registers: int | None = None, blocks: int = 1, stages: int = 2, split: int = 1
-                ) -> dict[str, object]:
+                max_registers: int | None = None, blocks: int = 1, stages: int = 2) -> dict[str, object]:
     """The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) compiled for sm_90: its loop's SASS opcode
     counts (the loop covers `stages` pairs of chunks, 64 codes a thread each), registers and local-memory accesses,
     and the order of its 16-byte loads and grid-dependency instructions (ACQBULK: griddepcontrol.wait; PREEXIT:
     launch_dependents) through the kernel (`pdl`: compiled to launch as a programmatic dependent; `max_registers`:
     ptxas's cap, `Int4KernelConfig.max_registers`; `blocks`: 16-row blocks a program; `stages`: pairs in flight a
-    warp; `split`: programs K is split over), its spill instructions (STL/LDL) in all, and its atomics (ATOM/RED)."""
+    warp), and its spill instructions (STL/LDL) in all."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel
 
-    names = ["x_ptr", "pw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "lock_ptr", "M", "N", "K", "stride_xm",
-             "stride_ym"]
-    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 5
+    names = ["x_ptr", "pw_ptr", "s_ptr", "z_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
+    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16"] + ["i32"] * 5
     consts = {"GROUP_PAIRS": 1, "PER_CHANNEL": per_channel, "HAS_ZEROS": has_zeros, "WARPS": warps, "HALVES": halves,
-              "BLOCKS": blocks, "SILU_MUL": silu_mul, "PDL": pdl, "STAGES": stages, "SPLIT": split}
+              "BLOCKS": blocks, "SILU_MUL": silu_mul, "PDL": pdl, "STAGES": stages}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n != "M"}
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
     options = {"num_warps": warps, "launch_pdl": pdl, **({} if max_registers is None else {"maxnreg": max_registers})}
@@ -206,7 +204,6 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     return {"sass_ops": dict(collections.Counter(op.split()[0] for op in sass)),
             "sass_loop_per_code": len(sass) / (64 * stages), "load_order": order,
             "spill_instructions": sum(op.startswith(("STL", "LDL")) for op in ops),
-            "atomics": sum(op.startswith(("ATOM", "RED")) for op in ops),
             "local_mem": len(re.findall(r"(?:ld|st)\.local", kernel.asm["ptx"])),
             "registers": registers(kernel.asm["cubin"])}
 

@@ -10,10 +10,6 @@ result bit for bit against the uncapped one: does a cap that fits more programs 
 --stages times each warps count with 3 or 4 pairs of chunks in flight a warp (2 by default), each result checked
 bit for bit against 2 stages: do more bytes in flight a warp make the mid shapes, whose programs leave SM slots
 empty or whose warps get few pairs of K each, faster?
-
---splits times each warps count with K split over 2, 4 or 8 programs (`Int4KernelConfig.split_k`), each result's
-largest difference from K whole kept beside its time (the sums are added in another order): do shapes of few row
-blocks, whose N / 16 programs leave SMs idle, gain from more programs?
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
 
 
 def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
-              caps: tuple[int, ...] = (), blocks: tuple[int, ...] = (), stages: tuple[int, ...] = (),
-              splits: tuple[int, ...] = ()) -> dict:
+              caps: tuple[int, ...] = (), blocks: tuple[int, ...] = (), stages: tuple[int, ...] = ()) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -80,11 +75,6 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
             out[f"mma_w{warps}_{tag}"] = timed(cfg)
         for b in blocks:  # several row blocks a program, x's registers shared (`Int4KernelConfig.block_n`)
             out[f"mma_w{warps}_b{b}"] = timed(mma_blocks(warps, b))
-        for split in splits:  # K split over programs: another order of the sums, so a difference, not bits
-            cfg = mma_blocks(warps, 1, 2, split)
-            diff = (int4_matmul(x, ws[0], config=cfg).float() - base.float()).abs().max().item()
-            out[f"split_diff_w{warps}_k{split}"] = diff / base.float().abs().max().item()
-            out[f"mma_w{warps}_k{split}"] = timed(cfg)
     if silu:
         out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
@@ -115,17 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time each warps count with these row blocks a program (2, 4), checked as the rest")
     ap.add_argument("--stages", nargs="*", type=int, default=[],
                     help="also time each warps count with these pairs in flight a warp (3, 4), checked bit for bit")
-    ap.add_argument("--splits", nargs="*", type=int, default=[],
-                    help="also time each warps count with K split over these programs (2, 4, 8)")
     ap.add_argument("--max-registers", nargs="*", type=int, default=[],
                     help="also time each warps count under these register caps (multiples of 8)")
     args = ap.parse_args(argv)
-    for split in args.splits:  # refused before anything runs, not in the middle of the timings
-        try:
-            mma_blocks(4, 1, 2, split)
-        except ValueError as err:
-            ap.error(f"--splits {split}: {err}")
-    for cap in args.max_registers:
+    for cap in args.max_registers:  # refused before anything runs, not in the middle of the timings
         try:
             dataclasses.replace(MMA_CONFIGS[4], max_registers=cap)
         except ValueError as err:
@@ -146,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
             r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks),
-                          tuple(args.stages), tuple(args.splits))
+                          tuple(args.stages))
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

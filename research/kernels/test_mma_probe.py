@@ -12,10 +12,3 @@ def test_a_register_cap_that_is_not_a_multiple_of_eight_is_refused_up_front(tmp_
         main(["--out", str(tmp_path / "probe.json"), "--max-registers", "80", "81"])
     assert exc.value.code == 2
     assert "--max-registers 81" in capsys.readouterr().err and not (tmp_path / "probe.json").exists()
-
-
-def test_a_split_the_configuration_would_refuse_is_refused_up_front(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["--out", str(tmp_path / "probe.json"), "--splits", "2", "3"])
-    assert exc.value.code == 2
-    assert "--splits 3" in capsys.readouterr().err and not (tmp_path / "probe.json").exists()

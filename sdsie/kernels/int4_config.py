@@ -29,8 +29,8 @@ import triton
 
 from sdsie.kernels.device import DEFAULT_SMS, sm_count
 
-__all__ = ["Int4KernelConfig", "MMA_BLOCK_CONFIGS", "MMA_CONFIGS", "MMA_SPLITS", "TUNED_M", "candidate_configs",
-           "device_name", "mma_blocks", "mma_config", "mma_stages", "read_tuned_cache", "rule_config", "select_config",
+__all__ = ["Int4KernelConfig", "MMA_BLOCK_CONFIGS", "MMA_CONFIGS", "TUNED_M", "candidate_configs", "device_name",
+           "mma_blocks", "mma_config", "mma_stages", "read_tuned_cache", "rule_config", "select_config",
            "select_config_with_source", "tuned_cache_path", "tuned_key", "tuned_lookup", "tuned_path"]
 
 
@@ -39,7 +39,6 @@ GEMV_ROWS = (1, 2, 4)  # rows per GEMV program (the kernel's ROWS)
 
 MMA_BLOCK_N = (16, 32, 64)  # an mma configuration's rows a program: 1, 2 or 4 blocks of 16
 MMA_STAGES = (2, 3, 4)  # an mma configuration's num_stages: pairs of chunks (128 codes) in flight a warp
-MMA_SPLITS = (1, 2, 4, 8)  # an mma configuration's split_k: programs that share each row block's K
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ class Int4KernelConfig:
     max_registers: int | None = None
     # the fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`): M <= 16, bf16 x, block_n / 16 row blocks of 16
     # rows a program (sharing x's registers), num_warps warps along K, each with num_stages pairs of 128 codes in
-    # flight, K split over split_k programs; block_m 8 and block_k 128 name that tile
+    # flight; block_m 8 and block_k 128 name that tile
     mma: bool = False
 
     def __post_init__(self) -> None:
@@ -75,10 +74,10 @@ class Int4KernelConfig:
             raise ValueError(f"Int4KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], got "
                              f"{self.max_registers!r}")
         if self.mma:
-            if (self.block_m, self.block_k, self.swap_ab) != (8, 128, False) or self.block_n not in MMA_BLOCK_N \
-                    or self.split_k not in MMA_SPLITS:
-                raise ValueError(f"an mma configuration is block_m 8, block_n one of {MMA_BLOCK_N}, block_k 128, "
-                                 f"split_k one of {MMA_SPLITS}, no swap_ab, got {self}")
+            if (self.block_m, self.block_k, self.split_k, self.swap_ab) != (8, 128, 1, False) or \
+                    self.block_n not in MMA_BLOCK_N:
+                raise ValueError(f"an mma configuration is block_m 8, block_n one of {MMA_BLOCK_N}, block_k 128, no "
+                                 f"split, no swap_ab, got {self}")
             if self.num_warps not in (4, 8):
                 raise ValueError(f"an mma configuration takes 4 or 8 warps, got {self.num_warps}")
             if self.num_stages not in MMA_STAGES:
@@ -395,16 +394,14 @@ MMA_BLOCK_CONFIGS = {(w, bn // 16): Int4KernelConfig(8, bn, 128, num_warps=w, mm
                      for w in (4, 8) for bn in MMA_BLOCK_N[1:]}
 
 
-def mma_blocks(warps: int, blocks: int = 1, stages: int = 2, split: int = 1) -> Int4KernelConfig:
-    """The mma configuration of `warps` warps, `blocks` row blocks (of 16 rows) a program, `stages` pairs of
-    chunks in flight a warp and K split over `split` programs."""
+def mma_blocks(warps: int, blocks: int = 1, stages: int = 2) -> Int4KernelConfig:
+    """The mma configuration of `warps` warps, `blocks` row blocks (of 16 rows) a program and `stages` pairs of
+    chunks in flight a warp."""
     if warps not in MMA_CONFIGS or (blocks != 1 and (warps, blocks) not in MMA_BLOCK_CONFIGS):
         raise ValueError(f"no mma configuration of {warps} warps and {blocks} row blocks a program; there are "
                          f"{sorted(MMA_CONFIGS)} warps and {[bn // 16 for bn in MMA_BLOCK_N]} blocks")
     cfg = MMA_CONFIGS[warps] if blocks == 1 else MMA_BLOCK_CONFIGS[warps, blocks]
-    if (stages, split) == (cfg.num_stages, cfg.split_k):
-        return cfg
-    return dataclasses.replace(cfg, num_stages=stages, split_k=split)
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
 # 4 pairs in flight a warp (166 registers a thread at M <= 8: 3 programs of 4 warps an SM, against 5 at 2 pairs) where

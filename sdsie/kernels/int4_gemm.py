@@ -193,11 +193,10 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
         if cfg.max_registers is not None:
             options["maxnreg"] = cfg.max_registers
         blocks = cfg.block_n // 16
-        programs = triton.cdiv(n // 16, blocks)
-        return _Plan(_int4_mma_gemv_kernel, (programs, cfg.split_k, 1), words,
+        return _Plan(_int4_mma_gemv_kernel, (triton.cdiv(n // 16, blocks), 1, 1), words,
                      zeros if zeros is not None else scales, (m, n, k),
-                     mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages, cfg.split_k), options,
-                     cfg.split_k, programs, (w.qweight, w.scales, w.zeros), scales=scales)
+                     mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages), options, 1, 0,
+                     (w.qweight, w.scales, w.zeros), scales=scales)
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
@@ -314,7 +313,7 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
     # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
     scales = w.scales if plan.scales is None else plan.scales
     if plan.kernel is _int4_mma_gemv_kernel:
-        after_y = (ws, locks, *plan.ints, x2.stride(0), y.shape[1])  # y: [M, N], or [M, N/2] for silu * up
+        after_y = (*plan.ints, x2.stride(0), y.shape[1])  # y: [M, N], or [M, N/2] for silu * up
     else:
         after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
     try:
@@ -442,10 +441,10 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
     """silu(gate) * up for a fused [gate; up] weight (rows 0 .. N/2 - 1 the gate's, then the up's), x [..., K] ->
     [..., N/2] in x's dtype: a gated MLP's activation in the projection's launch.
 
-    Where `int4_matmul` would run the mma kernel at M <= 8 with K whole in a program (or `config` names an mma
-    configuration), one launch whose epilogue takes silu(gate) * up in fp32 from the fp32 sums (its first call on a
-    weight keeps a copy of the codes in `gate_up_order`); elsewhere (M = 9-16 and K split included) `int4_matmul`
-    with `config`, then torch's silu and product in x's dtype."""
+    Where `int4_matmul` would run the mma kernel at M <= 8 (or `config` names an mma configuration), one launch whose
+    epilogue takes silu(gate) * up in fp32 from the fp32 sums (its first call on a weight keeps a copy of the codes
+    in `gate_up_order`); elsewhere (M = 9-16 included) `int4_matmul` with `config`, then torch's silu and product in
+    x's dtype."""
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
     if n % 2:
@@ -459,8 +458,7 @@ def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
         plan = None
         if 1 <= m <= 8 and x2.is_cuda and (config is None or config.mma):
             cfg = config or select_config(m, n, k, x.device, w.group_size)
-            # the epilogue needs K whole in a program: a chosen split composes; a named one is refused (mma_consts)
-            if cfg.mma and mma_supported(x2, w) and (cfg.split_k == 1 or config is not None):
+            if cfg.mma and mma_supported(x2, w):
                 plan = _plan(x2, w, cfg, gate_up=True)
         if plan is None and config is not None and config.mma and m <= 8:  # M = 9-16: composed, below
             raise ValueError(f"int4_silu_mul: the mma configuration needs M <= 8 and what "

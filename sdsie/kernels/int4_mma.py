@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
-from sdsie.kernels.int4_config import MMA_SPLITS, MMA_STAGES
+from sdsie.kernels.int4_config import MMA_STAGES
 
 __all__ = ["pack_fragments", "emulate_fragments", "gate_up_order", "mma_consts", "mma_supported", "MMA_MAX_M",
            "PAIR"]
@@ -195,7 +195,7 @@ def _zero_splat(z, HAS_ZEROS: gl.constexpr):
 
 @gluon.jit
 def _x_loads(xw4, xw4_h, p, pairs, HALVES: gl.constexpr):
-    """x's words for one pair of chunks of each warp (pair p [1, W, 1], clamped to pairs - 1): xa, xb of both chunks
+    """x's words for one pair of chunks of each warp (pair p [1, W, 1], clamped to the last): xa, xb of both chunks
     [1, W, 32, 4] for x's rows 0-7, then for rows 8-15 (HALVES 2; else the same tensors again, unused). A thread's B
     fragments for a chunk are x's words 8t .. 8t + 7 of its row: two 16-byte loads, shared by the program's row
     blocks."""
@@ -219,9 +219,8 @@ def _wsz_loads(pw4, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS: gl.constexpr, 
                HAS_ZEROS: gl.constexpr):
     """One pair of chunks (128 codes of K) of each warp and row block: the weight words of both chunks
     [B, W, 32, 4], the pair's weight on the sum [B, W, 32] for rows g and g + 8 (grouped: its group's scales; per
-    channel: 1) and the zero-points. p [1, W, 1]: each warp's pair; rows [B, 1, 32]. A pair at or past `pairs` (the
-    end of the program's share of K) reads the share's last pair again with weight 0: the loads carry no mask, so
-    ptxas may issue them as early as it likes."""
+    channel: 1) and the zero-points. p [1, W, 1]: each warp's pair; rows [B, 1, 32]. A pair past K reads the last
+    pair again with weight 0: the loads carry no mask, so ptxas may issue them as early as it likes."""
     live = p < pairs  # [1, W, 1]
     p = gl.minimum(p, pairs - 1)
     kc = gl.expand_dims(2 * p, 3)  # [1, W, 1, 1] first chunk of the pair
@@ -271,16 +270,13 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 
 
 @gluon.jit
-def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_ym,
+def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                           WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
-                          PDL: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
-    # grid: (cdiv(N / 16, BLOCKS), SPLIT): BLOCKS row blocks (16 rows each) a program, and the program's share of K:
-    # split s takes pairs s * P .. (s + 1) * P - 1, P = cdiv(pairs, SPLIT). Its WARPS warps take every WARPS-th
-    # pair of chunks (128 codes) of that share, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs
-    # ahead right after its mmas), and their sums meet in one cross-warp reduction. SPLIT > 1 (`_split_store`): each
-    # split writes its sums to the fp32 workspace ws [SPLIT, M, N] and the last to arrive adds them in split order.
-    # A warp's x registers for a pair serve
+                          PDL: gl.constexpr, STAGES: gl.constexpr):
+    # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
+    # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs ahead
+    # right after its mmas), and their sums meet in one cross-warp reduction. A warp's x registers for a pair serve
     # all BLOCKS blocks: x's bytes read a program fall by BLOCKS against the weights' (at M = 16 one block reads 4
     # bytes of x a byte of weights). The last program's blocks past N / 16 repeat the last block and store nothing.
     # GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
@@ -303,9 +299,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr, 
     nb = gl.minimum(nb0 + blk, row_blocks - 1)  # [B, 1, 1] each block's row block (the last one repeated past N)
     rows = nb * 16 + g  # [B, 1, 32] row of c0, c1 (c2, c3: rows + 8)
     kcs = K // 64
-    share = gl.cdiv(kcs // 2, SPLIT)  # pairs a split
-    p0 = gl.program_id(1) * share  # the split's first pair
-    pairs = gl.minimum(p0 + share, kcs // 2)  # the pair past the split's last (pairs past it add 0)
+    pairs = kcs // 2
     xw = x_ptr.to(gl.pointer_type(gl.int32))
     xw4 = gl.expand_dims(xw + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t, 3) + j  # [1, 1, 32, 4]: x's row g
     xw4_h = gl.expand_dims(xw + gl.minimum(g + 8, M - 1) * (stride_xm // 2) + 8 * t, 3) + j  # row g + 8
@@ -318,29 +312,29 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr, 
     # (short K a warp, or fewer programs than SM slots), at the cost of registers (docs/kernel-log.md).
     # PDL (programmatic dependent launch): the weights, scales and zero-points of the first STAGES pairs are asked
     # for before the wait for the kernel that writes x, so their latency overlaps that kernel's end
-    p = p0 + warp  # [1, W, 1] each warp's first pair
-    a = _wsz_loads(pw4, s_ptr, z_ptr, p, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    b = _wsz_loads(pw4, s_ptr, z_ptr, p + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    a = _wsz_loads(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    b = _wsz_loads(pw4, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
     c = a  # STAGES 2: c and d unused
     d = b
     if STAGES >= 3:
-        c = _wsz_loads(pw4, s_ptr, z_ptr, p + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        c = _wsz_loads(pw4, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
     if STAGES == 4:
-        d = _wsz_loads(pw4, s_ptr, z_ptr, p + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+        d = _wsz_loads(pw4, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
     if PER_CHANNEL:  # one scale a row, applied once at the end
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 3),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 3))
     if PDL:
         _wait_for_producer()
-    a = a + _x_loads(xw4, xw4_h, p, pairs, HALVES)
-    b = b + _x_loads(xw4, xw4_h, p + WARPS, pairs, HALVES)
+    a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
+    b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
     if STAGES >= 3:
-        c = c + _x_loads(xw4, xw4_h, p + 2 * WARPS, pairs, HALVES)
+        c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
     if STAGES == 4:
-        d = d + _x_loads(xw4, xw4_h, p + 3 * WARPS, pairs, HALVES)
+        d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
     if PDL:
         _release_dependents()
-    for _ in range(0, gl.cdiv(share, STAGES * WARPS)):
+    p = warp
+    for _ in range(0, gl.cdiv(pairs, STAGES * WARPS)):
         tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
         a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS,
                         PER_CHANNEL, HAS_ZEROS, HALVES)
@@ -369,16 +363,10 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr, 
     onb = nb0 + ob  # [B, 1, 1]
     live = onb < row_blocks
     om = 2 * (ol % 4) + oc % 2  # [1, 32, 4] x's row (B's column) of each accumulator
-    orow = onb * 16 + ol // 4 + 8 * (oc // 2)  # [B, 32, 4] output row of each accumulator
-    y4 = gl.sum(tot, axis=1)  # [B, 32, 4] x's rows 0-7
-    y4_h = y4
-    if HALVES == 2:
-        y4_h = gl.sum(tot_h, axis=1)  # rows 8-15
-    if SPLIT > 1:
-        y4, y4_h, live = _split_sum(y4, y4_h, ws_ptr, lock_ptr, om, orow, M, N, live, HALVES, SPLIT)
     if SILU_MUL:
         # a lane's c0, c1: gate of channel 8 nb + g for x's rows 2t, 2t + 1; c2, c3: up of the same (exact
         # extractions: each sums one value and three zeros)
+        y4 = gl.sum(tot, axis=1)  # [B, 32, 4]
         ch = onb * 8 + ol // 4  # [B, 32, 1]
         for e in gl.static_range(2):
             gate = gl.sum(gl.where(oc == e, y4, 0.0), axis=2, keep_dims=True)  # [B, 32, 1]
@@ -387,50 +375,25 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, lock_ptr, 
             out = gate / (1.0 + gl.exp(-gate)) * up
             gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=(me < M) & live)
     else:
-        gl.store(y_ptr + om * stride_ym + orow, y4.to(y_ptr.dtype.element_ty), mask=(om < M) & live)
+        orow = onb * 16 + ol // 4 + 8 * (oc // 2)  # [B, 32, 4]
+        gl.store(y_ptr + om * stride_ym + orow, gl.sum(tot, axis=1).to(y_ptr.dtype.element_ty),
+                 mask=(om < M) & live)
     if HALVES == 2:
-        gl.store(y_ptr + (om + 8) * stride_ym + orow, y4_h.to(y_ptr.dtype.element_ty), mask=(om + 8 < M) & live)
-
-
-@gluon.jit
-def _split_sum(y4, y4_h, ws_ptr, lock_ptr, om, orow, M, N, live, HALVES: gl.constexpr, SPLIT: gl.constexpr):
-    """K split over SPLIT programs (grid axis 1): this split's sums y4 (x's rows 0-7) and y4_h (rows 8-15, HALVES 2)
-    [B, 32, 4] go to the fp32 workspace ws [SPLIT, M, N]; the program that arrives last on its row blocks' semaphore
-    (lock_ptr [programs along N], left zeroed) returns the sums of every split, added in split order (the same bits
-    whichever arrives last), with `live` [B, 1, 1] true where it stores; the others return `live` all false."""
-    ws = ws_ptr + om * N + orow  # [B, 32, 4]
-    gl.store(ws + gl.program_id(1) * M * N, y4, mask=(om < M) & live)
-    if HALVES == 2:
-        gl.store(ws + (gl.program_id(1) * M + 8) * N, y4_h, mask=(om + 8 < M) & live)
-    gl.thread_barrier()  # every thread's sums are written before the semaphore is released
-    lock = lock_ptr + gl.program_id(0)
-    last = gl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    live = live & last
-    y4 = gl.zeros_like(y4)
-    y4_h = gl.zeros_like(y4_h)
-    for s in gl.static_range(SPLIT):  # .cg: from L2, where the other programs' sums are
-        y4 += gl.load(ws + s * M * N, mask=(om < M) & live, other=0.0, cache_modifier=".cg")
-        if HALVES == 2:
-            y4_h += gl.load(ws + (s * M + 8) * N, mask=(om + 8 < M) & live, other=0.0, cache_modifier=".cg")
-    gl.atomic_xchg(lock, 0, mask=last, sem="relaxed", scope="gpu")  # zeroed for the next launch
-    return y4, y4_h, live
+        orow = onb * 16 + ol // 4 + 8 * (oc // 2)
+        gl.store(y_ptr + (om + 8) * stride_ym + orow, gl.sum(tot_h, axis=1).to(y_ptr.dtype.element_ty),
+                 mask=(om + 8 < M) & live)
 
 
 def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1,
-               stages: int = 2, split: int = 1) -> dict:
+               stages: int = 2) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
-    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4; `split`: programs K is
-    split over, `MMA_SPLITS`)."""
+    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4)."""
     if stages not in MMA_STAGES:
         raise ValueError(f"the mma kernel keeps {MMA_STAGES} pairs in flight a warp, got {stages}")
-    if split not in MMA_SPLITS:
-        raise ValueError(f"the mma kernel splits K over {MMA_SPLITS} programs, got {split}")
-    if silu_mul and split > 1:
-        raise ValueError(f"the mma kernel's silu * up epilogue needs K whole in a program, got a split of {split}")
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
-                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages, SPLIT=split)
+                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages)

@@ -61,23 +61,30 @@ METRICS = {
     "sm_cycles_active_max": "sm__cycles_active.max",
     "elapsed_cycles": "sm__cycles_elapsed.max",
     "instructions": "smsp__inst_executed.sum",
+    "l2_bytes": "lts__t_bytes.sum",  # every request L2 served (DRAM's bytes pass through it too)
+    "l2_pct_of_peak": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l1_bytes": "l1tex__t_bytes.sum",
+    "l1_pct_of_peak": "l1tex__throughput.avg.pct_of_peak_sustained_active",
 }
 EXTRA_METRICS = ("sm__cycles_active.min", "sm__cycles_active.avg", "sm__cycles_active.max", "sm__cycles_elapsed.max",
-                 "dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum")
+                 "dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum", "lts__t_bytes.sum",
+                 "lts__throughput.avg.pct_of_peak_sustained_elapsed", "l1tex__t_bytes.sum",
+                 "l1tex__throughput.avg.pct_of_peak_sustained_active")
 STALL_PATTERN = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
 def parse_config(text: str) -> Int4KernelConfig:
-    """'1,128,256,s2,w4,p4' (config_name without brackets; p2 and tile x by default) -> Int4KernelConfig."""
+    """'1,128,256,s2,w4,p4' (config_name without brackets; p2 and tile x by default; a trailing mma names the
+    tensor-core GEMV, 8,16,128,s1,w4,mma) -> Int4KernelConfig."""
     parts = text.split(",")
     if len(parts) < 5 or not parts[3].startswith("s") or not parts[4].startswith("w"):
-        raise ValueError(f"config {text!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap]")
-    kw = {"num_stages": 2, "x_tile": True, "swap_ab": False}
+        raise ValueError(f"config {text!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap][,mma]")
+    kw = {"num_stages": 2, "x_tile": True, "swap_ab": False, "mma": False}
     for p in parts[5:]:
         if p.startswith("p"):
             kw["num_stages"] = int(p[1:])
-        elif p in ("gather", "swap"):
-            kw[{"gather": "x_tile", "swap": "swap_ab"}[p]] = p != "gather"
+        elif p in ("gather", "swap", "mma"):
+            kw[{"gather": "x_tile", "swap": "swap_ab", "mma": "mma"}[p]] = p != "gather"
         else:
             raise ValueError(f"config {text!r}: unknown part {p!r}")
     return Int4KernelConfig(int(parts[0]), int(parts[1]), int(parts[2]), split_k=int(parts[3][1:]),

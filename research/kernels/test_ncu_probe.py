@@ -18,6 +18,7 @@ from research.kernels.ncu_probe import (
     summarize_source,
 )
 from sdsie.kernels import Int4KernelConfig
+from sdsie.kernels.int4_config import mma_blocks
 
 
 def _csv(rows: list[list[str]]) -> str:
@@ -31,6 +32,7 @@ def test_config_names_parse_back_to_the_sweeps_configurations():
     assert parse_config("16,128,128,s1,w4,p3,swap") == Int4KernelConfig(
         16, 128, 128, split_k=1, num_warps=4, num_stages=3, swap_ab=True)
     assert parse_config("4,128,256,s1,w4,gather").x_tile is False
+    assert parse_config("8,32,128,s1,w4,mma") == mma_blocks(4, 2)
 
 
 @pytest.mark.parametrize("text, message", [("1,128,256", "expected ROWS"), ("1,128,256,s2,w4,q9", "unknown part"),

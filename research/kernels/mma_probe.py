@@ -10,6 +10,10 @@ result bit for bit against the uncapped one: does a cap that fits more programs 
 --stages times each warps count with 3 or 4 pairs of chunks in flight a warp (2 by default), each result checked
 bit for bit against 2 stages: do more bytes in flight a warp make the mid shapes, whose programs leave SM slots
 empty or whose warps get few pairs of K each, faster?
+
+--x-broadcast times each warps count again with x's M rows one row in memory (row stride 0): the same mma work,
+but each load of x is one broadcast, as at M = 1. The gap to the plain time is what x's row-by-row fragment loads
+cost (docs/kernel-log.md, 2026-12-05 22:50).
 """
 
 from __future__ import annotations
@@ -55,15 +59,16 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
 
 
 def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
-              caps: tuple[int, ...] = (), blocks: tuple[int, ...] = (), stages: tuple[int, ...] = ()) -> dict:
+              caps: tuple[int, ...] = (), blocks: tuple[int, ...] = (), stages: tuple[int, ...] = (),
+              x_broadcast: bool = False) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
     out = {"n": n, "k": k, "m": m, "copies": len(ws)}
     out["int4"] = graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)])), n * k // 2, "cuda")
 
-    def timed(cfg):  # graphed, cycling over the rotated weights
-        return graph_us(lambda i: (lambda: int4_matmul(x, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
+    def timed(cfg, xs=x):  # graphed, cycling over the rotated weights
+        return graph_us(lambda i: (lambda: int4_matmul(xs, ws[i % len(ws)], config=cfg)), n * k // 2, "cuda")
 
     for warps in warps_list:
         out[f"mma_w{warps}"] = timed(MMA_CONFIGS[warps])
@@ -75,6 +80,8 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
             out[f"mma_w{warps}_{tag}"] = timed(cfg)
         for b in blocks:  # several row blocks a program, x's registers shared (`Int4KernelConfig.block_n`)
             out[f"mma_w{warps}_b{b}"] = timed(mma_blocks(warps, b))
+        if x_broadcast:  # x's rows all one row in memory: every load of x a broadcast
+            out[f"mma_w{warps}_xbcast"] = timed(MMA_CONFIGS[warps], x[:1].expand(m, k))
     if silu:
         out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time each warps count with these row blocks a program (2, 4), checked as the rest")
     ap.add_argument("--stages", nargs="*", type=int, default=[],
                     help="also time each warps count with these pairs in flight a warp (3, 4), checked bit for bit")
+    ap.add_argument("--x-broadcast", action="store_true",
+                    help="also time each warps count with x's rows one row in memory (row stride 0)")
     ap.add_argument("--max-registers", nargs="*", type=int, default=[],
                     help="also time each warps count under these register caps (multiples of 8)")
     args = ap.parse_args(argv)
@@ -129,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
             r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks),
-                          tuple(args.stages))
+                          tuple(args.stages), args.x_broadcast)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

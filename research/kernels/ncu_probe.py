@@ -2,12 +2,14 @@
 overlaps so little, and what holds the small-M planes kernel.
 
 Answered: the stall reasons, issue activity and occupancy it read are in docs/kernel-log.md
-(telemetry/raw/ncu_20261130T2011_h200.json, ncu_20261130T2011b_h200.json).
+(telemetry/raw/ncu_20261130T2011_h200.json, ncu_20261130T2011b_h200.json); the mma GEMV's L2 and L1 traffic at M = 1,
+8 and 16 in ncu_mma_m1_m16_h100.json.
 
 The kernel log's two-ceiling model (docs/kernel-log.md) found the mid shapes' graphed M = 1 times at or above the sum of
 their SASS issue time and their bytes' copy time. This probe reads what the counters say about one launch: the warp
 stall reasons (WarpStateStats), issue activity (SchedulerStats), DRAM throughput (MemoryWorkloadAnalysis, SpeedOfLight),
-achieved occupancy, and how evenly the SMs were kept busy (sm__cycles_active min / avg / max).
+L2 and L1 bytes and throughput, achieved occupancy, and how evenly the SMs were kept busy (sm__cycles_active min / avg /
+max).
 
     run      one process per target, under ncu: builds the weights, warms the call up (compilation, workspaces),
              then profiles exactly one call between cudaProfilerStart and cudaProfilerStop

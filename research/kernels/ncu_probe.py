@@ -68,10 +68,10 @@ METRICS = {
     "l1_bytes": "l1tex__t_bytes.sum",
     "l1_pct_of_peak": "l1tex__throughput.avg.pct_of_peak_sustained_active",
 }
-EXTRA_METRICS = ("sm__cycles_active.min", "sm__cycles_active.avg", "sm__cycles_active.max", "sm__cycles_elapsed.max",
-                 "dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__inst_executed.sum", "lts__t_bytes.sum",
-                 "lts__throughput.avg.pct_of_peak_sustained_elapsed", "l1tex__t_bytes.sum",
-                 "l1tex__throughput.avg.pct_of_peak_sustained_active")
+# METRICS that ncu_run.sh asks for by name (--metrics) beside its sections: raw counters no section is sure to report
+EXTRA_METRICS = tuple(METRICS[key] for key in (
+    "sm_cycles_active_min", "sm_cycles_active_avg", "sm_cycles_active_max", "elapsed_cycles", "dram_bytes_read",
+    "dram_bytes_write", "instructions", "l2_bytes", "l2_pct_of_peak", "l1_bytes", "l1_pct_of_peak"))
 STALL_PATTERN = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 

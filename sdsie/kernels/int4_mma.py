@@ -12,13 +12,10 @@ accumulate in fp32, and each group's sum is scaled in fp32, so the numerics matc
 
 Fragment order (`pack_fragments`): for row block nb (16 rows) and K chunk kc (64 codes), lane l = 4g + t holds four
 words, one per k16 block j. Within a chunk the K order is permuted (both operands alike, so the dot is unchanged):
-the mma's logical column 2t + e + 8h of block j is the real column 2 (16 (j // 2) + 4t + 2 (j % 2) + h) + e, so lane
-t's B fragments for the chunk's four blocks are x's words 4t .. 4t + 3 (blocks 0, 1) and 16 + 4t .. 16 + 4t + 3
-(blocks 2, 3): two 16-byte loads, in each of which a row's four lanes read 64 contiguous bytes, two whole 32-byte
-sectors (at M = 16 a load spans 8 rows, so sectors, not the bytes asked for, are what L1 serves: docs/kernel-log.md).
-Word (nb, kc, l, j) holds the code of row 16 nb + g + 8 r, real column 64 kc + 32 (j // 2) + 8 t + 4 (j % 2) + 2 h + e
-in nibble r + 2 h + 4 e, so `(w >> 4 i) & 0x000F000F` is the A register a_i = (row g + 8 (i % 2), logical columns
-2t + 8 (i // 2) + {0, 1}).
+the mma's logical column 2t + e + 8h of block j is the real column 2 (8t + 2j + h) + e, so lane t's B fragments for
+the chunk's four blocks are x's words 8t .. 8t + 7: two 16-byte loads. Word (nb, kc, l, j) holds the code of row
+16 nb + g + 8 r, real column 64 kc + 16 t + 4 j + 2 h + e in nibble r + 2 h + 4 e, so `(w >> 4 i) & 0x000F000F`
+is the A register a_i = (row g + 8 (i % 2), logical columns 2t + 8 (i // 2) + {0, 1}).
 
 SILU_MUL (`int4_silu_mul`, M <= 8): for a fused [gate; up] weight packed with its rows in `gate_up_order`, a lane's
 c0, c1 and c2, c3 are one channel's gate and up, and the epilogue writes silu(gate) * up in fp32 from the sums: the
@@ -59,9 +56,9 @@ def pack_fragments(qweight: torch.Tensor, k: int, rows_at_a_time: int = 4096) ->
     if n > step:
         return torch.cat([pack_fragments(qweight[r:r + step], k, step) for r in range(0, n, step)])
     q = unpack_int4(qweight, k).to(torch.int64)  # [N, K]
-    # rows 16 nb + 8 r + g, columns 64 kc + 32 jh + 8 t + 4 jl + 2 h + e (block j = 2 jh + jl)
-    q = q.view(n // 16, 2, 8, k // CHUNK, 2, 4, 2, 2, 2)  # (nb, r, g, kc, jh, t, jl, h, e)
-    q = q.permute(0, 3, 2, 5, 4, 6, 1, 7, 8).reshape(n // 16, k // CHUNK, 8, 4, 4, 8)  # (nb, kc, g, t, j, r h e)
+    # rows 16 nb + 8 r + g, columns 64 kc + 16 t + 4 j + 2 h + e
+    q = q.view(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2)  # (nb, r, g, kc, t, j, h, e)
+    q = q.permute(0, 3, 2, 4, 5, 1, 6, 7).reshape(n // 16, k // CHUNK, 8, 4, 4, 8)  # (nb, kc, g, t, j, r h e)
     words = (q << _SHIFTS.to(q.device)).sum(-1)  # [NB, KC, 8, 4, 4]
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32).reshape(n // 16, k // CHUNK, 32, 4).contiguous()
@@ -81,9 +78,8 @@ def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> to
     """y [M, N] fp32 from fragment-ordered words, decoded as the PTX ISA lays out m16n8k16's A and B fragments.
 
     Independent of `pack_fragments`' index formula: a_i comes from nibbles (i, i + 4) and holds row g + 8 (i % 2),
-    logical columns 2t + 8 (i // 2) + e; B's b_h for block j is x's word 16 (j // 2) + 4t + 2 (j % 2) + h of the
-    chunk (logical rows 2t + 8h + e). The sum over the logical columns of a block is the mma's; groups are scaled
-    after."""
+    logical columns 2t + 8 (i // 2) + e; B's b_h for block j is x's word 8t + 2j + h of the chunk (logical rows
+    2t + 8h + e). The sum over the logical columns of a block is the mma's; groups are scaled after."""
     nb, kc = words.shape[:2]
     m, k = x.shape
     lane = torch.arange(32)
@@ -96,8 +92,8 @@ def emulate_fragments(x: torch.Tensor, words: torch.Tensor, w: Int4Weight) -> to
                 nib = (w64[:, :, :, j] >> (4 * (i + 4 * e))) & 0xF  # [NB, KC, 32]
                 row = g + 8 * (i % 2)  # [32] row within the block
                 logical = 2 * t + 8 * (i // 2) + e  # logical column within block j
-                h, te = logical // 8, logical % 8  # B: logical rows 2t + 8h + e from word 16 (j // 2) + 4t + ...
-                word = 16 * (j // 2) + 4 * (te // 2) + 2 * (j % 2) + h
+                h, te = logical // 8, logical % 8  # B: logical rows 2t + 8h + e come from word 8t + 2j + h
+                word = 8 * (te // 2) + 2 * j + h
                 real = 2 * word + te % 2  # real column within the chunk
                 rows = (torch.arange(nb)[:, None, None] * 16 + row[None, None, :])
                 cols = (torch.arange(kc)[None, :, None] * CHUNK + real[None, None, :])
@@ -143,7 +139,7 @@ def _mma_ptx(halves: int) -> str:
                   f"shr.u32 s, {w}, 12;", "lop3.b32 a3, s, 0x000F000F, 0x43004300, 0xea;",
                   f"sub.rn.bf16x2 a0, a0, ${zg};", f"sub.rn.bf16x2 a1, a1, ${zg8};",
                   f"sub.rn.bf16x2 a2, a2, ${zg};", f"sub.rn.bf16x2 a3, a3, ${zg8};"]
-        for h in range(halves):  # B: block j's x words: xa's (4t .. 4t + 3) 2j, 2j + 1, then xb's (16 + 4t ..)
+        for h in range(halves):  # B: block j's x words 8t + 2j, 8t + 2j + 1 (xa holds 8t .. 8t + 3, xb 8t + 4 ..)
             b0 = xa + 8 * h + 2 * j
             c = ", ".join(f"c{4 * h + i}" for i in range(4))
             lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, {{a0, a1, a2, a3}}, "
@@ -201,18 +197,18 @@ def _zero_splat(z, HAS_ZEROS: gl.constexpr):
 def _x_loads(xw4, xw4_h, p, pairs, HALVES: gl.constexpr):
     """x's words for one pair of chunks of each warp (pair p [1, W, 1], clamped to the last): xa, xb of both chunks
     [1, W, 32, 4] for x's rows 0-7, then for rows 8-15 (HALVES 2; else the same tensors again, unused). A thread's B
-    fragments for a chunk are x's words 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of its row: two 16-byte loads, shared
-    by the program's row blocks."""
+    fragments for a chunk are x's words 8t .. 8t + 7 of its row: two 16-byte loads, shared by the program's row
+    blocks."""
     kc = gl.expand_dims(2 * gl.minimum(p, pairs - 1), 3)  # [1, W, 1, 1] first chunk of the pair
     xa0 = gl.load(xw4 + kc * 32)
-    xb0 = gl.load(xw4 + kc * 32 + 16)
+    xb0 = gl.load(xw4 + kc * 32 + 4)
     xa1 = gl.load(xw4 + kc * 32 + 32)
-    xb1 = gl.load(xw4 + kc * 32 + 48)
+    xb1 = gl.load(xw4 + kc * 32 + 36)
     if HALVES == 2:
         ha0 = gl.load(xw4_h + kc * 32)
-        hb0 = gl.load(xw4_h + kc * 32 + 16)
+        hb0 = gl.load(xw4_h + kc * 32 + 4)
         ha1 = gl.load(xw4_h + kc * 32 + 32)
-        hb1 = gl.load(xw4_h + kc * 32 + 48)
+        hb1 = gl.load(xw4_h + kc * 32 + 36)
     else:
         ha0, hb0, ha1, hb1 = xa0, xb0, xa1, xb1
     return xa0, xb0, xa1, xb1, ha0, hb0, ha1, hb1
@@ -308,8 +304,8 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     kcs = K // 64
     pairs = kcs // 2
     xw = x_ptr.to(gl.pointer_type(gl.int32))
-    xw4 = gl.expand_dims(xw + gl.minimum(g, M - 1) * (stride_xm // 2) + 4 * t, 3) + j  # [1, 1, 32, 4]: x's row g
-    xw4_h = gl.expand_dims(xw + gl.minimum(g + 8, M - 1) * (stride_xm // 2) + 4 * t, 3) + j  # row g + 8
+    xw4 = gl.expand_dims(xw + gl.minimum(g, M - 1) * (stride_xm // 2) + 8 * t, 3) + j  # [1, 1, 32, 4]: x's row g
+    xw4_h = gl.expand_dims(xw + gl.minimum(g + 8, M - 1) * (stride_xm // 2) + 8 * t, 3) + j  # row g + 8
     pw4 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 3) + j  # [B, 1, 32, 4]
     tot = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)
     tot_h = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)

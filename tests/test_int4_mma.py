@@ -287,19 +287,6 @@ def test_more_stages_keep_more_pairs_in_flight_for_registers(halves, stages, mos
     assert r["registers"] <= most_registers, r
 
 
-@pytest.mark.parametrize("halves, blocks, most_registers", [(1, 1, 72), (2, 1, 80), (2, 2, 168)])
-def test_x_loaded_at_its_mmas_holds_fewer_registers_for_the_same_loop(halves, blocks, most_registers):
-    """Offline sm_90: x's words loaded at their pair's mmas (`mma_blocks(..., x_ahead=False)`) instead of two pairs
-    ahead with the weights' keep the loop's HMMA and 16-byte loads and spill nothing, in fewer registers a thread
-    (M = 9-16, one block: 80 against 128, so 6 programs of 4 warps an SM instead of 4)."""
-    ahead = inspect_offline(f"halves={halves}, blocks={blocks}")
-    late = inspect_offline(f"halves={halves}, blocks={blocks}, x_ahead=False")
-    for op in ("HMMA.16816.F32.BF16", "LDG.E.128"):
-        assert late["sass_ops"][op] == ahead["sass_ops"][op], op
-    assert late["spill_instructions"] == 0 and late["local_mem"] == 0, late
-    assert late["registers"] <= most_registers < ahead["registers"], (ahead["registers"], late["registers"])
-
-
 def test_a_register_cap_fits_a_sixth_program_an_sm_at_the_cost_of_two_spills():
     """Offline sm_90: uncapped, the kernel holds 96 registers a thread at M <= 8 (5 programs of 4 warps an SM);
     capped at 80 (`Int4KernelConfig.max_registers`) it fits 6, with 2 spill instructions and the same loop (its HMMA
@@ -486,21 +473,6 @@ def test_more_pairs_in_flight_give_the_bits_of_two(warps, stages, group, symmetr
     cases = ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (1, 4096, 14336), (9, 48, 256),
              (13, 4096, 1024), (16, 512, 4096), (16, 80, 3584))
     assert_same_bits(mma_blocks(warps, 1, stages), MMA_CONFIGS[warps], cases, group, symmetric, gen)
-
-
-@pytest.mark.gpu
-@gpu90
-@pytest.mark.parametrize("warps, blocks, stages", [(4, 1, 2), (8, 1, 2), (4, 2, 2), (4, 1, 3)])
-@pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
-def test_x_loaded_at_its_mmas_gives_the_bits_of_x_loaded_ahead(warps, blocks, stages, group, symmetric):
-    """x's words loaded at their pair's mmas feed the same mmas as x's loaded with the weights: the same bits at
-    M = 1-16, K a multiple of stages x warps pairs and not, and through the silu * up epilogue; within the
-    kernel's tolerance of the float64 reference."""
-    gen = torch.Generator().manual_seed(hash((warps, blocks, stages, group, symmetric)) % 2**31)
-    cases = ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (1, 4096, 14336), (9, 48, 256),
-             (13, 4096, 1024), (16, 512, 4096), (16, 80, 3584))
-    assert_same_bits(mma_blocks(warps, blocks, stages, x_ahead=False), mma_blocks(warps, blocks, stages), cases,
-                     group, symmetric, gen)
 
 
 @pytest.mark.gpu

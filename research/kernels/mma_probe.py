@@ -14,9 +14,6 @@ empty or whose warps get few pairs of K each, faster?
 --x-broadcast times each warps count again with x's M rows one row in memory (row stride 0): the same mma work,
 but each load of x is one broadcast, as at M = 1. The gap to the plain time is what x's row-by-row fragment loads
 cost (docs/kernel-log.md, 2026-12-05 22:50).
-
---x-late times each warps count, and each of --blocks, again with x's words loaded at their pair's mmas instead of
-with the weights' (`mma_blocks(..., x_ahead=False)`: fewer registers a thread), each checked bit for bit.
 """
 
 from __future__ import annotations
@@ -63,7 +60,7 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
 
 def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
               caps: tuple[int, ...] = (), blocks: tuple[int, ...] = (), stages: tuple[int, ...] = (),
-              x_broadcast: bool = False, x_late: bool = False) -> dict:
+              x_broadcast: bool = False) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -78,8 +75,6 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
         base = int4_matmul(x, ws[0], config=MMA_CONFIGS[warps])  # the bits a variant must give
         variants = [(f"r{cap}", dataclasses.replace(MMA_CONFIGS[warps], max_registers=cap)) for cap in caps]
         variants += [(f"p{s}", mma_blocks(warps, 1, s)) for s in stages]  # pairs in flight a warp (num_stages)
-        if x_late:  # x loaded at its pair's mmas, one block and each of `blocks`
-            variants += [(f"b{b}_xlate", mma_blocks(warps, b, 2, x_ahead=False)) for b in (1, *blocks)]
         for tag, cfg in variants:
             out[f"same_bits_w{warps}_{tag}"] = bool(torch.equal(int4_matmul(x, ws[0], config=cfg), base))
             out[f"mma_w{warps}_{tag}"] = timed(cfg)
@@ -119,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time each warps count with these pairs in flight a warp (3, 4), checked bit for bit")
     ap.add_argument("--x-broadcast", action="store_true",
                     help="also time each warps count with x's rows one row in memory (row stride 0)")
-    ap.add_argument("--x-late", action="store_true",
-                    help="also time each warps count and --blocks with x loaded at its pair's mmas (bits checked)")
     ap.add_argument("--max-registers", nargs="*", type=int, default=[],
                     help="also time each warps count under these register caps (multiples of 8)")
     args = ap.parse_args(argv)
@@ -145,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
             r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks),
-                          tuple(args.stages), args.x_broadcast, args.x_late)
+                          tuple(args.stages), args.x_broadcast)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

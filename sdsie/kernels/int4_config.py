@@ -54,8 +54,7 @@ class Int4KernelConfig:
     num_warps: int = 4
     num_stages: int = 2  # GEMV: <= 2 prefetches the next weight tile in registers; >= 3 pipelines through cp.async
     # GEMV: x as one contiguous tile split in registers, else eight gathers. planes (swap_ab): x's pairs as int32
-    # words through cp.async where x allows it, else two strided gathers (loaded in each K tile, not staged). mma:
-    # x's words of a pair loaded num_stages pairs ahead with the weights', else at the pair's mmas
+    # words through cp.async where x allows it, else two strided gathers (loaded in each K tile, not staged)
     x_tile: bool = True
     swap_ab: bool = False  # tl.dot only: dequantized weights as the wgmma's left operand (_int4_gemm_planes_kernel)
     # ptxas's cap on registers per thread (Triton's maxnreg; None: its own choice). The M = 1 GEMV is latency-bound
@@ -395,16 +394,14 @@ MMA_BLOCK_CONFIGS = {(w, bn // 16): Int4KernelConfig(8, bn, 128, num_warps=w, mm
                      for w in (4, 8) for bn in MMA_BLOCK_N[1:]}
 
 
-def mma_blocks(warps: int, blocks: int = 1, stages: int = 2, x_ahead: bool = True) -> Int4KernelConfig:
+def mma_blocks(warps: int, blocks: int = 1, stages: int = 2) -> Int4KernelConfig:
     """The mma configuration of `warps` warps, `blocks` row blocks (of 16 rows) a program and `stages` pairs of
-    chunks in flight a warp; `x_ahead` False loads x's words at their pair's mmas instead of with the weights'."""
+    chunks in flight a warp."""
     if warps not in MMA_CONFIGS or (blocks != 1 and (warps, blocks) not in MMA_BLOCK_CONFIGS):
         raise ValueError(f"no mma configuration of {warps} warps and {blocks} row blocks a program; there are "
                          f"{sorted(MMA_CONFIGS)} warps and {[bn // 16 for bn in MMA_BLOCK_N]} blocks")
     cfg = MMA_CONFIGS[warps] if blocks == 1 else MMA_BLOCK_CONFIGS[warps, blocks]
-    if (stages, x_ahead) == (cfg.num_stages, cfg.x_tile):
-        return cfg
-    return dataclasses.replace(cfg, num_stages=stages, x_tile=x_ahead)
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
 # 4 pairs in flight a warp (166 registers a thread at M <= 8: 3 programs of 4 warps an SM, against 5 at 2 pairs) where

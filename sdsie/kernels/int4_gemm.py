@@ -195,7 +195,7 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
         blocks = cfg.block_n // 16
         return _Plan(_int4_mma_gemv_kernel, (triton.cdiv(n // 16, blocks), 1, 1), words,
                      zeros if zeros is not None else scales, (m, n, k),
-                     mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages, cfg.x_tile), options, 1, 0,
+                     mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages), options, 1, 0,
                      (w.qweight, w.scales, w.zeros), scales=scales)
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)

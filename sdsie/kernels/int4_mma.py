@@ -273,7 +273,7 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                           WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
-                          PDL: gl.constexpr, STAGES: gl.constexpr, X_AHEAD: gl.constexpr):
+                          PDL: gl.constexpr, STAGES: gl.constexpr):
     # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
     # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs ahead
     # right after its mmas), and their sums meet in one cross-warp reduction. A warp's x registers for a pair serve
@@ -282,9 +282,6 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     # GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
     # SILU_MUL (HALVES 1): rows in `gate_up_order`; y [M, N/2] = silu(gate) * up, computed in fp32 from the sums.
-    # X_AHEAD: x's words of a pair are loaded STAGES pairs ahead with the weights' (in flight in registers: 16 a
-    # thread a pair at HALVES 1, 32 at HALVES 2), else just before the pair's mmas (x is read from L1 or L2, not
-    # DRAM, so fewer registers a thread for a shorter wait).
     L4: gl.constexpr = gl.BlockedLayout([BLOCKS, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [B, W, 32]
     LJ: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))  # [4] along j
@@ -328,50 +325,30 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 3))
     if PDL:
         _wait_for_producer()
-    if X_AHEAD:
-        a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
-        b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
-        if STAGES >= 3:
-            c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
-        if STAGES == 4:
-            d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
+    a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
+    b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
+    if STAGES >= 3:
+        c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
+    if STAGES == 4:
+        d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
     if PDL:
         _release_dependents()
     p = warp
     for _ in range(0, gl.cdiv(pairs, STAGES * WARPS)):
-        if X_AHEAD:
-            tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
-            a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS,
+        tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
+        a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS,
+                        PER_CHANNEL, HAS_ZEROS, HALVES)
+        tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
+        b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 1) * WARPS, pairs, rows, N, GROUP_PAIRS,
+                        PER_CHANNEL, HAS_ZEROS, HALVES)
+        if STAGES >= 3:
+            tot, tot_h = _pair_mma(tot, tot_h, c, j, HAS_ZEROS, HALVES)
+            c = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 2) * WARPS, pairs, rows, N, GROUP_PAIRS,
                             PER_CHANNEL, HAS_ZEROS, HALVES)
-            tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
-            b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 1) * WARPS, pairs, rows, N, GROUP_PAIRS,
+        if STAGES == 4:
+            tot, tot_h = _pair_mma(tot, tot_h, d, j, HAS_ZEROS, HALVES)
+            d = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 3) * WARPS, pairs, rows, N, GROUP_PAIRS,
                             PER_CHANNEL, HAS_ZEROS, HALVES)
-            if STAGES >= 3:
-                tot, tot_h = _pair_mma(tot, tot_h, c, j, HAS_ZEROS, HALVES)
-                c = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 2) * WARPS, pairs, rows, N,
-                                GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, HALVES)
-            if STAGES == 4:
-                tot, tot_h = _pair_mma(tot, tot_h, d, j, HAS_ZEROS, HALVES)
-                d = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 3) * WARPS, pairs, rows, N,
-                                GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, HALVES)
-        else:
-            tot, tot_h = _pair_mma(tot, tot_h, a + _x_loads(xw4, xw4_h, p, pairs, HALVES), j, HAS_ZEROS, HALVES)
-            a = _wsz_loads(pw4, s_ptr, z_ptr, p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
-                           HAS_ZEROS)
-            tot, tot_h = _pair_mma(tot, tot_h, b + _x_loads(xw4, xw4_h, p + WARPS, pairs, HALVES), j, HAS_ZEROS,
-                                   HALVES)
-            b = _wsz_loads(pw4, s_ptr, z_ptr, p + (STAGES + 1) * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
-                           HAS_ZEROS)
-            if STAGES >= 3:
-                tot, tot_h = _pair_mma(tot, tot_h, c + _x_loads(xw4, xw4_h, p + 2 * WARPS, pairs, HALVES), j,
-                                       HAS_ZEROS, HALVES)
-                c = _wsz_loads(pw4, s_ptr, z_ptr, p + (STAGES + 2) * WARPS, pairs, rows, N, GROUP_PAIRS,
-                               PER_CHANNEL, HAS_ZEROS)
-            if STAGES == 4:
-                tot, tot_h = _pair_mma(tot, tot_h, d + _x_loads(xw4, xw4_h, p + 3 * WARPS, pairs, HALVES), j,
-                                       HAS_ZEROS, HALVES)
-                d = _wsz_loads(pw4, s_ptr, z_ptr, p + (STAGES + 3) * WARPS, pairs, rows, N, GROUP_PAIRS,
-                               PER_CHANNEL, HAS_ZEROS)
         p += STAGES * WARPS
     if PER_CHANNEL:
         tot = tot * s_end
@@ -408,11 +385,10 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
 
 
 def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1,
-               stages: int = 2, x_ahead: bool = True) -> dict:
+               stages: int = 2) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
-    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4; `x_ahead`: x's words loaded
-    with the weights', else at their pair's mmas)."""
+    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4)."""
     if stages not in MMA_STAGES:
         raise ValueError(f"the mma kernel keeps {MMA_STAGES} pairs in flight a warp, got {stages}")
     if silu_mul and m > 8:
@@ -420,4 +396,4 @@ def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: b
     per_channel = w.group_size >= w.in_features
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
-                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages, X_AHEAD=x_ahead)
+                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages)

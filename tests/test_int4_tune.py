@@ -272,3 +272,23 @@ def test_a_cpu_without_the_interpreter_is_refused_before_anything_runs(monkeypat
     assert cli.main(["tune-int4", "--shape", "64x256", "--device", "cpu"]) == 2
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
     assert not cache.exists()
+
+
+def test_config_names_read_back_to_the_configurations_they_name():
+    """`config_from_name` inverts `config_name` over every configuration the choice can return, and over the flags
+    sweeps name beside them (register caps, x gathers, row blocks), with or without the int4[...] wrapper; a name
+    it cannot read is refused, naming the part."""
+    import dataclasses
+
+    from sdsie.kernels.int4_config import MMA_CONFIGS, mma_blocks
+
+    extra = [dataclasses.replace(MMA_CONFIGS[4], max_registers=80), mma_blocks(8, 4, 3),
+             int4_config.Int4KernelConfig(4, 128, 256, split_k=2, num_warps=8, num_stages=3, x_tile=False)]
+    for cfg in tu.choice_configs() + extra:
+        name = tu.config_name(cfg)
+        assert tu.config_from_name(name) == cfg, name
+        assert tu.config_from_name(name[5:-1]) == cfg, name
+    for bad, message in [("1,128,256", "expected ROWS"), ("1,128,256,s2,w4,q9", "unknown part 'q9'"),
+                         ("int4[8,16,128,s1,w4,rx,mma]", "unknown part 'rx'")]:
+        with pytest.raises(ValueError, match=message):
+            tu.config_from_name(bad)

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from reproductions.kernels.int4_bench import LLAMA_SHAPES, cuda_missing, random_int4, tinygemm_pack
-from sdsie.kernels import Int4KernelConfig, int4_matmul
+from sdsie.kernels import int4_matmul
+from sdsie.kernels.int4_tune import config_from_name
 from sdsie.telemetry.records import write_raw
 
 KINDS = ("int4", "bf16", "tinygemm")
@@ -73,24 +74,6 @@ EXTRA_METRICS = tuple(METRICS[key] for key in (
     "sm_cycles_active_min", "sm_cycles_active_avg", "sm_cycles_active_max", "elapsed_cycles", "dram_bytes_read",
     "dram_bytes_write", "instructions", "l2_bytes", "l2_pct_of_peak", "l1_bytes", "l1_pct_of_peak"))
 STALL_PATTERN = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
-
-
-def parse_config(text: str) -> Int4KernelConfig:
-    """'1,128,256,s2,w4,p4' (config_name without brackets; p2 and tile x by default; a trailing mma names the
-    tensor-core GEMV, 8,16,128,s1,w4,mma) -> Int4KernelConfig."""
-    parts = text.split(",")
-    if len(parts) < 5 or not parts[3].startswith("s") or not parts[4].startswith("w"):
-        raise ValueError(f"config {text!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap][,mma]")
-    kw = {"num_stages": 2, "x_tile": True, "swap_ab": False, "mma": False}
-    for p in parts[5:]:
-        if p.startswith("p"):
-            kw["num_stages"] = int(p[1:])
-        elif p in ("gather", "swap", "mma"):
-            kw[{"gather": "x_tile", "swap": "swap_ab", "mma": "mma"}[p]] = p != "gather"
-        else:
-            raise ValueError(f"config {text!r}: unknown part {p!r}")
-    return Int4KernelConfig(int(parts[0]), int(parts[1]), int(parts[2]), split_k=int(parts[3][1:]),
-                            num_warps=int(parts[4][1:]), **kw)
 
 
 def parse_target(target: str) -> tuple[str, str, str, int, str | None]:
@@ -131,7 +114,7 @@ def make_call(target: str, device: str) -> Callable[[], object]:
         if pack is None:
             raise ValueError(f"target {target!r}: tinygemm has no per-channel layout here")
         return lambda: torch.ops.aten._weight_int4pack_mm(x, pack[0], 128, pack[1])
-    config = parse_config(config_text) if config_text is not None else None
+    config = config_from_name(config_text) if config_text is not None else None
     return lambda: int4_matmul(x, w4, config=config)
 
 

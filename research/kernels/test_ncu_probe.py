@@ -11,7 +11,6 @@ import pytest
 
 from research.kernels.ncu_probe import (
     make_call,
-    parse_config,
     parse_target,
     read_raw_csv,
     summarize_launch,
@@ -19,6 +18,7 @@ from research.kernels.ncu_probe import (
 )
 from sdsie.kernels import Int4KernelConfig
 from sdsie.kernels.int4_config import mma_blocks
+from sdsie.kernels.int4_tune import config_from_name
 
 
 def _csv(rows: list[list[str]]) -> str:
@@ -28,18 +28,18 @@ def _csv(rows: list[list[str]]) -> str:
 
 
 def test_config_names_parse_back_to_the_sweeps_configurations():
-    assert parse_config("1,128,256,s2,w4,p4") == Int4KernelConfig(1, 128, 256, split_k=2, num_warps=4, num_stages=4)
-    assert parse_config("16,128,128,s1,w4,p3,swap") == Int4KernelConfig(
+    assert config_from_name("1,128,256,s2,w4,p4") == Int4KernelConfig(1, 128, 256, split_k=2, num_warps=4, num_stages=4)
+    assert config_from_name("16,128,128,s1,w4,p3,swap") == Int4KernelConfig(
         16, 128, 128, split_k=1, num_warps=4, num_stages=3, swap_ab=True)
-    assert parse_config("4,128,256,s1,w4,gather").x_tile is False
-    assert parse_config("8,32,128,s1,w4,mma") == mma_blocks(4, 2)
+    assert config_from_name("4,128,256,s1,w4,gather").x_tile is False
+    assert config_from_name("8,32,128,s1,w4,mma") == mma_blocks(4, 2)
 
 
 @pytest.mark.parametrize("text, message", [("1,128,256", "expected ROWS"), ("1,128,256,s2,w4,q9", "unknown part"),
                                            ("16,128,128,s1,w4,p3,swap,onedot", "unknown part")])
 def test_bad_config_names_are_refused(text, message):
     with pytest.raises(ValueError, match=message):
-        parse_config(text)
+        config_from_name(text)
 
 
 def test_targets_name_their_rows_and_configuration():

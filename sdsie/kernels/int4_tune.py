@@ -51,8 +51,8 @@ from sdsie.kernels.int4_mma import mma_supported
 from sdsie.kernels.reference import int4_matmul_reference
 from sdsie.stats import geomean
 
-__all__ = ["CORRECT_REL_ERROR", "CaseResult", "TuneCase", "case_candidates", "choice_configs", "config_name", "fits",
-           "meta_int4", "model_cases", "rel_error", "tune", "tune_model", "write_tuned"]
+__all__ = ["CORRECT_REL_ERROR", "CaseResult", "TuneCase", "case_candidates", "choice_configs", "config_from_name",
+           "config_name", "fits", "meta_int4", "model_cases", "rel_error", "tune", "tune_model", "write_tuned"]
 
 CORRECT_REL_ERROR = 2e-2  # a configuration's result counts when its relative error to the reference is under this
 GEMV_SWEEP_M = (1, 2)  # the one-row GEMV kernel is timed at these M; the tl.dot kernels at M >= 2
@@ -69,6 +69,25 @@ def config_name(cfg: Int4KernelConfig) -> str:
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
             f"{',swap' if cfg.swap_ab else ''}{'' if cfg.max_registers is None else f',r{cfg.max_registers}'}"
             f"{',mma' if cfg.mma else ''}]")
+
+
+def config_from_name(name: str) -> Int4KernelConfig:
+    """`config_name`'s inverse: 'int4[1,128,256,s2,w4,p4]' or the same without 'int4[' and ']' -> Int4KernelConfig
+    (num_stages 2, x tiled, no cap by default). ValueError naming the part it cannot read."""
+    text = name[5:-1] if name.startswith("int4[") and name.endswith("]") else name
+    parts = text.split(",")
+    if len(parts) < 5 or not parts[3].startswith("s") or not parts[4].startswith("w"):
+        raise ValueError(f"config {name!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap][,rREGS][,mma]")
+    kw: dict = {}
+    for part in parts[5:]:
+        if part in ("gather", "swap", "mma"):
+            kw[{"gather": "x_tile", "swap": "swap_ab", "mma": "mma"}[part]] = part != "gather"
+        elif part[:1] in ("p", "r") and part[1:].isdigit():
+            kw["num_stages" if part[0] == "p" else "max_registers"] = int(part[1:])
+        else:
+            raise ValueError(f"config {name!r}: unknown part {part!r}")
+    return Int4KernelConfig(int(parts[0]), int(parts[1]), int(parts[2]), split_k=int(parts[3][1:]),
+                            num_warps=int(parts[4][1:]), **kw)
 
 
 def choice_configs() -> list[Int4KernelConfig]:

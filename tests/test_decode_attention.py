@@ -127,6 +127,18 @@ def test_a_graph_replays_the_combine_with_new_queries():
         assert ((out.double() - ref).abs() <= bound).all(), seed
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pipeline depth is a GPU compilation knob")
+@pytest.mark.parametrize("num_stages", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("num_splits", [1, 4, 12])
+def test_every_pipeline_depth_matches_sdpa(num_stages, num_splits):
+    """Llama-3.1-8B's decode shape after 2,048 tokens at each depth the rule or a forced call can ask for: chunks of
+    3 to 36 tiles, rings of 1 to 5 tiles ahead (the prologue's masked loads past a short chunk included)."""
+    q, k, v = _qkv(1, 8, 4, 2304, 128, torch.bfloat16, torch.device("cuda"), seed=num_stages)
+    _check(q, k, v, _tail_mask(1, 2304, 100, torch.bfloat16, q.device), 0.125, num_splits=num_splits,
+           num_stages=num_stages)
+
+
 def test_a_slice_of_a_static_cache_and_a_strided_query(kernel_device):
     """k and v as one layer's slice of a [L, 2, B, H_kv, S_max, D] cache cut to S (non-contiguous, offset), and the
     query packed from [B, 1, H, D] as model_io packs it (and once with a last-dim stride of 2, copied)."""
@@ -216,20 +228,36 @@ def test_a_cpu_without_the_interpreter_is_refused(monkeypatch):
 
 
 def test_the_split_rule_at_the_decode_shapes():
-    """About one program per SM of 132, whole 64-position tiles, at most 64 splits, no empty chunk."""
-    assert split_rule(8, 2304) == SplitPlan(12, 192, 64)  # Llama-3.1-8B after 2,048 tokens: 17 wanted, 3 tiles each
-    assert split_rule(4, 2304) == SplitPlan(18, 128, 64)  # Qwen2.5-7B: 33 wanted, 2 tiles each
-    assert split_rule(8, 8448) == SplitPlan(17, 512, 64)  # 132 tiles: 8 a chunk
-    assert split_rule(4, 8448) == SplitPlan(33, 256, 64)
-    assert split_rule(8, 256) == SplitPlan(4, 64, 64)  # as many splits as tiles
-    assert split_rule(1, 10) == SplitPlan(1, 64, 64)
-    assert split_rule(400, 100_000) == SplitPlan(1, 100_032, 64)  # enough heads for every SM: no split
-    assert split_rule(8, 2304, sms=16) == SplitPlan(2, 1152, 64)  # a smaller GPU: fewer splits
-    assert split_rule(1, 100, 16, num_splits=2) == SplitPlan(2, 64, 16)  # 7 tiles: 4 + 3
-    assert split_rule(1, 100, 16, num_splits=50) == SplitPlan(7, 16, 16)  # forced past the tiles: one each
-    for bad in ({"batch_heads": 0}, {"seq_len": 0}, {"block_n": 0}, {"num_splits": 0}, {"sms": 0}):
+    """About one program per SM of 132, whole 64-position tiles, at most 64 splits, no empty chunk; a pipeline as
+    deep as the chunk's tiles, at most 4 tiles (32 KB each at D 128, bf16) ahead."""
+    assert split_rule(8, 2304) == SplitPlan(12, 192, 64, 4)  # Llama-3.1-8B after 2,048 tokens: 17 wanted, 3 tiles
+    assert split_rule(4, 2304) == SplitPlan(18, 128, 64, 3)  # Qwen2.5-7B: 33 wanted, 2 tiles each
+    assert split_rule(8, 8448) == SplitPlan(17, 512, 64, 5)  # 132 tiles: 8 a chunk, 4 of them ahead
+    assert split_rule(4, 8448) == SplitPlan(33, 256, 64, 5)
+    assert split_rule(8, 256) == SplitPlan(4, 64, 64, 2)  # as many splits as tiles: nothing to pipeline
+    assert split_rule(1, 10) == SplitPlan(1, 64, 64, 2)
+    assert split_rule(400, 100_000) == SplitPlan(1, 100_032, 64, 5)  # enough heads for every SM: no split
+    assert split_rule(8, 2304, sms=16) == SplitPlan(2, 1152, 64, 5)  # a smaller GPU: fewer splits
+    assert split_rule(1, 100, 16, num_splits=2) == SplitPlan(2, 64, 16, 5)  # 7 tiles: 4 + 3
+    assert split_rule(1, 100, 16, num_splits=50) == SplitPlan(7, 16, 16, 2)  # forced past the tiles: one each
+    for bad in ({"batch_heads": 0}, {"seq_len": 0}, {"block_n": 0}, {"num_splits": 0}, {"sms": 0},
+                {"head_dim": 0}, {"max_in_flight": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             split_rule(**({"batch_heads": 8, "seq_len": 64} | bad))
+
+
+def test_the_pipeline_depth_fits_the_shared_memory_it_is_given():
+    """Stages of one K and one V tile each: a smaller shared memory, a wider head or fp32 tiles leave fewer of them
+    (at least one); a forced depth outside what fits, or a tile that fits nowhere, is refused by name."""
+    assert split_rule(1, 4096, num_splits=1, shared=100 * 1024).num_stages == 3  # (100 - 16) KB: two 32 KB stages
+    assert split_rule(1, 4096, num_splits=1, head_dim=256, elem_bytes=4).num_stages == 2  # one 128 KB stage
+    assert split_rule(1, 4096, num_splits=1, max_in_flight=2).num_stages == 3
+    assert split_rule(1, 4096, num_splits=1, num_stages=6).num_stages == 6  # 160 KB of a 227 KB program
+    for forced in (1, 8):
+        with pytest.raises(ValueError, match="num_stages must be in"):
+            split_rule(1, 4096, num_splits=1, num_stages=forced)
+    with pytest.raises(ValueError, match="does not fit"):
+        split_rule(1, 4096, head_dim=256, elem_bytes=4, shared=100 * 1024)
 
 
 @given(st.integers(1, 64), st.integers(1, 20_000), st.sampled_from([16, 32, 64, 128]), st.integers(1, 200))
@@ -242,6 +270,7 @@ def test_split_rule_invariants(batch_heads, seq_len, block_n, sms):
     assert plan.chunk % block_n == 0 and plan.block_n == block_n
     assert plan.num_splits * plan.chunk >= seq_len > (plan.num_splits - 1) * plan.chunk
     assert 1 <= plan.num_splits <= wanted and (2 * plan.num_splits > wanted or plan.num_splits == wanted == 1)
+    assert plan.num_stages == 1 + min(plan.chunk // block_n, da.MAX_TILES_IN_FLIGHT)  # 4 tiles of <= 64 KB fit
 
 
 def test_the_op_passes_opcheck_and_is_the_kernel(kernel_device):
@@ -271,11 +300,12 @@ def test_the_gpu_benchs_dry_run_writes_every_arm_with_small_errors(kernel_device
     from research.kernels.decode_attention_bench import TINY_MODELS, TINY_SEQ_LENS, main
 
     out = tmp_path / "da.json"
-    assert main(["--tiny", "--device", kernel_device.type, "--out", str(out)]) == 0
+    assert main(["--tiny", "--device", kernel_device.type, "--stages", "3", "--out", str(out)]) == 0
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == len(TINY_MODELS) * len(TINY_SEQ_LENS)
     for c in cases:
-        assert {"sdpa_packed", "sdpa_gqa", "split_kv"} <= set(c["arms"])
+        assert {"sdpa_packed", "sdpa_gqa", "split_kv", "split_kv_s3", "split_kv_n4_s3"} <= set(c["arms"])
+        assert c["arms"]["split_kv_n4_s3"]["plan"]["num_stages"] == 3
         assert c["kv_bytes"] == 2 * c["h_kv"] * c["s"] * c["d"] * 2
         for arm in c["arms"].values():
             assert 0 <= arm["max_abs_err"] < 2.0**-5, arm
@@ -287,10 +317,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from sdsie.kernels.decode_attention import _attention_reduce_kernel, _attention_split_kernel
 
-def build(kernel, ptrs, consts):
-    sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n == "scale" else "i32")
-           for n in inspect.signature(kernel.fn).parameters}
-    return compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+def build(kernel, ptrs, consts, stages=3, div16=()):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "fp32" if n == "scale" else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": stages})
 
 ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr"), "*bf16"),
         **dict.fromkeys(("acc_ptr", "m_ptr", "l_ptr"), "*fp32")}
@@ -302,13 +334,20 @@ reduce = build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128,
 plain = [build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True, "PDL": False}),
          build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64, "PDL": False})]
 ptx = split.asm["ptx"]
+ring = {}  # num_stages -> (the K and V copies issued into the ring, shared bytes)
+for stages in (2, 4, 5):
+    # what a launch at the decode shape specializes: 16-byte aligned pointers, strides and lengths multiples of 16
+    deep = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True, "PDL": True}, stages,
+                 div16=[*ptrs, "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
+                        "stride_vh", "stride_vs", "S", "CHUNK"])
+    ring[stages] = [deep.asm["ttgir"].count("ttg.async_copy_global_to_local"), deep.metadata.shared]
 grid_dep = lambda k: [k.asm["ptx"].count("griddepcontrol.wait"), k.asm["ptx"].count("griddepcontrol.launch_dependents")]
 print(json.dumps({"mma_bf16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
                   "local": sum(k.asm["ptx"].count(op) for k in (split, single, reduce)
                                for op in ("ld.local", "st.local")),
                   "shared": max(split.metadata.shared, single.metadata.shared),
                   "grid_dep_pdl": [grid_dep(k) for k in (split, single, reduce)],
-                  "grid_dep_plain": [grid_dep(k) for k in plain]}))
+                  "grid_dep_plain": [grid_dep(k) for k in plain], "ring": ring}))
 """
 
 
@@ -324,3 +363,8 @@ def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_sp
     # PDL (the default on sm_90+): each kernel waits for its producer and releases its dependents once; without it,
     # neither instruction is there
     assert r["grid_dep_pdl"] == [[1, 1]] * 3 and r["grid_dep_plain"] == [[0, 0]] * 2, r
+    # the depth split_rule asks for is the ring that compiles: 2 * num_stages async copies of K and V (the prologue's
+    # num_stages - 1 tiles, the loop's one), num_stages - 1 stages of 32 KB, within an H200's shared memory
+    for stages, (copies, shared) in r["ring"].items():
+        assert copies == 2 * int(stages), r["ring"]
+        assert (int(stages) - 1) * da.tile_bytes(64, 128, 2) < shared <= da.DEFAULT_SHARED_MEMORY, r["ring"]

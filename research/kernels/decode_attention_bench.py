@@ -17,7 +17,8 @@ and checked against a float64 reference (max abs error). Arms:
   sdpa_gqa      the same over the unpacked query [B, H, 1, D] with enable_gqa=True
   split_kv      decode_attention with its split rule; split_kv_bn32 / _bn128 other tile lengths; split_kv_half /
                 _double half and twice the rule's split count, split_kv_n{1..32} forced counts (the rule's
-                alternatives, for tuning it)
+                alternatives, for tuning it); with --stages D ..., split_kv_s{D} and split_kv_n{N}_s{D}: the rule's
+                and each forced count at each forced pipeline depth
   split_kv_previous  with --previous FILE: that version of the module's decode_attention
 K and V bytes read per call and the rate they imply (TB/s) sit beside each time.
 
@@ -81,8 +82,8 @@ def load_previous(path: Path) -> Arm:
     return lambda q, k, v, mask, scale: module.decode_attention(q, k, v, mask, scale)
 
 
-def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool,
-         previous: Path | None = None) -> tuple[dict[str, Arm], dict[str, dict]]:
+def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool, previous: Path | None = None,
+         stages: tuple[int, ...] = ()) -> tuple[dict[str, Arm], dict[str, dict]]:
     """The arms, each a call (q, k, v, mask, scale) -> [B, H_kv, G, D], and the split-KV arms' plans."""
     from sdsie.kernels.decode_attention import BLOCK_N, decode_attention, split_rule
 
@@ -100,18 +101,22 @@ def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool,
     if previous is not None:
         table["split_kv_previous"] = load_previous(previous)
     auto = split_rule(batch_heads, seq_len, BLOCK_N, sms=sms).num_splits
-    variants = {"split_kv": (BLOCK_N, None)}
+    variants: dict[str, tuple[int, int | None, int | None]] = {"split_kv": (BLOCK_N, None, None)}
     if not tiny:
-        variants |= {"split_kv_bn32": (32, None), "split_kv_bn128": (128, None),
-                     "split_kv_half": (BLOCK_N, max(1, auto // 2)), "split_kv_double": (BLOCK_N, 2 * auto)}
-        variants |= {f"split_kv_n{n}": (BLOCK_N, n) for n in SWEEP_SPLITS}
+        variants |= {"split_kv_bn32": (32, None, None), "split_kv_bn128": (128, None, None),
+                     "split_kv_half": (BLOCK_N, max(1, auto // 2), None),
+                     "split_kv_double": (BLOCK_N, 2 * auto, None)}
+        variants |= {f"split_kv_n{n}": (BLOCK_N, n, None) for n in SWEEP_SPLITS}
+    for depth in stages:
+        variants[f"split_kv_s{depth}"] = (BLOCK_N, None, depth)
+        variants |= {f"split_kv_n{n}_s{depth}": (BLOCK_N, n, depth) for n in SWEEP_SPLITS}
     plans = {}
-    for name, (block_n, splits) in variants.items():
-        plan = split_rule(batch_heads, seq_len, block_n, sms=sms, num_splits=splits)
+    for name, (block_n, splits, depth) in variants.items():
+        plan = split_rule(batch_heads, seq_len, block_n, sms=sms, num_splits=splits, num_stages=depth)
         plans[name] = {"num_splits": plan.num_splits, "chunk": plan.chunk, "block_n": block_n,
-                       "programs": batch_heads * plan.num_splits}
-        table[name] = (lambda bn, ns: lambda q, k, v, mask, scale: decode_attention(
-            q, k, v, mask, scale, num_splits=ns, block_n=bn))(block_n, splits)
+                       "num_stages": plan.num_stages, "programs": batch_heads * plan.num_splits}
+        table[name] = (lambda bn, ns, st: lambda q, k, v, mask, scale: decode_attention(
+            q, k, v, mask, scale, num_splits=ns, block_n=bn, num_stages=st))(block_n, splits, depth)
     return table, plans
 
 
@@ -130,7 +135,7 @@ def time_arm(fn: Arm, q: torch.Tensor, kvs: list[tuple[torch.Tensor, torch.Tenso
 
 
 def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden: int, device: str, tiny: bool,
-             gen: torch.Generator, previous: Path | None = None) -> dict:
+             gen: torch.Generator, previous: Path | None = None, stages: tuple[int, ...] = ()) -> dict:
     dtype = torch.bfloat16
     q, k, v, mask = make_case(h_kv, groups, dim, seq_len, hidden, dtype, device, gen)
     scale = 1.0 / math.sqrt(dim)
@@ -138,7 +143,7 @@ def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden:
     kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
     timed = device == "cuda"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if timed else 132
-    table, plans = arms(seq_len, h_kv, sms, tiny, previous)
+    table, plans = arms(seq_len, h_kv, sms, tiny, previous, stages)
     kvs = [(k, v)]
     if timed:
         from sdsie.telemetry.timing import l2_busting_copies
@@ -179,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
     p.add_argument("--previous", type=Path, help="another version of sdsie/kernels/decode_attention.py, timed as the "
                                                   "arm split_kv_previous")
+    p.add_argument("--stages", type=int, nargs="+", default=[], help="pipeline depths to force, each beside the "
+                                                                       "rule's and the forced split counts")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
     a = p.parse_args(argv)
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (a fresh process)
@@ -190,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from sdsie.telemetry.records import write_raw
 
-    models, seq_lens = (TINY_MODELS, TINY_SEQ_LENS) if a.tiny else (MODELS, SEQ_LENS)
+    models = TINY_MODELS if a.tiny else {name: MODELS[name] for name in a.models}
+    seq_lens = TINY_SEQ_LENS if a.tiny else tuple(a.seq_lens)
     gen = torch.Generator().manual_seed(0)
-    cases = [run_case(name, h_kv, g, d, s, s // 4 if a.tiny else HIDDEN_TAIL, a.device, a.tiny, gen, a.previous)
+    cases = [run_case(name, h_kv, g, d, s, s // 4 if a.tiny else HIDDEN_TAIL, a.device, a.tiny, gen, a.previous,
+                      tuple(a.stages))
              for name, (h_kv, g, d) in models.items() for s in seq_lens]
     write_raw(a.out, {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton interpreter, untimed)",

@@ -20,8 +20,10 @@ into `num_splits` chunks of whole BLOCK_N tiles:
 The kernels' names carry "attention" so that profiles (reproductions/decode_e2e.py) count them as attention.
 
 `split_rule` picks num_splits from the shape alone (aims at PROGRAMS_PER_SM programs per SM, a chunk of at least one
-tile, at most MAX_SPLITS), so nothing waits on the device: a call runs inside CUDA graph capture; its scratch comes
-from torch.empty per call.
+tile, at most MAX_SPLITS), and the software pipeline's depth: a program asks for up to MAX_TILES_IN_FLIGHT of its
+chunk's K and V tiles before it waits on the first (num_stages - 1 tiles in shared memory, within the device's
+shared memory), since one program per SM reads at the rate its requests in flight allow. Nothing waits on the
+device: a call runs inside CUDA graph capture; its scratch comes from torch.empty per call.
 
 Entry points: eager callers call `decode_attention`, which launches the kernels directly; under torch.compile it
 calls the custom op `sdsie::decode_attention` (`torch.compiler.is_compiling()` picks), whose fake implementation
@@ -42,35 +44,58 @@ import torch
 import triton
 import triton.language as tl
 
-from sdsie.kernels.device import DEFAULT_SMS, grid_dependency, interpreting, kernel_runs_on, pdl_on, sm_count
+from sdsie.kernels.device import (
+    DEFAULT_SHARED_MEMORY,
+    DEFAULT_SMS,
+    grid_dependency,
+    interpreting,
+    kernel_runs_on,
+    pdl_on,
+    shared_memory,
+    sm_count,
+)
 
-__all__ = ["DEFAULT_SMS", "MAX_SPLITS", "PROGRAMS_PER_SM", "SplitPlan", "decode_attention", "split_rule"]
+__all__ = ["DEFAULT_SMS", "MAX_SPLITS", "MAX_TILES_IN_FLIGHT", "PROGRAMS_PER_SM", "SplitPlan", "decode_attention",
+           "split_rule"]
 
 BLOCK_N = 64  # positions per tile: K and V tiles of 64 x 128 bf16 (16 KB each) at D = 128
 PROGRAMS_PER_SM = 1  # split programs aimed at per SM: the fastest of 1-32 splits on the H200 (docs/log.md)
 MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row at once
+MAX_TILES_IN_FLIGHT = 4  # K + V tiles a program requests ahead: 128 KB at BLOCK_N 64, D 128, bf16
+SHARED_RESERVE = 16384  # shared bytes beside the tile ring (q, p, layout conversions: 6 KB at D 128)
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """How the S axis is cut: `num_splits` chunks of `chunk` positions (a multiple of block_n); the last may be
-    shorter."""
+    """How the S axis is cut: `num_splits` chunks of `chunk` positions (a multiple of block_n; the last may be
+    shorter), each program's loop pipelined `num_stages` deep (num_stages - 1 K + V tiles requested ahead)."""
 
     num_splits: int
     chunk: int
     block_n: int
+    num_stages: int
+
+
+def tile_bytes(block_n: int, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory one stage of the ring holds: a K and a V tile of block_n positions (D padded as the kernel
+    pads it)."""
+    return 2 * block_n * max(16, triton.next_power_of_2(head_dim)) * elem_bytes
 
 
 def split_rule(batch_heads: int, seq_len: int, block_n: int = BLOCK_N, sms: int = DEFAULT_SMS,
                programs_per_sm: int = PROGRAMS_PER_SM, max_splits: int = MAX_SPLITS,
-               num_splits: int | None = None) -> SplitPlan:
+               num_splits: int | None = None, head_dim: int = 128, elem_bytes: int = 2,
+               shared: int = DEFAULT_SHARED_MEMORY, max_in_flight: int = MAX_TILES_IN_FLIGHT,
+               num_stages: int | None = None) -> SplitPlan:
     """The split of `seq_len` positions for `batch_heads` (B * H_kv) key/value heads: about sms * programs_per_sm
-    programs in all, chunks of whole block_n tiles, no chunk empty, at most max_splits. `num_splits` forces a count
-    (still at most one chunk per tile). Pure arithmetic on the shape: no device query."""
+    programs in all, chunks of whole block_n tiles, no chunk empty, at most max_splits; and a pipeline as deep as
+    the chunk's tiles, at most max_in_flight tiles ahead, within `shared` bytes of shared memory. `num_splits` and
+    `num_stages` force those (still at most one chunk per tile). Pure arithmetic on the shape: no device query."""
     for name, val in (("batch_heads", batch_heads), ("seq_len", seq_len), ("block_n", block_n), ("sms", sms),
-                      ("programs_per_sm", programs_per_sm), ("max_splits", max_splits)):
+                      ("programs_per_sm", programs_per_sm), ("max_splits", max_splits), ("head_dim", head_dim),
+                      ("elem_bytes", elem_bytes), ("max_in_flight", max_in_flight)):
         if val < 1:
             raise ValueError(f"split_rule: {name} must be >= 1, got {val}")
     tiles = -(-seq_len // block_n)
@@ -80,7 +105,18 @@ def split_rule(batch_heads: int, seq_len: int, block_n: int = BLOCK_N, sms: int 
     elif num_splits < 1:
         raise ValueError(f"split_rule: num_splits must be >= 1, got {num_splits}")
     tiles_per_split = -(-tiles // min(num_splits, tiles))
-    return SplitPlan(num_splits=-(-tiles // tiles_per_split), chunk=tiles_per_split * block_n, block_n=block_n)
+    stage = tile_bytes(block_n, head_dim, elem_bytes)
+    room = (shared - SHARED_RESERVE) // stage
+    if room < 1:
+        raise ValueError(f"split_rule: one K + V tile stage ({stage} bytes at block_n {block_n}, D {head_dim}) does "
+                         f"not fit {shared} bytes of shared memory")
+    if num_stages is None:
+        num_stages = 1 + min(tiles_per_split, max_in_flight, room)
+    elif not 2 <= num_stages <= room + 1:
+        raise ValueError(f"split_rule: num_stages must be in [2, {room + 1}] ({room} stages of {stage} bytes fit "
+                         f"{shared} bytes of shared memory), got {num_stages}")
+    return SplitPlan(num_splits=-(-tiles // tiles_per_split), chunk=tiles_per_split * block_n, block_n=block_n,
+                     num_stages=num_stages)
 
 
 @triton.jit
@@ -223,7 +259,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
-            num_splits: int | None = None, block_n: int = BLOCK_N) -> torch.Tensor:
+            num_splits: int | None = None, block_n: int = BLOCK_N, num_stages: int | None = None) -> torch.Tensor:
     check_inputs(q, k, v, mask)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n}")
@@ -231,7 +267,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         raise RuntimeError(f"decode_attention runs on CUDA, or on a CPU under TRITON_INTERPRET=1; got {q.device}")
     batch, heads, groups, dim = q.shape
     seq_len = k.shape[2]
-    plan = split_rule(batch * heads, seq_len, block_n, sms=sm_count(q.device), num_splits=num_splits)
+    plan = split_rule(batch * heads, seq_len, block_n, sms=sm_count(q.device), num_splits=num_splits, head_dim=dim,
+                      elem_bytes=q.element_size(), shared=shared_memory(q.device), num_stages=num_stages)
     if q.stride(3) != 1:
         q = q.contiguous()
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
@@ -263,7 +300,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         heads, groups, seq_len, plan.chunk, plan.num_splits, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=plan.block_n,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, num_warps=4, num_stages=plan.num_stages, launch_pdl=pdl)
     if split:
         _attention_reduce_kernel[(batch * heads, groups)](
             acc, m, l_sum, out, groups, plan.num_splits,
@@ -288,13 +325,14 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | No
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      scale: float | None = None, num_splits: int | None = None,
-                     block_n: int = BLOCK_N) -> torch.Tensor:
+                     block_n: int = BLOCK_N, num_stages: int | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for q [B, H_kv, G, D], k and v [B, H_kv, S, D] (last-dim stride 1, any other
     strides), mask additive float or bool, broadcastable to [B, 1, 1, S] (None: every position attended); scale None
     is 1 / sqrt(D), as in SDPA. Returns [B, H_kv, G, D] in q's dtype. `num_splits` forces the number of chunks of
-    S (else `split_rule`); `block_n` (eager calls only) the tile length."""
+    S (else `split_rule`); `block_n` and `num_stages` (eager calls only) the tile length and pipeline depth."""
     if torch.compiler.is_compiling():
-        if block_n != BLOCK_N:
-            raise ValueError(f"decode_attention: block_n is an eager-only knob; compiled calls use {BLOCK_N}")
+        if block_n != BLOCK_N or num_stages is not None:
+            raise ValueError(f"decode_attention: block_n and num_stages are eager-only knobs; compiled calls use "
+                             f"{BLOCK_N} and split_rule's depth")
         return decode_attention_op(q, k, v, mask, scale, num_splits)
-    return _launch(q, k, v, mask, scale, num_splits, block_n)
+    return _launch(q, k, v, mask, scale, num_splits, block_n, num_stages)

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DEFAULT_SMS", "grid_dependency", "interpreting", "kernel_runs_on", "programmatic_launch",
-           "set_programmatic_launch", "pdl_on", "sm_count"]
+__all__ = ["DEFAULT_SHARED_MEMORY", "DEFAULT_SMS", "grid_dependency", "interpreting", "kernel_runs_on",
+           "programmatic_launch", "set_programmatic_launch", "pdl_on", "shared_memory", "sm_count"]
 
 # On by default: Llama-3.1-8B's INT4 decode on an H200 runs 537.6 tok/s with it and 494.8 without (records 296e3593,
 # 0a719e2c), with every GEMV output bit for bit the same (docs/kernel-log.md, 2026-12-04 20:00)
@@ -38,6 +38,24 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return DEFAULT_SMS
+
+
+# An H100's or H200's shared memory a program may ask for (opt-in, bytes): what the launch rules assume where no CUDA
+# device gives one
+DEFAULT_SHARED_MEMORY = 232448
+
+
+def shared_memory(device: torch.device) -> int:
+    """The shared memory (bytes) one program may use on `device` (Triton's own limit for a launch), else
+    DEFAULT_SHARED_MEMORY."""
+    if device.type == "cuda":
+        return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_SHARED_MEMORY
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def set_programmatic_launch(enabled: bool) -> None:

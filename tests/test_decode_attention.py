@@ -131,12 +131,18 @@ def test_a_graph_replays_the_combine_with_new_queries():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pipeline depth is a GPU compilation knob")
 @pytest.mark.parametrize("num_stages", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("num_splits", [1, 4, 12])
-def test_every_pipeline_depth_matches_sdpa(num_stages, num_splits):
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+def test_every_pipeline_depth_matches_sdpa(num_stages, num_splits, mask_kind):
     """Llama-3.1-8B's decode shape after 2,048 tokens at each depth the rule or a forced call can ask for: chunks of
-    3 to 36 tiles, rings of 1 to 5 tiles ahead (the prologue's masked loads past a short chunk included)."""
+    3 to 36 tiles, rings of 1 to 5 tiles ahead (the prologue's masked loads past a short chunk included), and the
+    mask's tiles loaded a tile ahead, additive and boolean, with holes across tile and chunk boundaries."""
     q, k, v = _qkv(1, 8, 4, 2304, 128, torch.bfloat16, torch.device("cuda"), seed=num_stages)
-    _check(q, k, v, _tail_mask(1, 2304, 100, torch.bfloat16, q.device), 0.125, num_splits=num_splits,
-           num_stages=num_stages)
+    keep = torch.rand(1, 1, 1, 2304, generator=torch.Generator().manual_seed(num_splits)) > 0.3
+    keep[..., 2204:] = False  # the unfilled tail
+    keep[..., 180:200] = False  # a hole across the tiles at 192 (a chunk's edge at 12 splits)
+    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    _check(q, k, v, mask.to(device=q.device, dtype=torch.bool if mask_kind == "bool" else q.dtype), 0.125,
+           num_splits=num_splits, num_stages=num_stages)
 
 
 def test_a_slice_of_a_static_cache_and_a_strided_query(kernel_device):
@@ -155,17 +161,19 @@ def test_a_slice_of_a_static_cache_and_a_strided_query(kernel_device):
     _check(wide, k, v, mask, 0.125, num_splits=3, block_n=16)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "flat", "batch_broadcast", "bf16_mask"])
-def test_mask_forms_and_the_default_scale(kernel_device, mask_kind):
+def test_mask_forms_and_the_default_scale(kernel_device, mask_kind, num_splits):
     """No mask, a boolean one (True attended), one of shape [S], one of [1, 1, 1, S] over batch 2, and a bf16
-    additive mask beside fp32 inputs; scale None is 1 / sqrt(D)."""
+    additive mask beside fp32 inputs; scale None is 1 / sqrt(D). The rule's one tile a chunk, and one chunk of three
+    tiles (each tile's mask loaded during the tile before)."""
     q, k, v = _qkv(2, 1, 3, 40, 16, torch.float32, kernel_device, seed=7)
     keep = torch.arange(40) % 3 != 1
     mask = {"none": None, "bool": keep.to(kernel_device),
             "flat": torch.zeros(40).masked_fill(~keep, float("-inf")).to(kernel_device),
             "batch_broadcast": _tail_mask(1, 40, 11, torch.float32, kernel_device),
             "bf16_mask": _tail_mask(2, 40, 11, torch.bfloat16, kernel_device)}[mask_kind]
-    out = decode_attention(q, k, v, mask, None, block_n=16)
+    out = decode_attention(q, k, v, mask, None, num_splits=num_splits, block_n=16)
     m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
     if m64 is not None:  # SDPA's CPU path indexes a 1-D mask's dim -2: the reference gets it as [1, 1, 1, S]
         m64 = m64.reshape((1,) * (4 - m64.dim()) + tuple(m64.shape))
@@ -229,16 +237,16 @@ def test_a_cpu_without_the_interpreter_is_refused(monkeypatch):
 
 def test_the_split_rule_at_the_decode_shapes():
     """About one program per SM of 132, whole 64-position tiles, at most 64 splits, no empty chunk; a pipeline as
-    deep as the chunk's tiles, at most 4 tiles (32 KB each at D 128, bf16) ahead."""
-    assert split_rule(8, 2304) == SplitPlan(12, 192, 64, 4)  # Llama-3.1-8B after 2,048 tokens: 17 wanted, 3 tiles
+    deep as the chunk's tiles, at most 2 tiles (32 KB each at D 128, bf16) ahead."""
+    assert split_rule(8, 2304) == SplitPlan(12, 192, 64, 3)  # Llama-3.1-8B after 2,048 tokens: 17 wanted, 3 tiles
     assert split_rule(4, 2304) == SplitPlan(18, 128, 64, 3)  # Qwen2.5-7B: 33 wanted, 2 tiles each
-    assert split_rule(8, 8448) == SplitPlan(17, 512, 64, 5)  # 132 tiles: 8 a chunk, 4 of them ahead
-    assert split_rule(4, 8448) == SplitPlan(33, 256, 64, 5)
+    assert split_rule(8, 8448) == SplitPlan(17, 512, 64, 3)  # 132 tiles: 8 a chunk, 2 of them ahead
+    assert split_rule(4, 8448) == SplitPlan(33, 256, 64, 3)
     assert split_rule(8, 256) == SplitPlan(4, 64, 64, 2)  # as many splits as tiles: nothing to pipeline
     assert split_rule(1, 10) == SplitPlan(1, 64, 64, 2)
-    assert split_rule(400, 100_000) == SplitPlan(1, 100_032, 64, 5)  # enough heads for every SM: no split
-    assert split_rule(8, 2304, sms=16) == SplitPlan(2, 1152, 64, 5)  # a smaller GPU: fewer splits
-    assert split_rule(1, 100, 16, num_splits=2) == SplitPlan(2, 64, 16, 5)  # 7 tiles: 4 + 3
+    assert split_rule(400, 100_000) == SplitPlan(1, 100_032, 64, 3)  # enough heads for every SM: no split
+    assert split_rule(8, 2304, sms=16) == SplitPlan(2, 1152, 64, 3)  # a smaller GPU: fewer splits
+    assert split_rule(1, 100, 16, num_splits=2) == SplitPlan(2, 64, 16, 3)  # 7 tiles: 4 + 3
     assert split_rule(1, 100, 16, num_splits=50) == SplitPlan(7, 16, 16, 2)  # forced past the tiles: one each
     for bad in ({"batch_heads": 0}, {"seq_len": 0}, {"block_n": 0}, {"num_splits": 0}, {"sms": 0},
                 {"head_dim": 0}, {"max_in_flight": 0}):
@@ -249,9 +257,9 @@ def test_the_split_rule_at_the_decode_shapes():
 def test_the_pipeline_depth_fits_the_shared_memory_it_is_given():
     """Stages of one K and one V tile each: a smaller shared memory, a wider head or fp32 tiles leave fewer of them
     (at least one); a forced depth outside what fits, or a tile that fits nowhere, is refused by name."""
-    assert split_rule(1, 4096, num_splits=1, shared=100 * 1024).num_stages == 3  # (100 - 16) KB: two 32 KB stages
+    assert split_rule(1, 4096, num_splits=1, max_in_flight=4).num_stages == 5  # 4 stages of 32 KB
+    assert split_rule(1, 4096, num_splits=1, max_in_flight=4, shared=100 * 1024).num_stages == 3  # (100 - 16) KB: 2
     assert split_rule(1, 4096, num_splits=1, head_dim=256, elem_bytes=4).num_stages == 2  # one 128 KB stage
-    assert split_rule(1, 4096, num_splits=1, max_in_flight=2).num_stages == 3
     assert split_rule(1, 4096, num_splits=1, num_stages=6).num_stages == 6  # 160 KB of a 227 KB program
     for forced in (1, 8):
         with pytest.raises(ValueError, match="num_stages must be in"):
@@ -270,7 +278,7 @@ def test_split_rule_invariants(batch_heads, seq_len, block_n, sms):
     assert plan.chunk % block_n == 0 and plan.block_n == block_n
     assert plan.num_splits * plan.chunk >= seq_len > (plan.num_splits - 1) * plan.chunk
     assert 1 <= plan.num_splits <= wanted and (2 * plan.num_splits > wanted or plan.num_splits == wanted == 1)
-    assert plan.num_stages == 1 + min(plan.chunk // block_n, da.MAX_TILES_IN_FLIGHT)  # 4 tiles of <= 64 KB fit
+    assert plan.num_stages == 1 + min(plan.chunk // block_n, da.MAX_TILES_IN_FLIGHT)  # 2 tiles of <= 64 KB fit
 
 
 def test_the_op_passes_opcheck_and_is_the_kernel(kernel_device):

@@ -61,7 +61,9 @@ __all__ = ["DEFAULT_SMS", "MAX_SPLITS", "MAX_TILES_IN_FLIGHT", "PROGRAMS_PER_SM"
 BLOCK_N = 64  # positions per tile: K and V tiles of 64 x 128 bf16 (16 KB each) at D = 128
 PROGRAMS_PER_SM = 1  # split programs aimed at per SM: the fastest of 1-32 splits on the H200 (docs/log.md)
 MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row at once
-MAX_TILES_IN_FLIGHT = 4  # K + V tiles a program requests ahead: 128 KB at BLOCK_N 64, D 128, bf16
+# K + V tiles a program asks for ahead: 2 (64 KB at BLOCK_N 64, D 128, bf16) was the fastest or within 4% of it at
+# 2,304 and 8,448 positions on an H100, 3-5 up to 1.2x slower (docs/kernel-log.md, 2026-12-06)
+MAX_TILES_IN_FLIGHT = 2
 SHARED_RESERVE = 16384  # shared bytes beside the tile ring (q, p, layout conversions: 6 KB at D 128)
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -147,6 +149,18 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, S)
+    # The mask's tiles are loaded a tile ahead, each consumed an iteration after its load is issued: too narrow for
+    # the pipeliner's async copies, a mask load in its own iteration held every iteration for an L2 round trip
+    # (about 1 us a tile on an H100, docs/kernel-log.md)
+    mask_row = mask_ptr + b * stride_mb
+    offs_t = start + tl.arange(0, BLOCK_N)
+    if HAS_MASK:
+        if MASK_BOOL:
+            mask_t = tl.load(mask_row + offs_t * stride_ms, mask=offs_t < end, other=0)
+        else:
+            mask_t = tl.load(mask_row + offs_t * stride_ms, mask=offs_t < end, other=float("-inf"))
+    else:
+        mask_t = tl.zeros([BLOCK_N], dtype=tl.float32)  # never read
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
@@ -155,6 +169,12 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
         # V's load issued beside K's: a chunk of one tile (the common case at 2-4 programs per SM) then waits on
         # memory once, not twice
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+        if HAS_MASK:  # the next tile's mask, in flight while this tile's products run
+            offs_after = offs_n + BLOCK_N
+            if MASK_BOOL:
+                mask_after = tl.load(mask_row + offs_after * stride_ms, mask=offs_after < end, other=0)
+            else:
+                mask_after = tl.load(mask_row + offs_after * stride_ms, mask=offs_after < end, other=float("-inf"))
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -162,11 +182,10 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
         s = s * scale  # [BLOCK_G, BLOCK_N], fp32
         if HAS_MASK:
             if MASK_BOOL:
-                keep = tl.load(mask_ptr + b * stride_mb + offs_n * stride_ms, mask=n_ok, other=0) != 0
-                s = tl.where(keep[None, :], s, float("-inf"))
+                s = tl.where((mask_t != 0)[None, :], s, float("-inf"))
             else:
-                bias = tl.load(mask_ptr + b * stride_mb + offs_n * stride_ms, mask=n_ok, other=float("-inf"))
-                s = s + bias.to(tl.float32)[None, :]
+                s = s + mask_t.to(tl.float32)[None, :]
+            mask_t = mask_after
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # every score so far masked: exp(-inf - 0) = 0

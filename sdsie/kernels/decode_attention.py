@@ -21,9 +21,9 @@ The kernels' names carry "attention" so that profiles (reproductions/decode_e2e.
 
 `split_rule` picks num_splits from the shape alone (aims at PROGRAMS_PER_SM programs per SM, a chunk of at least one
 tile, at most MAX_SPLITS), and the software pipeline's depth: a program asks for up to MAX_TILES_IN_FLIGHT of its
-chunk's K and V tiles before it waits on the first (num_stages - 1 tiles in shared memory, within the device's
-shared memory), since one program per SM reads at the rate its requests in flight allow. Nothing waits on the
-device: a call runs inside CUDA graph capture; its scratch comes from torch.empty per call.
+chunk's K and V tiles ahead (num_stages - 1 tiles in shared memory, within the device's shared memory), and for
+each tile's mask during the tile before. Nothing waits on the device: a call runs inside CUDA graph capture; its
+scratch comes from torch.empty per call.
 
 Entry points: eager callers call `decode_attention`, which launches the kernels directly; under torch.compile it
 calls the custom op `sdsie::decode_attention` (`torch.compiler.is_compiling()` picks), whose fake implementation

@@ -320,7 +320,7 @@ def test_the_gpu_benchs_dry_run_writes_every_arm_with_small_errors(kernel_device
 
 
 SM90_COMPILE = r"""
-import inspect, json
+import inspect, json, re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from sdsie.kernels.decode_attention import _attention_reduce_kernel, _attention_split_kernel
@@ -349,13 +349,26 @@ for stages in (2, 4, 5):
                  div16=[*ptrs, "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
                         "stride_vh", "stride_vs", "S", "CHUNK"])
     ring[stages] = [deep.asm["ttgir"].count("ttg.async_copy_global_to_local"), deep.metadata.shared]
+forms = {}  # mask form -> (K and V async copies, plain loads inside the tile loop, local-memory accesses)
+for form, has_mask, mask_bool in (("additive", True, False), ("bool", True, True), ("none", False, False)):
+    kernel = build(_attention_split_kernel, {**ptrs, "mask_ptr": "*i1" if mask_bool else "*bf16"},
+                   {**consts, "HAS_MASK": has_mask, "MASK_BOOL": mask_bool, "SPLIT": True, "PDL": True}, 3,
+                   div16=[*ptrs, "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
+                          "stride_vh", "stride_vs", "S", "CHUNK"])
+    ir = kernel.asm["ttgir"]
+    loop = ir[ir.index("scf.for"):ir.index("scf.yield")]
+    yielded = ir[ir.index("scf.yield"):].split("\n")[0].split(":")[0]
+    loads = re.findall(r"(%[\w.]+) = tt.load ", loop)  # the loop's plain loads, by name
+    forms[form] = [ir.count("ttg.async_copy_global_to_local"), len(loads),
+                   sum(re.search(re.escape(name) + r"\b", yielded) is not None for name in loads),
+                   kernel.asm["ptx"].count("ld.local") + kernel.asm["ptx"].count("st.local")]
 grid_dep = lambda k: [k.asm["ptx"].count("griddepcontrol.wait"), k.asm["ptx"].count("griddepcontrol.launch_dependents")]
 print(json.dumps({"mma_bf16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
                   "local": sum(k.asm["ptx"].count(op) for k in (split, single, reduce)
                                for op in ("ld.local", "st.local")),
                   "shared": max(split.metadata.shared, single.metadata.shared),
                   "grid_dep_pdl": [grid_dep(k) for k in (split, single, reduce)],
-                  "grid_dep_plain": [grid_dep(k) for k in plain], "ring": ring}))
+                  "grid_dep_plain": [grid_dep(k) for k in plain], "ring": ring, "forms": forms}))
 """
 
 
@@ -376,3 +389,7 @@ def test_the_gpu_path_compiles_for_sm90_with_bf16_tensor_core_products_and_no_sp
     for stages, (copies, shared) in r["ring"].items():
         assert copies == 2 * int(stages), r["ring"]
         assert (int(stages) - 1) * da.tile_bytes(64, 128, 2) < shared <= da.DEFAULT_SHARED_MEMORY, r["ring"]
+    # each mask form keeps K and V in the ring (6 copies at depth 3); inside the loop the one plain load is the next
+    # tile's mask (none without a mask), yielded to the next iteration rather than waited on in its own, and nothing
+    # spills
+    assert r["forms"] == {"additive": [6, 1, 1, 0], "bool": [6, 1, 1, 0], "none": [6, 0, 0, 0]}, r["forms"]

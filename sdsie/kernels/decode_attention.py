@@ -153,6 +153,8 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
     # the pipeliner's async copies, a mask load in its own iteration held every iteration for an L2 round trip
     # (about 1 us a tile on an H100, docs/kernel-log.md)
     mask_row = mask_ptr + b * stride_mb
+    if MASK_BOOL:  # read as bytes, compared at use: an i1 load compares on arrival, in the iteration that issued it
+        mask_row = mask_row.to(tl.pointer_type(tl.int8), bitcast=True)
     offs_t = start + tl.arange(0, BLOCK_N)
     if HAS_MASK:
         if MASK_BOOL:

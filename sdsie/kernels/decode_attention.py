@@ -61,8 +61,9 @@ __all__ = ["DEFAULT_SMS", "MAX_SPLITS", "MAX_TILES_IN_FLIGHT", "PROGRAMS_PER_SM"
 BLOCK_N = 64  # positions per tile: K and V tiles of 64 x 128 bf16 (16 KB each) at D = 128
 PROGRAMS_PER_SM = 1  # split programs aimed at per SM: the fastest of 1-32 splits on the H200 (docs/log.md)
 MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row at once
-# K + V tiles a program asks for ahead: 2 (64 KB at BLOCK_N 64, D 128, bf16) was the fastest or within 4% of it at
-# 2,304 and 8,448 positions on an H100, 3-5 up to 1.2x slower (docs/kernel-log.md, 2026-12-06)
+# K + V tiles a program asks for ahead: 2 (depth 3; 64 KB at BLOCK_N 64, D 128, bf16) was the fastest of depths 2-6
+# at the rule's split count at 2,304 and 8,448 positions on an H100, 4-6 up to 1.15x slower (docs/kernel-log.md,
+# 2026-12-06)
 MAX_TILES_IN_FLIGHT = 2
 SHARED_RESERVE = 16384  # shared bytes beside the tile ring (q, p, layout conversions: 6 KB at D 128)
 MAX_HEAD_DIM = 256

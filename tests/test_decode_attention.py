@@ -109,8 +109,8 @@ def test_one_chunk_writes_the_output_and_launches_no_reduction(kernel_device, mo
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU")
 def test_a_graph_replays_the_combine_with_new_queries():
-    """A captured call of 36 chunks (Llama-3.1-8B's shape after 2,048 tokens: the split and the reducing kernels)
-    replayed with new queries and keys matches SDPA each time."""
+    """A captured call of 12 chunks of 3 tiles (Llama-3.1-8B's shape after 2,048 tokens: the split and the reducing
+    kernels) replayed with new queries and keys matches SDPA each time."""
     q, k, v = _qkv(1, 8, 4, 2304, 128, torch.bfloat16, torch.device("cuda"), seed=5)
     mask = _tail_mask(1, 2304, 100, torch.bfloat16, q.device)
     _check(q, k, v, mask, 0.125)

@@ -342,19 +342,17 @@ reduce = build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128,
 plain = [build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True, "PDL": False}),
          build(_attention_reduce_kernel, ptrs, {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64, "PDL": False})]
 ptx = split.asm["ptx"]
+# what a launch at the decode shape specializes: 16-byte aligned pointers, strides and lengths multiples of 16
+div16 = [*ptrs, "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh", "stride_vs",
+         "S", "CHUNK"]
 ring = {}  # num_stages -> (the K and V copies issued into the ring, shared bytes)
 for stages in (2, 4, 5):
-    # what a launch at the decode shape specializes: 16-byte aligned pointers, strides and lengths multiples of 16
-    deep = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True, "PDL": True}, stages,
-                 div16=[*ptrs, "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
-                        "stride_vh", "stride_vs", "S", "CHUNK"])
+    deep = build(_attention_split_kernel, ptrs, {**consts, "SPLIT": True, "PDL": True}, stages, div16)
     ring[stages] = [deep.asm["ttgir"].count("ttg.async_copy_global_to_local"), deep.metadata.shared]
 forms = {}  # mask form -> (K and V async copies, plain loads inside the tile loop, local-memory accesses)
 for form, has_mask, mask_bool in (("additive", True, False), ("bool", True, True), ("none", False, False)):
     kernel = build(_attention_split_kernel, {**ptrs, "mask_ptr": "*i1" if mask_bool else "*bf16"},
-                   {**consts, "HAS_MASK": has_mask, "MASK_BOOL": mask_bool, "SPLIT": True, "PDL": True}, 3,
-                   div16=[*ptrs, "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
-                          "stride_vh", "stride_vs", "S", "CHUNK"])
+                   {**consts, "HAS_MASK": has_mask, "MASK_BOOL": mask_bool, "SPLIT": True, "PDL": True}, 3, div16)
     ir = kernel.asm["ttgir"]
     loop = ir[ir.index("scf.for"):ir.index("scf.yield")]
     yielded = ir[ir.index("scf.yield"):].split("\n")[0].split(":")[0]

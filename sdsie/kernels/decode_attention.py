@@ -123,6 +123,15 @@ def split_rule(batch_heads: int, seq_len: int, block_n: int = BLOCK_N, sms: int 
 
 
 @triton.jit
+def _mask_tile(mask_row, offs, end, stride_ms, MASK_BOOL: tl.constexpr):
+    """The mask's values at positions `offs` of one row, as loaded (bytes for a boolean mask, compared at use); past
+    `end`, not attended (0, or -inf)."""
+    if MASK_BOOL:
+        return tl.load(mask_row + offs * stride_ms, mask=offs < end, other=0)
+    return tl.load(mask_row + offs * stride_ms, mask=offs < end, other=float("-inf"))
+
+
+@triton.jit
 def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, out_ptr,
                   stride_qb, stride_qh, stride_qg,
                   stride_kb, stride_kh, stride_ks,
@@ -156,12 +165,8 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
     mask_row = mask_ptr + b * stride_mb
     if MASK_BOOL:  # read as bytes, compared at use: an i1 load compares on arrival, in the iteration that issued it
         mask_row = mask_row.to(tl.pointer_type(tl.int8), bitcast=True)
-    offs_t = start + tl.arange(0, BLOCK_N)
     if HAS_MASK:
-        if MASK_BOOL:
-            mask_t = tl.load(mask_row + offs_t * stride_ms, mask=offs_t < end, other=0)
-        else:
-            mask_t = tl.load(mask_row + offs_t * stride_ms, mask=offs_t < end, other=float("-inf"))
+        mask_t = _mask_tile(mask_row, start + tl.arange(0, BLOCK_N), end, stride_ms, MASK_BOOL)
     else:
         mask_t = tl.zeros([BLOCK_N], dtype=tl.float32)  # never read
     for n0 in range(start, end, BLOCK_N):
@@ -173,11 +178,7 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
         # memory once, not twice
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
         if HAS_MASK:  # the next tile's mask, in flight while this tile's products run
-            offs_after = offs_n + BLOCK_N
-            if MASK_BOOL:
-                mask_after = tl.load(mask_row + offs_after * stride_ms, mask=offs_after < end, other=0)
-            else:
-                mask_after = tl.load(mask_row + offs_after * stride_ms, mask=offs_after < end, other=float("-inf"))
+            mask_after = _mask_tile(mask_row, offs_n + BLOCK_N, end, stride_ms, MASK_BOOL)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:

@@ -145,6 +145,19 @@ def test_every_pipeline_depth_matches_sdpa(num_stages, num_splits, mask_kind):
            num_splits=num_splits, num_stages=num_stages)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the warp count is a GPU compilation knob")
+@pytest.mark.parametrize("num_warps", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_splits", [1, 4, 12])
+def test_every_warp_count_matches_sdpa(num_warps, num_splits):
+    """Llama-3.1-8B's and Qwen2.5-7B's decode shapes after 2,048 tokens (G 4 and 7, padded to 16 rows) with a split
+    program's tile spread over 1 to 8 warps, at chunks of 3 to 36 tiles."""
+    for h_kv, g in ((8, 4), (4, 7)):
+        q, k, v = _qkv(1, h_kv, g, 2304, 128, torch.bfloat16, torch.device("cuda"), seed=num_warps)
+        _check(q, k, v, _tail_mask(1, 2304, 100, torch.bfloat16, q.device), 0.125, num_splits=num_splits,
+               num_warps=num_warps)
+
+
 def test_a_slice_of_a_static_cache_and_a_strided_query(kernel_device):
     """k and v as one layer's slice of a [L, 2, B, H_kv, S_max, D] cache cut to S (non-contiguous, offset), and the
     query packed from [B, 1, H, D] as model_io packs it (and once with a last-dim stride of 2, copied)."""
@@ -198,6 +211,7 @@ def test_a_head_dim_below_the_tile_is_padded(kernel_device):
     ("int_mask", "floating .additive. or bool"),
     ("rank", "must be 4-D"),
     ("block_n", "block_n must be a power of two"),
+    ("num_warps", "num_warps must be 1, 2, 4, 8 or 16"),
     ("devices", "several devices"),
 ])
 def test_bad_inputs_are_refused_by_name(case, match):
@@ -222,6 +236,8 @@ def test_bad_inputs_are_refused_by_name(case, match):
         q = q[0]
     elif case == "block_n":
         kw = {"block_n": 24}
+    elif case == "num_warps":
+        kw = {"num_warps": 3}
     elif case == "devices":
         mask = mask.to("meta")
     with pytest.raises(ValueError, match=match):
@@ -308,12 +324,15 @@ def test_the_gpu_benchs_dry_run_writes_every_arm_with_small_errors(kernel_device
     from research.kernels.decode_attention_bench import TINY_MODELS, TINY_SEQ_LENS, main
 
     out = tmp_path / "da.json"
-    assert main(["--tiny", "--device", kernel_device.type, "--stages", "3", "--out", str(out)]) == 0
+    assert main(["--tiny", "--device", kernel_device.type, "--stages", "3", "--warps", "2", "--out", str(out)]) == 0
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == len(TINY_MODELS) * len(TINY_SEQ_LENS)
     for c in cases:
-        assert {"sdpa_packed", "sdpa_gqa", "split_kv", "split_kv_s3", "split_kv_n4_s3"} <= set(c["arms"])
+        assert {"sdpa_packed", "sdpa_gqa", "split_kv", "split_kv_s3", "split_kv_n4_s3", "split_kv_w2",
+                "split_kv_n1_w2"} <= set(c["arms"])
         assert c["arms"]["split_kv_n4_s3"]["plan"]["num_stages"] == 3
+        assert c["arms"]["split_kv_n1_w2"]["plan"]["num_warps"] == 2
+        assert c["arms"]["split_kv_n1_w2"]["plan"]["num_splits"] == 1
         assert c["kv_bytes"] == 2 * c["h_kv"] * c["s"] * c["d"] * 2
         for arm in c["arms"].values():
             assert 0 <= arm["max_abs_err"] < 2.0**-5, arm

@@ -18,7 +18,9 @@ and checked against a float64 reference (max abs error). Arms:
   split_kv      decode_attention with its split rule; split_kv_bn32 / _bn128 other tile lengths; split_kv_half /
                 _double half and twice the rule's split count, split_kv_n{1..32} forced counts (the rule's
                 alternatives, for tuning it); with --stages D ..., split_kv_s{D} and split_kv_n{N}_s{D}: the rule's
-                and each forced count at each forced pipeline depth
+                and each forced count at each forced pipeline depth; with --warps W ..., split_kv_w{W},
+                split_kv_double_w{W}, split_kv_quad_w{W} and split_kv_n1_w{W}: the rule's, twice and four times its
+                split count, and one split, with a split program of W warps
   split_kv_previous  with --previous FILE: that version of the module's decode_attention
 K and V bytes read per call and the rate they imply (TB/s) sit beside each time.
 
@@ -83,9 +85,9 @@ def load_previous(path: Path) -> Arm:
 
 
 def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool, previous: Path | None = None,
-         stages: tuple[int, ...] = ()) -> tuple[dict[str, Arm], dict[str, dict]]:
+         stages: tuple[int, ...] = (), warps: tuple[int, ...] = ()) -> tuple[dict[str, Arm], dict[str, dict]]:
     """The arms, each a call (q, k, v, mask, scale) -> [B, H_kv, G, D], and the split-KV arms' plans."""
-    from sdsie.kernels.decode_attention import BLOCK_N, decode_attention, split_rule
+    from sdsie.kernels.decode_attention import BLOCK_N, NUM_WARPS, decode_attention, split_rule
 
     def sdpa_gqa(q, k, v, mask, scale):
         b, h_kv, g, d = q.shape
@@ -101,22 +103,26 @@ def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool, previous: Path | 
     if previous is not None:
         table["split_kv_previous"] = load_previous(previous)
     auto = split_rule(batch_heads, seq_len, BLOCK_N, sms=sms).num_splits
-    variants: dict[str, tuple[int, int | None, int | None]] = {"split_kv": (BLOCK_N, None, None)}
+    # name -> (block_n, num_splits, num_stages, num_warps); None: the rule's
+    variants: dict[str, tuple[int, int | None, int | None, int]] = {"split_kv": (BLOCK_N, None, None, NUM_WARPS)}
     if not tiny:
-        variants |= {"split_kv_bn32": (32, None, None), "split_kv_bn128": (128, None, None),
-                     "split_kv_half": (BLOCK_N, max(1, auto // 2), None),
-                     "split_kv_double": (BLOCK_N, 2 * auto, None)}
-        variants |= {f"split_kv_n{n}": (BLOCK_N, n, None) for n in SWEEP_SPLITS}
+        variants |= {"split_kv_bn32": (32, None, None, NUM_WARPS), "split_kv_bn128": (128, None, None, NUM_WARPS),
+                     "split_kv_half": (BLOCK_N, max(1, auto // 2), None, NUM_WARPS),
+                     "split_kv_double": (BLOCK_N, 2 * auto, None, NUM_WARPS)}
+        variants |= {f"split_kv_n{n}": (BLOCK_N, n, None, NUM_WARPS) for n in SWEEP_SPLITS}
     for depth in stages:
-        variants[f"split_kv_s{depth}"] = (BLOCK_N, None, depth)
-        variants |= {f"split_kv_n{n}_s{depth}": (BLOCK_N, n, depth) for n in SWEEP_SPLITS}
+        variants[f"split_kv_s{depth}"] = (BLOCK_N, None, depth, NUM_WARPS)
+        variants |= {f"split_kv_n{n}_s{depth}": (BLOCK_N, n, depth, NUM_WARPS) for n in SWEEP_SPLITS}
+    for w in warps:
+        variants |= {f"split_kv_w{w}": (BLOCK_N, None, None, w), f"split_kv_double_w{w}": (BLOCK_N, 2 * auto, None, w),
+                     f"split_kv_quad_w{w}": (BLOCK_N, 4 * auto, None, w), f"split_kv_n1_w{w}": (BLOCK_N, 1, None, w)}
     plans = {}
-    for name, (block_n, splits, depth) in variants.items():
+    for name, (block_n, splits, depth, nw) in variants.items():
         plan = split_rule(batch_heads, seq_len, block_n, sms=sms, num_splits=splits, num_stages=depth)
         plans[name] = {"num_splits": plan.num_splits, "chunk": plan.chunk, "block_n": block_n,
-                       "num_stages": plan.num_stages, "programs": batch_heads * plan.num_splits}
-        table[name] = (lambda bn, ns, st: lambda q, k, v, mask, scale: decode_attention(
-            q, k, v, mask, scale, num_splits=ns, block_n=bn, num_stages=st))(block_n, splits, depth)
+                       "num_stages": plan.num_stages, "num_warps": nw, "programs": batch_heads * plan.num_splits}
+        table[name] = (lambda bn, ns, st, w: lambda q, k, v, mask, scale: decode_attention(
+            q, k, v, mask, scale, num_splits=ns, block_n=bn, num_stages=st, num_warps=w))(block_n, splits, depth, nw)
     return table, plans
 
 
@@ -135,7 +141,8 @@ def time_arm(fn: Arm, q: torch.Tensor, kvs: list[tuple[torch.Tensor, torch.Tenso
 
 
 def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden: int, device: str, tiny: bool,
-             gen: torch.Generator, previous: Path | None = None, stages: tuple[int, ...] = ()) -> dict:
+             gen: torch.Generator, previous: Path | None = None, stages: tuple[int, ...] = (),
+             warps: tuple[int, ...] = ()) -> dict:
     dtype = torch.bfloat16
     q, k, v, mask = make_case(h_kv, groups, dim, seq_len, hidden, dtype, device, gen)
     scale = 1.0 / math.sqrt(dim)
@@ -143,7 +150,7 @@ def run_case(model: str, h_kv: int, groups: int, dim: int, seq_len: int, hidden:
     kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
     timed = device == "cuda"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if timed else 132
-    table, plans = arms(seq_len, h_kv, sms, tiny, previous, stages)
+    table, plans = arms(seq_len, h_kv, sms, tiny, previous, stages, warps)
     kvs = [(k, v)]
     if timed:
         from sdsie.telemetry.timing import l2_busting_copies
@@ -186,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   "arm split_kv_previous")
     p.add_argument("--stages", type=int, nargs="+", default=[], help="pipeline depths to force, each beside the "
                                                                        "rule's and the forced split counts")
+    p.add_argument("--warps", type=int, nargs="+", default=[], help="warps a split program runs, each at the rule's, "
+                                                                      "twice, four times its split count and one split")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
     a = p.parse_args(argv)
@@ -203,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     seq_lens = TINY_SEQ_LENS if a.tiny else tuple(a.seq_lens)
     gen = torch.Generator().manual_seed(0)
     cases = [run_case(name, h_kv, g, d, s, s // 4 if a.tiny else HIDDEN_TAIL, a.device, a.tiny, gen, a.previous,
-                      tuple(a.stages))
+                      tuple(a.stages), tuple(a.warps))
              for name, (h_kv, g, d) in models.items() for s in seq_lens]
     write_raw(a.out, {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu (Triton interpreter, untimed)",

@@ -65,6 +65,7 @@ MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row 
 # at the rule's split count at 2,304 and 8,448 positions on an H100, 4-6 up to 1.15x slower (docs/kernel-log.md,
 # 2026-12-06)
 MAX_TILES_IN_FLIGHT = 2
+NUM_WARPS = 4  # warps a split program runs: its G (padded to 16) query rows and BLOCK_N positions a tile
 SHARED_RESERVE = 16384  # shared bytes beside the tile ring (q, p, layout conversions: 6 KB at D 128)
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -282,10 +283,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
-            num_splits: int | None = None, block_n: int = BLOCK_N, num_stages: int | None = None) -> torch.Tensor:
+            num_splits: int | None = None, block_n: int = BLOCK_N, num_stages: int | None = None,
+            num_warps: int = NUM_WARPS) -> torch.Tensor:
     check_inputs(q, k, v, mask)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"decode_attention: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
     if not kernel_runs_on(q.device):
         raise RuntimeError(f"decode_attention runs on CUDA, or on a CPU under TRITON_INTERPRET=1; got {q.device}")
     batch, heads, groups, dim = q.shape
@@ -323,7 +327,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         heads, groups, seq_len, plan.chunk, plan.num_splits, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=plan.block_n,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, num_warps=4, num_stages=plan.num_stages, launch_pdl=pdl)
+        DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, num_warps=num_warps, num_stages=plan.num_stages, launch_pdl=pdl)
     if split:
         _attention_reduce_kernel[(batch * heads, groups)](
             acc, m, l_sum, out, groups, plan.num_splits,
@@ -348,14 +352,16 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | No
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      scale: float | None = None, num_splits: int | None = None,
-                     block_n: int = BLOCK_N, num_stages: int | None = None) -> torch.Tensor:
+                     block_n: int = BLOCK_N, num_stages: int | None = None,
+                     num_warps: int = NUM_WARPS) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for q [B, H_kv, G, D], k and v [B, H_kv, S, D] (last-dim stride 1, any other
     strides), mask additive float or bool, broadcastable to [B, 1, 1, S] (None: every position attended); scale None
     is 1 / sqrt(D), as in SDPA. Returns [B, H_kv, G, D] in q's dtype. `num_splits` forces the number of chunks of
-    S (else `split_rule`); `block_n` and `num_stages` (eager calls only) the tile length and pipeline depth."""
+    S (else `split_rule`); `block_n`, `num_stages` and `num_warps` (eager calls only) the tile length, pipeline depth
+    and a split program's warps."""
     if torch.compiler.is_compiling():
-        if block_n != BLOCK_N or num_stages is not None:
-            raise ValueError(f"decode_attention: block_n and num_stages are eager-only knobs; compiled calls use "
-                             f"{BLOCK_N} and split_rule's depth")
+        if block_n != BLOCK_N or num_stages is not None or num_warps != NUM_WARPS:
+            raise ValueError(f"decode_attention: block_n, num_stages and num_warps are eager-only knobs; compiled "
+                             f"calls use {BLOCK_N}, split_rule's depth and {NUM_WARPS}")
         return decode_attention_op(q, k, v, mask, scale, num_splits)
-    return _launch(q, k, v, mask, scale, num_splits, block_n, num_stages)
+    return _launch(q, k, v, mask, scale, num_splits, block_n, num_stages, num_warps)

@@ -15,7 +15,9 @@ max).
              then profiles exactly one call between cudaProfilerStart and cudaProfilerStop
              (ncu --profile-from-start off). TARGET is KIND:SHAPE:GROUP[:mM][:CONFIG], KIND one of int4, bf16,
              tinygemm; GROUP 128 or pc; M the rows of x (1 to 16, default 1); CONFIG an int4 config_name without
-             brackets (1,128,256,s2,w4,p4; 16,256,128,s4,w4,p3,swap for the planes kernel).
+             brackets (1,128,256,s2,w4,p4; 16,256,128,s4,w4,p3,swap for the planes kernel). Or
+             attention:MODEL:S[:nN]: one split-KV decode attention call (`decode_attention_bench`'s case: MODEL
+             llama-3.1-8b or qwen2.5-7b, S cache positions, the last 100 masked; N forced splits, else the rule's).
     summarize  ncu's raw CSV pages (--csv --page raw), one per target, into one JSON of the metrics read here.
 
     ncu --clock-control none --profile-from-start off --csv --page raw --section ... \
@@ -76,6 +78,19 @@ EXTRA_METRICS = tuple(METRICS[key] for key in (
 STALL_PATTERN = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
+def parse_attention_target(target: str) -> tuple[str, int, int | None]:
+    """attention:MODEL:S[:nN] -> (model, S, forced split count or None)."""
+    from research.kernels.decode_attention_bench import MODELS as ATTENTION_MODELS
+
+    fields = target.split(":")
+    ok = (3 <= len(fields) <= 4 and fields[1] in ATTENTION_MODELS and fields[2].isdigit() and int(fields[2]) > 0
+          and (len(fields) == 3 or re.fullmatch(r"n[1-9]\d*", fields[3]) is not None))
+    if not ok:
+        raise ValueError(f"target {target!r}: expected attention:MODEL:S[:nN] with MODEL in "
+                         f"{sorted(ATTENTION_MODELS)}, S and N positive")
+    return fields[1], int(fields[2]), int(fields[3][1:]) if len(fields) == 4 else None
+
+
 def parse_target(target: str) -> tuple[str, str, str, int, str | None]:
     """KIND:SHAPE:GROUP[:mM][:CONFIG] -> (kind, shape, group, M, config text or None); M is 1 unless given."""
     fields = target.split(":")
@@ -100,7 +115,17 @@ def parse_target(target: str) -> tuple[str, str, str, int, str | None]:
 
 def make_call(target: str, device: str) -> Callable[[], object]:
     """The call TARGET names (M rows, 1 unless given), on fresh random weights (group-128 or per-channel INT4; bf16
-    of the shape)."""
+    of the shape); or one decode attention call (q, K, V and mask as decode_attention_bench builds them)."""
+    if target.startswith("attention:"):
+        from research.kernels.decode_attention_bench import HIDDEN_TAIL, make_case
+        from research.kernels.decode_attention_bench import MODELS as ATTENTION_MODELS
+        from sdsie.kernels.decode_attention import decode_attention
+
+        model, seq_len, splits = parse_attention_target(target)
+        h_kv, groups, dim = ATTENTION_MODELS[model]
+        q, k, v, mask = make_case(h_kv, groups, dim, seq_len, min(HIDDEN_TAIL, seq_len - 1), torch.bfloat16, device,
+                                  torch.Generator().manual_seed(0))
+        return lambda: decode_attention(q, k, v, mask, dim**-0.5, num_splits=splits)
     kind, shape, group_text, m, config_text = parse_target(target)
     n, k = LLAMA_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)

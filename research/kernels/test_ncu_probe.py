@@ -8,9 +8,11 @@ import io
 from pathlib import Path
 
 import pytest
+import torch
 
 from research.kernels.ncu_probe import (
     make_call,
+    parse_attention_target,
     parse_target,
     read_raw_csv,
     summarize_launch,
@@ -55,6 +57,20 @@ def test_the_rows_a_target_names_reach_the_call():
     out = make_call("bf16:kv_1024x4096:128:m4", "cpu")()  # the smallest shape: bf16 weights build on the CPU
     assert out.shape == (4, 1024)
     assert make_call("bf16:kv_1024x4096:128", "cpu")().shape == (1, 1024)
+
+
+def test_an_attention_target_names_its_case_and_reaches_the_kernel(kernel_device):
+    assert parse_attention_target("attention:llama-3.1-8b:2304:n1") == ("llama-3.1-8b", 2304, 1)
+    assert parse_attention_target("attention:qwen2.5-7b:256") == ("qwen2.5-7b", 256, None)
+    out = make_call("attention:qwen2.5-7b:80:n2", kernel_device.type)()  # H_kv 4, G 7, D 128: the packed query's shape
+    assert out.shape == (1, 4, 7, 128) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("target", ["attention:gpt2:256", "attention:llama-3.1-8b:0", "attention:llama-3.1-8b:256:4",
+                                    "attention:llama-3.1-8b:256:n0", "attention:llama-3.1-8b"])
+def test_bad_attention_targets_are_refused(target):
+    with pytest.raises(ValueError, match="attention:MODEL:S"):
+        parse_attention_target(target)
 
 
 @pytest.mark.parametrize("target, message", [

@@ -87,7 +87,7 @@ def load_previous(path: Path) -> Arm:
 def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool, previous: Path | None = None,
          stages: tuple[int, ...] = (), warps: tuple[int, ...] = ()) -> tuple[dict[str, Arm], dict[str, dict]]:
     """The arms, each a call (q, k, v, mask, scale) -> [B, H_kv, G, D], and the split-KV arms' plans."""
-    from sdsie.kernels.decode_attention import BLOCK_N, decode_attention, split_rule
+    from sdsie.kernels.decode_attention import BLOCK_N, NUM_WARPS, decode_attention, split_rule
 
     def sdpa_gqa(q, k, v, mask, scale):
         b, h_kv, g, d = q.shape
@@ -103,16 +103,16 @@ def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool, previous: Path | 
     if previous is not None:
         table["split_kv_previous"] = load_previous(previous)
     auto = split_rule(batch_heads, seq_len, BLOCK_N, sms=sms).num_splits
-    # name -> (block_n, num_splits, num_stages, num_warps); None: the rule's (a warp a sub-tile)
-    variants: dict[str, tuple[int, int | None, int | None, int | None]] = {"split_kv": (BLOCK_N, None, None, None)}
+    # name -> (block_n, num_splits, num_stages, num_warps); None: the rule's
+    variants: dict[str, tuple[int, int | None, int | None, int]] = {"split_kv": (BLOCK_N, None, None, NUM_WARPS)}
     if not tiny:
-        variants |= {"split_kv_bn32": (32, None, None, None), "split_kv_bn128": (128, None, None, None),
-                     "split_kv_half": (BLOCK_N, max(1, auto // 2), None, None),
-                     "split_kv_double": (BLOCK_N, 2 * auto, None, None)}
-        variants |= {f"split_kv_n{n}": (BLOCK_N, n, None, None) for n in SWEEP_SPLITS}
+        variants |= {"split_kv_bn32": (32, None, None, NUM_WARPS), "split_kv_bn128": (128, None, None, NUM_WARPS),
+                     "split_kv_half": (BLOCK_N, max(1, auto // 2), None, NUM_WARPS),
+                     "split_kv_double": (BLOCK_N, 2 * auto, None, NUM_WARPS)}
+        variants |= {f"split_kv_n{n}": (BLOCK_N, n, None, NUM_WARPS) for n in SWEEP_SPLITS}
     for depth in stages:
-        variants[f"split_kv_s{depth}"] = (BLOCK_N, None, depth, None)
-        variants |= {f"split_kv_n{n}_s{depth}": (BLOCK_N, n, depth, None) for n in SWEEP_SPLITS}
+        variants[f"split_kv_s{depth}"] = (BLOCK_N, None, depth, NUM_WARPS)
+        variants |= {f"split_kv_n{n}_s{depth}": (BLOCK_N, n, depth, NUM_WARPS) for n in SWEEP_SPLITS}
     for w in warps:
         variants |= {f"split_kv_w{w}": (BLOCK_N, None, None, w), f"split_kv_double_w{w}": (BLOCK_N, 2 * auto, None, w),
                      f"split_kv_quad_w{w}": (BLOCK_N, 4 * auto, None, w), f"split_kv_n1_w{w}": (BLOCK_N, 1, None, w)}

@@ -8,10 +8,8 @@ each scanning all S positions (8 programs for Llama-3.1-8B at batch 1, on a 132-
 into `num_splits` chunks of whole BLOCK_N tiles:
 
   (a) `_attention_split_kernel`, grid (B * H_kv, num_splits): one key/value head and one chunk per program; all G
-      query rows of the head at once (padded to 16 rows for tl.dot). Each tile is cut into sub-tiles of 16
-      positions, one a warp, and each sub-tile position keeps its own online softmax over the chunk (running max m,
-      sum l, accumulator acc, fp32; batched tl.dot over the sub-tiles), combined once after the loop and written to
-      fp32 scratch: a tile's row maxima and sums never cross warps. A chunk whose positions are all masked
+      query rows of the head at once (padded to 16 rows for tl.dot), an online softmax over the chunk's tiles
+      (running max m, sum l, accumulator acc, fp32), written to fp32 scratch. A chunk whose positions are all masked
       leaves m = -inf, l = 0, acc = 0 (the exponent's base is taken as 0 there, so no -inf - -inf). With one
       chunk the program writes acc / l itself, and (b) is not launched.
   (b) `_attention_reduce_kernel`, grid (B * H_kv, G): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s in
@@ -67,8 +65,8 @@ MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row 
 # at the rule's split count at 2,304 and 8,448 positions on an H100, 4-6 up to 1.15x slower (docs/kernel-log.md,
 # 2026-12-06)
 MAX_TILES_IN_FLIGHT = 2
-SUB_TILE = 16  # positions of a sub-tile, one a warp (the least a tl.dot takes): BLOCK_N 64 runs 4 warps
-SHARED_RESERVE = 16384  # shared bytes kept beside the tile ring (none used at D 128, sm_90: sub-tiles stay in a warp)
+NUM_WARPS = 4  # warps a split program runs: its G (padded to 16) query rows and BLOCK_N positions a tile
+SHARED_RESERVE = 16384  # shared bytes beside the tile ring (q, p, layout conversions: 6 KB at D 128)
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -143,89 +141,78 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr
                   H_KV, G, S, CHUNK, NUM_SPLITS, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-                  PDL: tl.constexpr, SUB: tl.constexpr):
+                  PDL: tl.constexpr):
     grid_dependency(PDL)  # q and the caches are the kernels' before: wait first, then let the next start
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // H_KV).to(tl.int64)
     h = (bh % H_KV).to(tl.int64)
-    NS: tl.constexpr = BLOCK_N // SUB  # positions a sub-tile: 16, the products' least
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_t = tl.arange(0, SUB)
-    offs_j = tl.arange(0, NS)
     g_ok = offs_g < G
     d_ok = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    q3 = tl.broadcast_to(q[None, :, :], [SUB, BLOCK_G, BLOCK_D])  # one copy a sub-tile: the batched products' A
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
-    # each sub-tile's own online softmax (running max m, sum l, accumulator acc), one sub-tile a warp, so a tile's
-    # row maxima, sums and P's operand layout stay inside a warp: no shared memory or barrier between warps a tile
-    m_i = tl.full([SUB, BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([SUB, BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([SUB, BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, S)
     # The mask's tiles are loaded a tile ahead, each consumed an iteration after its load is issued: too narrow for
-    # the pipeliner's async copies, a mask load in its own iteration waits there for an L2 round trip
+    # the pipeliner's async copies, a mask load in its own iteration held every iteration for an L2 round trip
+    # (about 1 us a tile on an H100, docs/kernel-log.md)
     mask_row = mask_ptr + b * stride_mb
     if MASK_BOOL:  # read as bytes, compared at use: an i1 load compares on arrival, in the iteration that issued it
         mask_row = mask_row.to(tl.pointer_type(tl.int8), bitcast=True)
-    sub_offs = offs_t[:, None] * NS + offs_j[None, :]  # [SUB, NS]: a tile's positions by sub-tile
     if HAS_MASK:
-        mask_t = _mask_tile(mask_row, start + sub_offs, end, stride_ms, MASK_BOOL)
+        mask_t = _mask_tile(mask_row, start + tl.arange(0, BLOCK_N), end, stride_ms, MASK_BOOL)
     else:
-        mask_t = tl.zeros([SUB, NS], dtype=tl.float32)  # never read
+        mask_t = tl.zeros([BLOCK_N], dtype=tl.float32)  # never read
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + sub_offs  # [SUB, NS]
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        kv_ok = n_ok[:, :, None] & d_ok[None, None, :]
-        k = tl.load(k_base + offs_n[:, :, None] * stride_ks + offs_d[None, None, :], mask=kv_ok, other=0.0)
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, D]
         # V's load issued beside K's: a chunk of one tile (the common case at 2-4 programs per SM) then waits on
         # memory once, not twice
-        v = tl.load(v_base + offs_n[:, :, None] * stride_vs + offs_d[None, None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
         if HAS_MASK:  # the next tile's mask, in flight while this tile's products run
             mask_after = _mask_tile(mask_row, offs_n + BLOCK_N, end, stride_ms, MASK_BOOL)
         if DOT_FP32:
-            s = tl.dot(q3.to(tl.float32), tl.trans(k.to(tl.float32), (0, 2, 1)), input_precision="ieee")
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q3, tl.trans(k, (0, 2, 1)))
-        s = s * scale  # [SUB, BLOCK_G, NS]
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale  # [BLOCK_G, BLOCK_N], fp32
         if HAS_MASK:
             if MASK_BOOL:
-                s = tl.where((mask_t != 0)[:, None, :], s, float("-inf"))
+                s = tl.where((mask_t != 0)[None, :], s, float("-inf"))
             else:
-                s = s + mask_t.to(tl.float32)[:, None, :]
+                s = s + mask_t.to(tl.float32)[None, :]
             mask_t = mask_after
-        s = tl.where(n_ok[:, None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # every score so far masked: exp(-inf - 0) = 0
         alpha = tl.exp(m_i - base)
-        p = tl.exp(s - base[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, 2)
+        p = tl.exp(s - base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         p = p.to(v.dtype)  # the tensor cores' operand; under DOT_FP32 the same rounded values, in fp32
         if DOT_FP32:
             pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p, v)
-        acc = acc * alpha[:, :, None] + pv
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    m_all = tl.max(m_i, 0)  # [BLOCK_G]: the sub-tiles' softmaxes combined once, after the loop
-    base = tl.where(m_all == float("-inf"), 0.0, m_all)  # a sub-tile masked throughout weighs exp(-inf) = 0
-    w = tl.exp(m_i - base[None, :])  # [SUB, BLOCK_G]
-    l_c = tl.sum(l_i * w, 0)
-    acc_c = tl.sum(acc * w[:, :, None], 0)  # [BLOCK_G, BLOCK_D]
     if not SPLIT:  # one chunk: the program's sums are the head's
-        out = acc_c / tl.where(l_c > 0.0, l_c, 1.0)[:, None]  # acc is 0 where l is: SDPA's 0 for a masked row
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # acc is 0 where l is: SDPA's 0 for a masked row
         tl.store(out_ptr + (bh * G + offs_g).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         return
     row = (bh * NUM_SPLITS + split).to(tl.int64) * G + offs_g  # scratch rows [B * H_kv, NUM_SPLITS, G]
-    tl.store(m_ptr + row, m_all, mask=g_ok)
-    tl.store(l_ptr + row, l_c, mask=g_ok)
-    tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc_c, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(m_ptr + row, m_i, mask=g_ok)
+    tl.store(l_ptr + row, l_i, mask=g_ok)
+    tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -297,12 +284,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
             num_splits: int | None = None, block_n: int = BLOCK_N, num_stages: int | None = None,
-            num_warps: int | None = None) -> torch.Tensor:
+            num_warps: int = NUM_WARPS) -> torch.Tensor:
     check_inputs(q, k, v, mask)
-    if block_n < SUB_TILE or block_n & (block_n - 1):
-        raise ValueError(f"decode_attention: block_n must be a power of two >= {SUB_TILE}, got {block_n}")
-    sub_tiles = block_n // SUB_TILE
-    num_warps = sub_tiles if num_warps is None else num_warps
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode_attention: block_n must be a power of two >= 16, got {block_n}")
     if num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"decode_attention: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
     if not kernel_runs_on(q.device):
@@ -342,8 +327,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         heads, groups, seq_len, plan.chunk, plan.num_splits, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=plan.block_n,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
-        DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, SUB=sub_tiles, num_warps=num_warps, num_stages=plan.num_stages,
-        launch_pdl=pdl)
+        DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, num_warps=num_warps, num_stages=plan.num_stages, launch_pdl=pdl)
     if split:
         _attention_reduce_kernel[(batch * heads, groups)](
             acc, m, l_sum, out, groups, plan.num_splits,
@@ -369,15 +353,15 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | No
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                      scale: float | None = None, num_splits: int | None = None,
                      block_n: int = BLOCK_N, num_stages: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int = NUM_WARPS) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for q [B, H_kv, G, D], k and v [B, H_kv, S, D] (last-dim stride 1, any other
     strides), mask additive float or bool, broadcastable to [B, 1, 1, S] (None: every position attended); scale None
     is 1 / sqrt(D), as in SDPA. Returns [B, H_kv, G, D] in q's dtype. `num_splits` forces the number of chunks of
     S (else `split_rule`); `block_n`, `num_stages` and `num_warps` (eager calls only) the tile length, pipeline depth
-    and a split program's warps (else one a sub-tile of 16 positions)."""
+    and a split program's warps."""
     if torch.compiler.is_compiling():
-        if block_n != BLOCK_N or num_stages is not None or num_warps is not None:
+        if block_n != BLOCK_N or num_stages is not None or num_warps != NUM_WARPS:
             raise ValueError(f"decode_attention: block_n, num_stages and num_warps are eager-only knobs; compiled "
-                             f"calls use {BLOCK_N}, split_rule's depth and a warp a sub-tile")
+                             f"calls use {BLOCK_N}, split_rule's depth and {NUM_WARPS}")
         return decode_attention_op(q, k, v, mask, scale, num_splits)
     return _launch(q, k, v, mask, scale, num_splits, block_n, num_stages, num_warps)

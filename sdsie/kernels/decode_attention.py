@@ -65,7 +65,10 @@ MAX_SPLITS = 64  # the reduce kernel holds every split's [D] partial of one row 
 # at the rule's split count at 2,304 and 8,448 positions on an H100, 4-6 up to 1.15x slower (docs/kernel-log.md,
 # 2026-12-06)
 MAX_TILES_IN_FLIGHT = 2
-NUM_WARPS = 4  # warps a split program runs: its G (padded to 16) query rows and BLOCK_N positions a tile
+# warps a split program runs: of 1, 2, 4 and 8, none was faster than 4 on both models and all three lengths at the
+# rule's split counts on an H100, and a tile's time is near inversely proportional to the warps up to 4
+# (docs/kernel-log.md, 2026-12-06)
+NUM_WARPS = 4
 SHARED_RESERVE = 16384  # shared bytes beside the tile ring (q, p, layout conversions: 6 KB at D 128)
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -103,19 +103,23 @@ def arms(seq_len: int, batch_heads: int, sms: int, tiny: bool, previous: Path | 
     if previous is not None:
         table["split_kv_previous"] = load_previous(previous)
     auto = split_rule(batch_heads, seq_len, BLOCK_N, sms=sms).num_splits
-    # name -> (block_n, num_splits, num_stages, num_warps); None: the rule's
-    variants: dict[str, tuple[int, int | None, int | None, int]] = {"split_kv": (BLOCK_N, None, None, NUM_WARPS)}
+    def variant(block_n: int = BLOCK_N, splits: int | None = None, depth: int | None = None,
+                warps: int = NUM_WARPS) -> tuple[int, int | None, int | None, int]:
+        """(block_n, num_splits, num_stages, num_warps); None: the rule's."""
+        return block_n, splits, depth, warps
+
+    variants = {"split_kv": variant()}
     if not tiny:
-        variants |= {"split_kv_bn32": (32, None, None, NUM_WARPS), "split_kv_bn128": (128, None, None, NUM_WARPS),
-                     "split_kv_half": (BLOCK_N, max(1, auto // 2), None, NUM_WARPS),
-                     "split_kv_double": (BLOCK_N, 2 * auto, None, NUM_WARPS)}
-        variants |= {f"split_kv_n{n}": (BLOCK_N, n, None, NUM_WARPS) for n in SWEEP_SPLITS}
+        variants |= {"split_kv_bn32": variant(32), "split_kv_bn128": variant(128),
+                     "split_kv_half": variant(splits=max(1, auto // 2)), "split_kv_double": variant(splits=2 * auto)}
+        variants |= {f"split_kv_n{n}": variant(splits=n) for n in SWEEP_SPLITS}
     for depth in stages:
-        variants[f"split_kv_s{depth}"] = (BLOCK_N, None, depth, NUM_WARPS)
-        variants |= {f"split_kv_n{n}_s{depth}": (BLOCK_N, n, depth, NUM_WARPS) for n in SWEEP_SPLITS}
+        variants[f"split_kv_s{depth}"] = variant(depth=depth)
+        variants |= {f"split_kv_n{n}_s{depth}": variant(splits=n, depth=depth) for n in SWEEP_SPLITS}
     for w in warps:
-        variants |= {f"split_kv_w{w}": (BLOCK_N, None, None, w), f"split_kv_double_w{w}": (BLOCK_N, 2 * auto, None, w),
-                     f"split_kv_quad_w{w}": (BLOCK_N, 4 * auto, None, w), f"split_kv_n1_w{w}": (BLOCK_N, 1, None, w)}
+        variants |= {f"split_kv_w{w}": variant(warps=w), f"split_kv_double_w{w}": variant(splits=2 * auto, warps=w),
+                     f"split_kv_quad_w{w}": variant(splits=4 * auto, warps=w),
+                     f"split_kv_n1_w{w}": variant(splits=1, warps=w)}
     plans = {}
     for name, (block_n, splits, depth, nw) in variants.items():
         plan = split_rule(batch_heads, seq_len, block_n, sms=sms, num_splits=splits, num_stages=depth)

@@ -85,10 +85,15 @@ class SplitPlan:
     num_stages: int
 
 
+def padded(n: int) -> int:
+    """A dot operand's extent as the kernels pad it: a power of two, at least 16 (tl.dot's least)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def tile_bytes(block_n: int, head_dim: int, elem_bytes: int) -> int:
     """Shared memory one stage of the ring holds: a K and a V tile of block_n positions (D padded as the kernel
     pads it)."""
-    return 2 * block_n * max(16, triton.next_power_of_2(head_dim)) * elem_bytes
+    return 2 * block_n * padded(head_dim) * elem_bytes
 
 
 def split_rule(batch_heads: int, seq_len: int, block_n: int = BLOCK_N, sms: int = DEFAULT_SMS,
@@ -316,7 +321,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     else:
         mask_arg = _mask_4d(mask, batch, seq_len)
         stride_mb, stride_ms = mask_arg.stride(0), mask_arg.stride(3)
-    block_d = max(16, triton.next_power_of_2(dim))
+    block_d = padded(dim)
     # fp32 dots in IEEE for fp32 inputs (no tf32 rounding), and under the interpreter, whose bf16 dot is wrong in
     # Triton 3.6 (the operands are the same rounded values)
     dot_fp32 = q.dtype == torch.float32 or interpreting()
@@ -328,7 +333,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         v.stride(0), v.stride(1), v.stride(2),
         stride_mb, stride_ms,
         heads, groups, seq_len, plan.chunk, plan.num_splits, scale,
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_N=plan.block_n,
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_G=padded(groups), BLOCK_N=plan.block_n,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         DOT_FP32=dot_fp32, SPLIT=split, PDL=pdl, num_warps=num_warps, num_stages=plan.num_stages, launch_pdl=pdl)
     if split:

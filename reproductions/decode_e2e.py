@@ -16,6 +16,10 @@ once and taken through its variants in this order, each variant reusing the prev
                          --gated-layout unfused where a gated variant runs too; not in the default list)
     int4                 ... q/k/v and gate/up fused (fuse_projections)
     int4_compiled        ... with the compiled decode step
+    int4_norms           ... with each layer's RMS norms and residual adds in its INT4 projections (fuse_norms; the
+                         norms' gains folded into the weights before quantizing, fold_norm_gains), the final norm in
+                         the LM head
+    int4_norms_compiled  ... with the compiled decode step
     tinygemm             the same INT4 weights through torch.ops.aten._weight_int4pack_mm, fused likewise
     tinygemm_compiled    ... with the compiled decode step
     hf_tinygemm_compiled HF generate() with a static cache and its own torch.compile, over the tinygemm model
@@ -97,7 +101,16 @@ from sdsie.decoding import DecodeConfig, DecodeStats, generate, run_attention
 from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
 from sdsie.kernels import int4_matmul_reference
 from sdsie.kernels.device import set_programmatic_launch
-from sdsie.quant import GatedLinear, Int4Linear, QuantConfig, fuse_projections, gate_model
+from sdsie.quant import (
+    GatedLinear,
+    Int4Linear,
+    QuantConfig,
+    fold_norm_gains,
+    fuse_norms,
+    fuse_projections,
+    gate_model,
+    unfuse_norms,
+)
 from sdsie.quant.linear import replace_module
 from sdsie.telemetry.energy import EnergyMeter, EnergyUnavailable, calls_to_fill
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
@@ -120,14 +133,17 @@ TINY: dict[str, dict[str, Any]] = {
                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6),
 }
 VARIANTS = ("bf16", "bf16_compiled", "gated_full", "gated_int4", "gated_full_compiled", "gated_int4_compiled",
-            "int4_unfused", "int4", "int4_compiled", "tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled")
+            "int4_unfused", "int4", "int4_compiled", "int4_norms", "int4_norms_compiled", "tinygemm",
+            "tinygemm_compiled", "hf_tinygemm_compiled")
+NORMS = frozenset({"int4_norms", "int4_norms_compiled"})
 GATED = frozenset(v for v in VARIANTS if v.startswith("gated_"))
 # int4_unfused is an A/B of fusion: it needs the gated layers unfused, so it is run only when named
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "int4_unfused")
 BASELINE = {"bf16": "bf16", "int4": "bf16", "tinygemm": "bf16", "int4_unfused": "bf16", "gated_full": "bf16",
             "gated_int4": "bf16", "bf16_compiled": "bf16_compiled", "int4_compiled": "bf16_compiled",
             "tinygemm_compiled": "bf16_compiled", "gated_full_compiled": "bf16_compiled",
-            "gated_int4_compiled": "bf16_compiled", "hf_tinygemm_compiled": "bf16_compiled"}
+            "gated_int4_compiled": "bf16_compiled", "hf_tinygemm_compiled": "bf16_compiled",
+            "int4_norms": "bf16", "int4_norms_compiled": "bf16_compiled"}
 # Gears pinned by the clutch: an entropy EMA never below 0 keeps it out (bf16), never above 1e9 bits keeps it in
 PIN_FULL = ClutchConfig(theta_low=0.0, theta_high=0.0, alpha=1.0, initial_engaged=False)
 PIN_INT4 = ClutchConfig(theta_low=1e9, theta_high=1e9, alpha=1.0, initial_engaged=True)
@@ -553,11 +569,13 @@ def int4_kernel(device: torch.device) -> Iterator[str]:
         yield "triton"
         return
 
-    def reference(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return int4_matmul_reference(x, w).to(x.dtype)
+    def reference(x: torch.Tensor, w: Any, *args: Any, norm_eps: float | None = None,
+                  residual: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        return sdsie.kernels.compose_epilogue(int4_matmul_reference(x, w).to(x.dtype), x, norm_eps, residual)
 
-    def silu_reference(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return sdsie.kernels.silu_mul_halves(reference(x, w))
+    def silu_reference(x: torch.Tensor, w: Any, *args: Any, norm_eps: float | None = None,
+                       **kwargs: Any) -> torch.Tensor:
+        return sdsie.kernels.silu_mul_halves(reference(x, w, norm_eps=norm_eps))
 
     saved = (sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul, sdsie.kernels.int4_silu_mul,
              sdsie.kernels.ops.int4_silu_mul)
@@ -588,6 +606,8 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     if not later:
         return
     torch._dynamo.reset()
+    if wanted & NORMS:
+        fold_norm_gains(model)  # the same function up to rounding; the float weights the gears quantize carry g
     state = gate_model(model, LINEARS, QuantConfig(group_size=GROUP_SIZE))
     fused = args.gated_layout == "fused" and bool(wanted & GATED)
     if fused:
@@ -618,6 +638,13 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
         fuse_projections(model)
     yield "int4", lambda: Variant("int4", model)
     yield "int4_compiled", lambda: Variant("int4_compiled", compiled(model))
+    if wanted & NORMS:
+        torch._dynamo.reset()
+        fuse_norms(model)
+        yield "int4_norms", lambda: Variant("int4_norms", model)
+        yield "int4_norms_compiled", lambda: Variant("int4_norms_compiled", compiled(model))
+        torch._dynamo.reset()
+        unfuse_norms(model)
     if not wanted & {"tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled"}:
         return
     torch._dynamo.reset()

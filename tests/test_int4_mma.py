@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sdsie.int4_format import Int4Weight
-from sdsie.kernels import Int4KernelConfig, int4_matmul, int4_matmul_reference, int4_silu_mul
+from sdsie.kernels import Int4KernelConfig, compose_epilogue, int4_matmul, int4_matmul_reference, int4_silu_mul
 from sdsie.kernels.int4_config import (
     MMA_BLOCK_CONFIGS,
     MMA_CONFIGS,
@@ -23,8 +23,16 @@ from sdsie.kernels.int4_config import (
     mma_stages,
     select_config_with_source,
 )
-from sdsie.kernels.int4_gemm import _plans_of
-from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, emulate_fragments, gate_up_order, mma_consts, pack_fragments
+from sdsie.kernels.int4_gemm import _FUSED_PLANS, _kept_for, _plans_of
+from sdsie.kernels.int4_mma import (
+    NORM_MAX_M,
+    NORM_REGISTER_CAPS,
+    _int4_mma_gemv_kernel,
+    emulate_fragments,
+    gate_up_order,
+    mma_consts,
+    pack_fragments,
+)
 from tests.test_int4_codegen import compiled_offline
 from tests.test_int4_kernel import EPS, TINY, assert_close_to_reference, make_weight, tolerance
 
@@ -543,3 +551,95 @@ def test_the_silu_mul_epilogue_matches_the_reference(warps, group, symmetric):
     assert torch.equal(yg, y)
     ref, tol = silu_mul_reference(x, w)
     assert ((y.double() - ref).abs() - tol).max().item() <= 0
+
+
+def epilogue_reference(x: torch.Tensor, w: Int4Weight, norm_eps: float | None,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (x @ W.T) * rsqrt(mean(x^2) + eps) (+ residual) and each element's tolerance: the product's
+    (`tolerance`) scaled with it, fp32's rsqrt, the rounding of the scaled product and, with a residual, of the sum."""
+    ref = int4_matmul_reference(x, w).double()
+    tol = tolerance(x, w, ref, x.dtype)
+    if norm_eps is not None:
+        rs = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + norm_eps)  # [M, 1]
+        ref, tol = ref * rs, tol * rs + 2.0**-20 * (ref * rs).abs()
+    tol = tol + EPS[x.dtype] * ref.abs() + TINY[x.dtype]
+    if residual is not None:
+        ref = ref + residual.double()
+        tol = tol + EPS[x.dtype] * ref.abs()
+    return ref, tol
+
+
+EPILOGUE_CASES = ((1, 16, 128), (1, 6144, 4096), (2, 4096, 3584), (3, 80, 640), (4, 28672, 512), (5, 256, 4096),
+                  (8, 48, 1536), (9, 32, 256), (13, 4096, 1024), (16, 80, 3584))
+
+
+@pytest.mark.gpu
+@gpu90
+@pytest.mark.parametrize("warps, blocks, stages", [(4, 1, 2), (8, 1, 2), (4, 2, 2), (4, 1, 4), (8, 1, 3)])
+@pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
+def test_the_norm_and_residual_epilogues_match_the_reference(warps, blocks, stages, group, symmetric):
+    """x's RMS norm folded after the product (M <= 8; above, composed), a residual added, and both, from one mma
+    launch at M = 1-16 (two row blocks a program: M <= 8), K a multiple of the pre-pass's step and not (3584, 640):
+    within the float64 reference's tolerance, every output element written; the residual alone gives the bits of
+    the product plus the residual in torch."""
+    gen = torch.Generator().manual_seed(hash((warps, blocks, stages, group, symmetric)) % 2**31)
+    cfg = mma_blocks(warps, blocks, stages)
+    for m, n, k in EPILOGUE_CASES:
+        if blocks > 1 and m > 8:
+            continue
+        w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+        x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).cuda()
+        r = torch.randn(m, n, generator=gen).to(torch.bfloat16).cuda()
+        for norm_eps, residual in ((1e-5, None), (None, r), (1e-6, r)):
+            y = int4_matmul(x, w, config=cfg, norm_eps=norm_eps, residual=residual)
+            plan = next(iter(_kept_for(_FUSED_PLANS, w).values()))
+            if norm_eps is not None and m > NORM_MAX_M:
+                assert plan is None  # composed: the mma product, then torch
+            else:
+                assert plan is not None and plan.kernel is _int4_mma_gemv_kernel
+                assert (plan.consts["NORM_ROWS"] > 0) is (norm_eps is not None) and plan.consts["RESIDUAL"] is (
+                    residual is not None)
+            _kept_for(_FUSED_PLANS, w).clear()
+            ref, tol = epilogue_reference(x, w, norm_eps, residual)
+            assert y.shape == (m, n) and torch.isfinite(y).all()
+            worst = ((y.double() - ref).abs() - tol).max().item()
+            assert worst <= 0, (m, n, k, norm_eps, residual is not None, worst)
+        assert torch.equal(int4_matmul(x, w, config=cfg, residual=r), int4_matmul(x, w, config=cfg) + r)
+
+
+@pytest.mark.gpu
+@gpu90
+@pytest.mark.parametrize("group", [128, None])
+def test_the_norm_before_silu_mul_and_under_a_graph(group):
+    """The folded norm scales gate and up before silu * up (M = 1-8), against the float64 reference; the automatic
+    choice takes the fused launches for bf16 (the four-warp two-stage plan capped at 96 registers), composes for
+    fp16, and a CUDA graph replays the fused launches on new inputs."""
+    gen = torch.Generator().manual_seed(11)
+    for m, n, k in ((1, 28672, 4096), (3, 96, 640), (8, 512, 3584)):
+        w = make_weight(n, k, group, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+        x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).cuda()
+        y = int4_silu_mul(x, w, config=MMA_CONFIGS[4], norm_eps=1e-5)
+        ref, tol = epilogue_reference(x, w, 1e-5, None)
+        half = n // 2
+        g, u, tg, tu = ref[:, :half], ref[:, half:], tol[:, :half], tol[:, half:]
+        out = torch.nn.functional.silu(g) * u
+        bound = 1.1 * u.abs() * tg + torch.nn.functional.silu(g).abs() * tu + EPS[x.dtype] * out.abs() + TINY[x.dtype]
+        assert ((y.double() - out).abs() - bound).max().item() <= 0, (m, n, k)
+    w = make_weight(6144, 4096, group, False, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda()
+    r = torch.randn(1, 6144, generator=gen).to(torch.bfloat16).cuda()
+    y = int4_matmul(x, w, norm_eps=1e-5, residual=r)
+    plan = next(iter(_kept_for(_FUSED_PLANS, w).values()))
+    assert plan.kernel is _int4_mma_gemv_kernel and plan.consts["NORM_ROWS"] == 1
+    cap = NORM_REGISTER_CAPS.get((plan.consts["WARPS"], 1, plan.consts["STAGES"], plan.consts["BLOCKS"], 1))
+    assert plan.options.get("maxnreg") == cap
+    half = int4_matmul(x.half(), w, norm_eps=1e-5, residual=r.half())
+    assert torch.equal(half, compose_epilogue(int4_matmul(x.half(), w), x.half(), 1e-5, r.half()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = int4_matmul(x, w, norm_eps=1e-5, residual=r)
+    x.copy_(torch.randn(1, 4096, generator=gen).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(yg, y)
+    assert torch.equal(yg, int4_matmul(x, w, norm_eps=1e-5, residual=r))

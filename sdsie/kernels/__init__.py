@@ -8,7 +8,14 @@ INT4 choice's candidates on this GPU and keep the fastest per shape in a local c
 
 from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_config import Int4KernelConfig, candidate_configs, select_config
-from sdsie.kernels.int4_gemm import int4_matmul, int4_silu_mul, kernel_calls, refresh_choice, silu_mul_halves
+from sdsie.kernels.int4_gemm import (
+    compose_epilogue,
+    int4_matmul,
+    int4_silu_mul,
+    kernel_calls,
+    refresh_choice,
+    silu_mul_halves,
+)
 from sdsie.kernels.int4_tune import tune, tune_model
 from sdsie.kernels.logit_stats import logit_stats
 from sdsie.kernels.ops import int4_mm, register_weight
@@ -19,6 +26,7 @@ __all__ = [
     "FusedRMSNorm",
     "Int4KernelConfig",
     "candidate_configs",
+    "compose_epilogue",
     "decode_attention",
     "fuse_rmsnorm",
     "int4_matmul",

@@ -34,7 +34,15 @@ from sdsie.kernels.int4_config import (
     _select_config,
     select_config,
 )
-from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, gate_up_order, mma_consts, mma_supported, pack_fragments
+from sdsie.kernels.int4_mma import (
+    NORM_MAX_M,
+    NORM_REGISTER_CAPS,
+    _int4_mma_gemv_kernel,
+    gate_up_order,
+    mma_consts,
+    mma_supported,
+    pack_fragments,
+)
 from sdsie.kernels.int4_triton import (
     CODE_MAGIC,
     _int4_dequant_kernel,
@@ -43,8 +51,8 @@ from sdsie.kernels.int4_triton import (
     _int4_gemv_kernel,
 )
 
-__all__ = ["int4_matmul", "int4_silu_mul", "silu_mul_halves", "int4_dequantize", "kernel_calls", "refresh_choice",
-           "DEQUANT_MIN_M", "ROW_SLICE"]
+__all__ = ["int4_matmul", "int4_silu_mul", "silu_mul_halves", "compose_epilogue", "int4_dequantize", "kernel_calls",
+           "refresh_choice", "DEQUANT_MIN_M", "ROW_SLICE"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -137,7 +145,7 @@ class _Plan:
     split_k: int
     lock_slots: int
     sources: tuple  # (qweight, scales, zeros) it was built from: Int4Weight is mutable, so a call checks them
-    extra: tuple[int, ...] = ()  # GEMV: CODE_MAGIC
+    extra: tuple = ()  # GEMV: CODE_MAGIC; mma: the folded norm's eps
     compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
     workspace: torch.Tensor | None = None  # split K: [SPLIT_K, M, N] fp32 partials, allocated once per plan
     before_y: tuple = ()  # after the first launch: the compiled kernel's arguments between x and y ...
@@ -176,9 +184,11 @@ def _fragments(w: Int4Weight, gate_up: bool = False) -> tuple[torch.Tensor, torc
     return kept[1:]
 
 
-def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool = False) -> _Plan:
-    """The launch of `cfg` for this x and weight; `gate_up` (mma configurations only): the fused [gate; up]
-    weight's silu * up epilogue, y [M, N/2]."""
+def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool = False,
+          norm_eps: float | None = None, residual: bool = False) -> _Plan:
+    """The launch of `cfg` for this x and weight; mma configurations only: `gate_up`, the fused [gate; up]
+    weight's silu * up epilogue, y [M, N/2]; `norm_eps`, x's RMS norm folded after the product; `residual`, a
+    residual added in the epilogue (see `int4_matmul`)."""
     m, k = x2.shape
     n = w.out_features
     pdl = pdl_on(x2.device)
@@ -193,10 +203,16 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
         if cfg.max_registers is not None:
             options["maxnreg"] = cfg.max_registers
         blocks = cfg.block_n // 16
+        consts = mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages, norm_eps is not None,
+                            residual)
+        cap = NORM_REGISTER_CAPS.get((cfg.num_warps, consts["HALVES"], consts["STAGES"], blocks, consts["NORM_ROWS"]))
+        if norm_eps is not None and cfg.max_registers is None and cap is not None:
+            options["maxnreg"] = cap
         return _Plan(_int4_mma_gemv_kernel, (triton.cdiv(n // 16, blocks), 1, 1), words,
-                     zeros if zeros is not None else scales, (m, n, k),
-                     mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages), options, 1, 0,
-                     (w.qweight, w.scales, w.zeros), scales=scales)
+                     zeros if zeros is not None else scales, (m, n, k), consts, options, 1, 0,
+                     (w.qweight, w.scales, w.zeros), (0.0 if norm_eps is None else float(norm_eps),), scales=scales)
+    if gate_up or norm_eps is not None or residual:
+        raise ValueError("int4_matmul: silu * up, a folded norm and a residual are epilogues of the mma kernel only")
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
@@ -288,13 +304,17 @@ def _plans_of(w: Int4Weight) -> dict:
     return _kept_for(_PLANS, w)
 
 
-def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
+def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor, r: torch.Tensor | None = None) -> None:
+    """Run `plan` on x2, writing y; `r`: the residual of an mma plan that adds one ([M, N] contiguous, y's dtype)."""
     compiled = plan.compiled
-    if compiled is not None and y.data_ptr() % 16 == 0:  # y is the one pointer the plan key does not pin
-        # Every argument but x and y is fixed for the plan (its key pins x's strides; y is contiguous [M, N]):
+    mma = plan.kernel is _int4_mma_gemv_kernel
+    outs = (y, y if r is None else r) if mma else (y,)  # the mma kernel's r_ptr: y where it adds no residual
+    # y and r are the pointers the plan key does not pin: the compiled kernel assumed them 16-byte aligned
+    if compiled is not None and all(t.data_ptr() % 16 == 0 for t in outs):
+        # Every argument but x, y and r is fixed for the plan (its key pins x's strides; y is contiguous [M, N]):
         # one tuple per call, no per-call stride reads, buffer lookups or constexpr packing.
         stream = triton.runtime.driver.active.get_current_stream(x2.device.index)
-        values = (x2, *plan.before_y, y, *plan.after_y)
+        values = (x2, *plan.before_y, *outs, *plan.after_y)
         hook = triton.knobs.runtime.launch_enter_hook
         meta = None if hook is None else compiled.launch_metadata(plan.grid, stream, *values)
         compiled.run(*plan.grid, stream, compiled.function, compiled.packed_metadata, meta, hook,
@@ -312,19 +332,20 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> No
         ws = locks = plan.qw  # unused by the kernel without split K: any fixed pointer
     # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
     scales = w.scales if plan.scales is None else plan.scales
-    if plan.kernel is _int4_mma_gemv_kernel:
-        after_y = (*plan.ints, x2.stride(0), y.shape[1])  # y: [M, N], or [M, N/2] for silu * up
+    if mma:
+        after_y = (*plan.ints, x2.stride(0), y.shape[1], *plan.extra)  # y: [M, N], or [M, N/2] for silu * up
     else:
         after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
     try:
-        result = plan.kernel[plan.grid](x2, plan.qw, scales, plan.zeros, y, *after_y, **plan.consts, **plan.options)
+        result = plan.kernel[plan.grid](x2, plan.qw, scales, plan.zeros, *outs, *after_y, **plan.consts,
+                                        **plan.options)
     except Exception as err:  # checked here, off the per-call fast path: Triton's own message names no remedy
         if x2.device.type == "cpu" and not _interpreting():
             raise ValueError("int4_matmul: CPU tensors run only under the Triton interpreter (TRITON_INTERPRET=1, "
                              "set before triton is imported); on a GPU machine move the model and inputs to the GPU"
                              ) from err
         raise
-    if not _interpreting() and y.data_ptr() % 16 == 0 and hasattr(result, "run"):
+    if not _interpreting() and all(t.data_ptr() % 16 == 0 for t in outs) and hasattr(result, "run"):
         plan.before_y = (plan.qw, scales, plan.zeros)
         plan.after_y = (*after_y, *plan.consts.values())
         plan.compiled = result
@@ -373,10 +394,38 @@ def _dequant_matmul(x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
         y[:, r0:r1] = x2 @ int4_dequantize(w, x2.dtype, slice(r0, r1)).T
 
 
+def _residual_rows(residual: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tensor | None:
+    """The residual as a contiguous [M, N] of x's dtype and device; ValueError naming what differs."""
+    if residual is None:
+        return None
+    want = (*x.shape[:-1], n)
+    if tuple(residual.shape) != want or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"int4_matmul: residual must be a {x.dtype} tensor of shape {want} on {x.device}, got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
+    return residual.reshape(-1, n).contiguous()
+
+
+def compose_epilogue(y: torch.Tensor, x: torch.Tensor, norm_eps: float | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What the mma kernel's norm and residual epilogues compute, from torch ops on y [..., N] (the product x [..., K]
+    @ W.T, already in x's dtype): y * rsqrt(mean(x^2) + eps) per row, rounded to y's dtype, plus `residual`."""
+    if norm_eps is not None:
+        rs = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
+        y = (y.float() * rs).to(y.dtype)
+    return y if residual is None else y + residual
+
+
 def int4_matmul(
-    x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, out: torch.Tensor | None = None, *,
+    norm_eps: float | None = None, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for x [..., K]; returns [..., N] in x's dtype (fp32 accumulation).
+
+    `norm_eps`: x's RMS norm folded after the product, y = (x @ W.T) * rsqrt(mean(x^2, -1) + eps) per row, for a
+    weight whose norm gains are folded into its columns (`sdsie.quant.fold_norm_gains`): the decoder's RMS norm in
+    the projection's launch. `residual` [..., N] (x's dtype): y = residual + the product rounded to x's dtype, a
+    linear followed by an add. Both are the mma kernel's epilogues where that kernel takes the call (one launch);
+    every other path computes the product, then the same in torch ops (`compose_epilogue`).
 
     `config` overrides the automatic choice (tests use it to cover every candidate). Without one, M >= DEQUANT_MIN_M
     unpacks the weight to x's dtype (at most DEQUANT_CHUNK weights at a time, a temporary of that size) and runs
@@ -396,6 +445,8 @@ def int4_matmul(
     """
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
+    if norm_eps is not None or residual is not None:
+        return _fused_matmul(x, w, config, out, norm_eps, _residual_rows(residual, x, n))
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, k)  # [M, K]; copies only when x cannot be viewed so (strides handled)
     m = x2.shape[0]
@@ -430,6 +481,52 @@ def int4_matmul(
     return y if flat else y.reshape(*x.shape[:-1], n)
 
 
+def _mma_plan(x2: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None, store: dict, key: tuple,
+              gate_up: bool = False, norm_eps: float | None = None, residual: bool = False) -> _Plan | None:
+    """The mma plan of an epilogue only that kernel has (silu * up, a folded norm, a residual), kept in `store`
+    under `key`; None (decided once) where another kernel takes the call and the epilogue is composed."""
+    plan = store.get(key)
+    if key in store and (plan is None or plan.built_from(w)):
+        return plan
+    plan = None
+    m = x2.shape[0]
+    most = min(8 if gate_up else ROW_SLICE, ROW_SLICE if norm_eps is None else NORM_MAX_M)  # beyond: composed
+    if 1 <= m <= most and x2.is_cuda and (config is None or config.mma):
+        cfg = config or select_config(m, w.out_features, w.in_features, x2.device, w.group_size)
+        if cfg.mma and mma_supported(x2, w):
+            plan = _plan(x2, w, cfg, gate_up, norm_eps, residual)
+    if plan is None and config is not None and config.mma and m <= most:
+        what = "int4_silu_mul" if gate_up else "int4_matmul"
+        raise ValueError(f"{what}: the mma configuration needs M <= {most} and what "
+                         f"int4_matmul's mma launch needs; got x {x2.dtype} {tuple(x2.shape)} on {x2.device}, "
+                         f"N={w.out_features}")
+    store[key] = plan
+    return plan
+
+
+_FUSED_PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan, or None where the norm/residual is composed}
+
+
+def _fused_matmul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None, out: torch.Tensor | None,
+                  norm_eps: float | None, r2: torch.Tensor | None) -> torch.Tensor:
+    """`int4_matmul` with a folded norm and/or a residual: one mma launch where that kernel takes the call."""
+    if out is not None:
+        raise ValueError("int4_matmul: out is not taken with norm_eps or residual (the output is a new tensor)")
+    n, k = w.out_features, w.in_features
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    m = x2.shape[0]
+    key = (*_plan_key(x2, config), norm_eps, r2 is not None)
+    plan = None if m == 0 or n == 0 else _mma_plan(x2, w, config, _kept_for(_FUSED_PLANS, w), key,
+                                                    norm_eps=norm_eps, residual=r2 is not None)
+    if plan is None:
+        y = compose_epilogue(int4_matmul(x2, w, config), x2, norm_eps, r2)
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        _launch(plan, x2, w, y, r2)
+        _CALLS["n"] += 1
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
 def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused [gate; up] output y [..., N] (gate the first N/2), in y's dtype: the composed form
     of what `int4_silu_mul`'s epilogue computes, for every path that does not run it."""
@@ -437,38 +534,26 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None) -> torch.Tensor:
+def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, *,
+                  norm_eps: float | None = None) -> torch.Tensor:
     """silu(gate) * up for a fused [gate; up] weight (rows 0 .. N/2 - 1 the gate's, then the up's), x [..., K] ->
     [..., N/2] in x's dtype: a gated MLP's activation in the projection's launch.
 
     Where `int4_matmul` would run the mma kernel at M <= 8 (or `config` names an mma configuration), one launch whose
     epilogue takes silu(gate) * up in fp32 from the fp32 sums (its first call on a weight keeps a copy of the codes
     in `gate_up_order`); elsewhere (M = 9-16 included) `int4_matmul` with `config`, then torch's silu and product in
-    x's dtype."""
+    x's dtype. `norm_eps`: x's RMS norm folded after the product, before silu (as `int4_matmul`'s)."""
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
     if n % 2:
         raise ValueError(f"int4_silu_mul: a fused [gate; up] weight has an even N, got N = {n}")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    key = _plan_key(x2, config)
-    plans = _kept_for(_GATE_UP_PLANS, w)
-    plan = plans.get(key)
-    if key not in plans or (plan is not None and not plan.built_from(w)):  # None: composed, decided once
-        plan = None
-        if 1 <= m <= 8 and x2.is_cuda and (config is None or config.mma):
-            cfg = config or select_config(m, n, k, x.device, w.group_size)
-            if cfg.mma and mma_supported(x2, w):
-                plan = _plan(x2, w, cfg, gate_up=True)
-        if plan is None and config is not None and config.mma and m <= 8:  # M = 9-16: composed, below
-            raise ValueError(f"int4_silu_mul: the mma configuration needs M <= 8 and what "
-                             f"int4_matmul's mma launch needs; got x {x2.dtype} {tuple(x2.shape)} on {x2.device}, "
-                             f"N={n}")
-        plans[key] = plan
+    key = (*_plan_key(x2, config), norm_eps)
+    plan = _mma_plan(x2, w, config, _kept_for(_GATE_UP_PLANS, w), key, gate_up=True, norm_eps=norm_eps)
     if plan is None:
-        return silu_mul_halves(int4_matmul(x, w, config))
+        return silu_mul_halves(int4_matmul(x, w, config, norm_eps=norm_eps))
     y = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
     _launch(plan, x2, w, y)
     _CALLS["n"] += 1
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n // 2)
-

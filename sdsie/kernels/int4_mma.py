@@ -35,8 +35,8 @@ from triton.experimental.gluon import language as gl
 from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 from sdsie.kernels.int4_config import MMA_STAGES
 
-__all__ = ["pack_fragments", "emulate_fragments", "gate_up_order", "mma_consts", "mma_supported", "MMA_MAX_M",
-           "PAIR"]
+__all__ = ["pack_fragments", "emulate_fragments", "gate_up_order", "mma_consts", "mma_supported", "norm_layout",
+           "MMA_MAX_M", "NORM_MAX_M", "NORM_REGISTER_CAPS", "PAIR"]
 
 MMA_MAX_M = 16  # x's rows fill the B operand's 8 columns, twice (two mmas on the same A registers)
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
@@ -270,10 +270,57 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 
 
 @gluon.jit
-def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+def _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
+                 NORM_STEPS: gl.constexpr, WARPS: gl.constexpr):
+    """Each thread's share of sum(x[r]^2) for rows r < NORM_ROWS (0 past M): [NORM_ROWS, 32 WARPS] fp32, one column
+    a thread (a thread reads NORM_PER contiguous values a step, all its loads issued at once); `_row_rsqrt` sums the
+    columns."""
+    LV: gl.constexpr = gl.BlockedLayout([1, NORM_PER], [32, 1], [WARPS, 1], [1, 0])  # [32 W, NORM_PER]
+    LP: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])  # [NORM_ROWS, 32 W]
+    vk = (gl.expand_dims(gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, LV)), 1) * NORM_PER
+          + gl.expand_dims(gl.arange(0, NORM_PER, layout=gl.SliceLayout(0, LV)), 0))  # [32 W, NORM_PER]
+    pr = gl.expand_dims(gl.arange(0, NORM_ROWS, layout=gl.SliceLayout(1, LP)), 1)  # [NORM_ROWS, 1]
+    squares = gl.zeros([NORM_ROWS, 32 * WARPS], gl.float32, LP)
+    for r in gl.static_range(NORM_ROWS):
+        part = gl.zeros([32 * WARPS], gl.float32, gl.SliceLayout(1, LV))
+        for step in gl.static_range(NORM_STEPS):
+            kk = step * (32 * WARPS * NORM_PER) + vk
+            v = gl.load(x_ptr + r * stride_xm + kk, mask=(kk < K) & (r < M), other=0.0).to(gl.float32)
+            part += gl.sum(v * v, axis=1)
+        part = gl.convert_layout(part, gl.SliceLayout(0, LP))
+        squares = gl.where(pr == r, gl.expand_dims(part, 0), squares)
+    return squares
+
+
+@gluon.jit
+def _row_factor(rs, om, NORM_ROWS: gl.constexpr):
+    """rs [NORM_ROWS] (each thread holds all) at x's row om (any shape): where(om == r, rs[r])."""
+    nr = gl.arange(0, NORM_ROWS, layout=rs.type.layout)
+    f = (om * 0).to(gl.float32)
+    for r in gl.static_range(NORM_ROWS):
+        f = gl.where(om == r, gl.sum(gl.where(nr == r, rs, 0.0), axis=0), f)
+    return f
+
+
+@gluon.jit
+def _store_rows(y_ptr, r_ptr, y, om, orow, stride_ym, mask, rs, NORM_ROWS: gl.constexpr, RESIDUAL: gl.constexpr):
+    """y [B, 32, 4] fp32 sums of x's rows om at output rows orow: scaled by the row's rs (NORM_ROWS > 0), rounded to
+    y's dtype, plus r's element (RESIDUAL; the sum in fp32, rounded once more), stored."""
+    if NORM_ROWS > 0:
+        y = y * _row_factor(rs, om, NORM_ROWS)
+    y = y.to(y_ptr.dtype.element_ty)
+    if RESIDUAL:
+        y = (y.to(gl.float32) + gl.load(r_ptr + om * stride_ym + orow, mask=mask, other=0.0).to(gl.float32)).to(
+            y_ptr.dtype.element_ty)
+    gl.store(y_ptr + om * stride_ym + orow, y, mask=mask)
+
+
+@gluon.jit
+def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, stride_xm, stride_ym, eps,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                           WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
-                          PDL: gl.constexpr, STAGES: gl.constexpr):
+                          PDL: gl.constexpr, STAGES: gl.constexpr, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
+                          NORM_STEPS: gl.constexpr, RESIDUAL: gl.constexpr):
     # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
     # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs ahead
     # right after its mmas), and their sums meet in one cross-warp reduction. A warp's x registers for a pair serve
@@ -282,6 +329,11 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     # GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
     # SILU_MUL (HALVES 1): rows in `gate_up_order`; y [M, N/2] = silu(gate) * up, computed in fp32 from the sums.
+    # NORM_ROWS (> 0, a power of 2 >= M): an RMS norm of x's rows folded after the product: each sum is scaled by
+    # rsqrt(mean(x[m]^2) + eps) (before silu * up). Every program reads x's rows whole once more for it, from L2,
+    # after the weights' first loads are asked for; the threads' shares meet in the epilogue.
+    # RESIDUAL (not with SILU_MUL): y = r + the product rounded to y's dtype (r [M, N], y's strides), as a linear
+    # followed by an add.
     L4: gl.constexpr = gl.BlockedLayout([BLOCKS, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [B, W, 32]
     LJ: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))  # [4] along j
@@ -331,6 +383,8 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
         c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
     if STAGES == 4:
         d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
+    if NORM_ROWS > 0:
+        squares = _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS)
     if PDL:
         _release_dependents()
     p = warp
@@ -363,6 +417,9 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
     onb = nb0 + ob  # [B, 1, 1]
     live = onb < row_blocks
     om = 2 * (ol % 4) + oc % 2  # [1, 32, 4] x's row (B's column) of each accumulator
+    rs = eps  # unused without NORM_ROWS
+    if NORM_ROWS > 0:
+        rs = 1.0 / gl.sqrt(gl.sum(squares, axis=1) / K + eps)  # [NORM_ROWS]
     if SILU_MUL:
         # a lane's c0, c1: gate of channel 8 nb + g for x's rows 2t, 2t + 1; c2, c3: up of the same (exact
         # extractions: each sums one value and three zeros)
@@ -372,28 +429,55 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm
             gate = gl.sum(gl.where(oc == e, y4, 0.0), axis=2, keep_dims=True)  # [B, 32, 1]
             up = gl.sum(gl.where(oc == e + 2, y4, 0.0), axis=2, keep_dims=True)
             me = 2 * (ol % 4) + e  # [1, 32, 1]
+            if NORM_ROWS > 0:
+                f = _row_factor(rs, me, NORM_ROWS)
+                gate = gate * f
+                up = up * f
             out = gate / (1.0 + gl.exp(-gate)) * up
             gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=(me < M) & live)
     else:
         orow = onb * 16 + ol // 4 + 8 * (oc // 2)  # [B, 32, 4]
-        gl.store(y_ptr + om * stride_ym + orow, gl.sum(tot, axis=1).to(y_ptr.dtype.element_ty),
-                 mask=(om < M) & live)
+        _store_rows(y_ptr, r_ptr, gl.sum(tot, axis=1), om, orow, stride_ym, (om < M) & live, rs, NORM_ROWS, RESIDUAL)
     if HALVES == 2:
         orow = onb * 16 + ol // 4 + 8 * (oc // 2)
-        gl.store(y_ptr + (om + 8) * stride_ym + orow, gl.sum(tot_h, axis=1).to(y_ptr.dtype.element_ty),
-                 mask=(om + 8 < M) & live)
+        _store_rows(y_ptr, r_ptr, gl.sum(tot_h, axis=1), om + 8, orow, stride_ym, (om + 8 < M) & live, rs, NORM_ROWS,
+                    RESIDUAL)
+
+
+def norm_layout(k: int, warps: int) -> tuple[int, int]:
+    """(NORM_PER, NORM_STEPS) of the RMS pre-pass over rows of K values with `warps` warps: a thread reads
+    NORM_PER <= 32 contiguous values a step (four 16-byte loads at most), NORM_STEPS steps cover next_pow2(K)."""
+    span = max(32 * warps, 1 << max(k - 1, 0).bit_length())  # next_pow2(K), at least one value a thread
+    per = min(32, span // (32 * warps))
+    return per, span // (32 * warps * per)
+
+
+# A folded norm's pre-pass keeps its loads' registers live beside the first pairs in flight: uncapped, ptxas gives the
+# four-warp two-stage one-block M <= 8 kernel 104-106 registers where it has 96 without the norm (4 programs of 4
+# warps an SM instead of 5); capped at 96 it spills nothing and its loop issues one instruction more (offline sm_90
+# compile, tests/test_int4_mma.py). Keyed by (WARPS, HALVES, STAGES, BLOCKS, NORM_ROWS): decode's M = 1, where the
+# plans with more stages or blocks keep their counts with the norm.
+NORM_REGISTER_CAPS = {(4, 1, 2, 1, 1): 96}
+NORM_MAX_M = 8  # above, a program's pre-pass would read as many bytes of x as of weights (M = 16: 256 registers)
 
 
 def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1,
-               stages: int = 2) -> dict:
+               stages: int = 2, norm: bool = False, residual: bool = False) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
-    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4)."""
+    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4; `norm`: x's RMS norm folded
+    after the product; `residual`: a residual added to the output, not with `silu_mul`)."""
     if stages not in MMA_STAGES:
         raise ValueError(f"the mma kernel keeps {MMA_STAGES} pairs in flight a warp, got {stages}")
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
+    if silu_mul and residual:
+        raise ValueError("the mma kernel's silu * up epilogue adds no residual")
+    if norm and m > NORM_MAX_M:
+        raise ValueError(f"the mma kernel's folded norm takes M <= {NORM_MAX_M}, got M = {m}")
     per_channel = w.group_size >= w.in_features
+    per, steps = norm_layout(w.in_features, warps) if norm else (1, 1)  # without a norm: one compiled variant
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
-                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages)
+                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages, NORM_ROWS=1 << max(m - 1, 0).bit_length() if norm else 0,
+                NORM_PER=per, NORM_STEPS=steps, RESIDUAL=residual)

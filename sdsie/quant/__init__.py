@@ -1,4 +1,5 @@
-"""INT4 weights: calibration, safetensors I/O, the INT4 / gated layers, and q/k/v and gate/up fusion.
+"""INT4 weights: calibration, safetensors I/O, the INT4 / gated layers, q/k/v and gate/up fusion, and the decoder's
+norms and residual adds moved into the INT4 projections.
 
 The packed format itself (`Int4Weight`) lives in `sdsie.int4_format`, below both this package and the kernels,
 and is re-exported here.
@@ -10,6 +11,7 @@ from sdsie.quant.fuse import FusionReport, fuse_projections
 from sdsie.quant.gated import GatedLinear, GearState, gate_model
 from sdsie.quant.io import load_int4_weight, load_int4_weights, save_int4_weight, save_int4_weights
 from sdsie.quant.linear import Int4Linear, QuantReport, quantize_model, select_linears
+from sdsie.quant.norms import NormFusion, fold_norm_gains, fuse_norms, unfuse_norms
 
 __all__ = [
     "CalibratedWeight",
@@ -19,9 +21,12 @@ __all__ = [
     "Int4Linear",
     "Int4Weight",
     "LayerReport",
+    "NormFusion",
     "QuantConfig",
     "QuantReport",
     "calibrate",
+    "fold_norm_gains",
+    "fuse_norms",
     "fuse_projections",
     "gate_model",
     "layer_report",
@@ -34,5 +39,6 @@ __all__ = [
     "save_int4_weights",
     "select_linears",
     "sqnr_db",
+    "unfuse_norms",
     "unpack_int4",
 ]

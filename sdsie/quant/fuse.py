@@ -175,11 +175,19 @@ class FusedMLP(nn.Module):
         replaced after fusing)."""
         return self._silu and isinstance(self.gate_up_proj, (Int4Linear, GatedLinear))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x [..., H]; plus `residual` [..., H] where given (in the down projection's launch where it is
+        an Int4Linear)."""
         if self.silu_in_projection:
-            return self.down_proj(self.gate_up_proj.silu_mul(x))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+            hidden = self.gate_up_proj.silu_mul(x)
+        else:
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            hidden = self.act_fn(gate) * up
+        if residual is None:
+            return self.down_proj(hidden)
+        if isinstance(self.down_proj, Int4Linear):
+            return self.down_proj(hidden, residual=residual)
+        return residual + self.down_proj(hidden)
 
 
 @dataclass

@@ -37,8 +37,12 @@ class Int4Linear(nn.Module):
     """y = (x * input_scale) @ dequant(W).T + bias, computed by `sdsie.kernels.int4_matmul`.
 
     Weights stay packed (buffers `qweight`, `scales`, `zeros`); `input_scale` [K] is the AWQ
-    per-input-channel multiplier (absent for min-max calibrations).
+    per-input-channel multiplier (absent for min-max calibrations). `norm_eps` (set by
+    `sdsie.quant.fuse_norms`): the layer reads an un-normalized residual stream and applies the decoder's
+    RMS norm itself, y = (x @ W.T) * rsqrt(mean(x^2) + norm_eps), its gains folded into W beforehand.
     """
+
+    norm_eps: float | None = None
 
     def __init__(
         self, weight: Int4Weight, bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
@@ -86,15 +90,20 @@ class Int4Linear(nn.Module):
         """The [N, K] matrix this layer effectively multiplies by (input scaling folded in)."""
         return CalibratedWeight(self._packed, self.input_scale).effective_weight(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> y: [..., N], in x's dtype
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype; `residual` [..., N] is added to the output (in the kernel's epilogue
+        where it takes the call and the layer has no bias)."""
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
+        fused = residual if self.bias is None else None
         if torch.compiler.is_compiling():  # one opaque node for dynamo; eager calls skip the dispatcher
-            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
+            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size, self.norm_eps,
+                                        fused)
         else:
-            y = kernels.int4_matmul(x, self._packed)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+            y = kernels.int4_matmul(x, self._packed, norm_eps=self.norm_eps, residual=fused)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y if residual is None or fused is not None else residual + y
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): [..., N/2], in one launch
@@ -104,14 +113,16 @@ class Int4Linear(nn.Module):
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if torch.compiler.is_compiling():
-            return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size)
-        return kernels.int4_silu_mul(x, self._packed)
+            return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size,
+                                                 self.norm_eps)
+        return kernels.int4_silu_mul(x, self._packed, norm_eps=self.norm_eps)
 
     def extra_repr(self) -> str:
         kind = "per-channel" if self.group_size >= self.in_features else f"group_size={self.group_size}"
         sym = "symmetric" if self.zeros is None else "asymmetric"
         awq = ", input_scale" if self.input_scale is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, {sym}{awq}"
+        norm = "" if self.norm_eps is None else f", norm_eps={self.norm_eps}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, {sym}{awq}{norm}"
 
 
 # --- target selection ---------------------------------------------------------------------------

@@ -329,6 +329,23 @@ def test_an_mma_configuration_takes_a_register_cap_and_launches_with_it(monkeypa
     assert "maxnreg" not in int4_gemm._plan(x, w, MMA_CONFIGS[4]).options
 
 
+def test_a_folded_norm_and_a_residual_leave_the_loop_and_the_cap_keeps_the_registers():
+    """Offline sm_90, M = 1: the norm's pre-pass and the residual's epilogue leave the loop's HMMA and 16-byte loads as
+    they are; uncapped, the norm grows the four-warp two-stage kernel past its 96 registers (5 programs an SM to 4),
+    and `NORM_REGISTER_CAPS`' cap holds it at 96 without a spill, the loop within 2.2 SASS a code."""
+    cap = NORM_REGISTER_CAPS[(4, 1, 2, 1, 1)]
+    free, normed, capped, residual = compiled_offline(
+        "from reproductions.kernels.inspect_ptx import inspect_mma",
+        f"[inspect_mma(), inspect_mma(norm_rows=1), inspect_mma(norm_rows=1, max_registers={cap}), "
+        "inspect_mma(residual=True)]", "the mma GEMV")
+    for r in (normed, capped, residual):
+        for op in ("HMMA.16816.F32.BF16", "LDG.E.128"):
+            assert r["sass_ops"][op] == free["sass_ops"][op], (op, r)
+    assert free["registers"] == cap < normed["registers"]
+    assert capped["registers"] <= cap and capped["spill_instructions"] == 0 and capped["local_mem"] == 0
+    assert capped["sass_loop_per_code"] < 2.2 and residual["registers"] == free["registers"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_SM90, reason="the mma kernel needs an sm_90+ GPU")
 @pytest.mark.parametrize("m, cap", [(1, 80), (4, 80), (8, 72), (16, 128)])

@@ -99,6 +99,8 @@ class Int4Linear(nn.Module):
         if torch.compiler.is_compiling():  # one opaque node for dynamo; eager calls skip the dispatcher
             y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size, self.norm_eps,
                                         fused)
+        elif self.norm_eps is None and fused is None:
+            y = kernels.int4_matmul(x, self._packed)
         else:
             y = kernels.int4_matmul(x, self._packed, norm_eps=self.norm_eps, residual=fused)
         if self.bias is not None:
@@ -115,6 +117,8 @@ class Int4Linear(nn.Module):
         if torch.compiler.is_compiling():
             return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size,
                                                  self.norm_eps)
+        if self.norm_eps is None:
+            return kernels.int4_silu_mul(x, self._packed)
         return kernels.int4_silu_mul(x, self._packed, norm_eps=self.norm_eps)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,79 @@
+"""Does folding the RMS-norm gains into the weights before quantizing (`fold_norm_gains`, which `fuse_norms` needs)
+cost INT4 fidelity on a real checkpoint?
+
+SmolLM2-135M-Instruct (the real pair's target, CPU fp32) is quantized whole (every decoder linear and the LM head,
+min-max groups of `--group` codes) twice: as it is, and with its gains folded first and its norms then fused into the
+INT4 projections. Each continues the real prompts' fp32 greedy continuation (teacher-forced, one forward a prompt);
+per variant: top-1 agreement with fp32's next token, and mean KL(fp32 || INT4) in nats, over the continuation. The
+INT4 layers run the kernel's float64 reference (the CPU has no mma kernel; the fused variant composes its epilogues
+as every non-mma path does). Answer recorded in docs/log.md and telemetry/raw/norm_fold_fidelity_smollm2_cpu.json.
+
+    python -m research.norm_fold_fidelity --out telemetry/raw/norm_fold_fidelity_smollm2_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from reproductions.decode_e2e import LINEARS, int4_kernel
+from reproductions.real.suite import load_prompts, load_real_pair, prompts_hash
+from sdsie.quant import QuantConfig, fold_norm_gains, fuse_norms, fuse_projections, quantize_model
+
+
+def continuation_stats(model: torch.nn.Module, ids: torch.Tensor, start: int, ref_logp: torch.Tensor) -> dict:
+    """Top-1 agreement with the reference's next token and mean KL(ref || model) over positions start-1 .. end-2."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, start - 1 : -1].double(), -1)  # [T, V]
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+    return {"top1": (logp.argmax(-1) == ref_logp.argmax(-1)).double().mean().item(), "kl": kl.mean().item(),
+            "kl_max": kl.max().item()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--group", type=int, default=64)
+    a = p.parse_args(argv)
+    pair = load_real_pair(with_scout=False)
+    base = pair.target
+    prompts = load_prompts()
+    cases = []
+    for pid, prompt_ids in pair.prompt_ids(prompts).items():
+        ids = torch.tensor([prompt_ids])
+        out = base.generate(ids, max_new_tokens=a.new_tokens, do_sample=False)
+        with torch.no_grad():
+            ref = torch.log_softmax(base(out).logits[0, ids.shape[1] - 1 : -1].double(), -1)
+        cases.append((pid, out, ids.shape[1], ref))
+    cfg = QuantConfig(group_size=a.group)
+    plain = copy.deepcopy(base)
+    quantize_model(plain, LINEARS, cfg)
+    fuse_projections(plain)
+    folded = copy.deepcopy(base)
+    fold_norm_gains(folded)
+    quantize_model(folded, LINEARS, cfg)
+    fuse_projections(folded)
+    fuse_norms(folded)
+    rows = []
+    with int4_kernel(torch.device("cpu")):
+        for pid, out, start, ref in cases:
+            row = {"prompt": pid, "tokens": out.shape[1] - start}
+            for name, model in (("int4", plain), ("int4_folded_norms", folded)):
+                row[name] = continuation_stats(model, out, start, ref)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    doc = {"question": __doc__.splitlines()[0], "checkpoint_sha256": pair.checkpoint_sha256, "prompts_hash":
+           prompts_hash(prompts), "group_size": a.group, "linears": LINEARS, "new_tokens": a.new_tokens,
+           "dtype": "float32", "int4_kernel": "float64 reference", "rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

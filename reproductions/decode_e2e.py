@@ -16,9 +16,8 @@ once and taken through its variants in this order, each variant reusing the prev
                          --gated-layout unfused where a gated variant runs too; not in the default list)
     int4                 ... q/k/v and gate/up fused (fuse_projections)
     int4_compiled        ... with the compiled decode step
-    int4_norms           ... with each layer's RMS norms and residual adds in its INT4 projections (fuse_norms; the
-                         norms' gains folded into the weights before quantizing, fold_norm_gains), the final norm in
-                         the LM head
+    int4_norms           ... with each layer's RMS norms and residual adds in its INT4 projections (fuse_norms), the
+                         final norm in the LM head
     int4_norms_compiled  ... with the compiled decode step
     tinygemm             the same INT4 weights through torch.ops.aten._weight_int4pack_mm, fused likewise
     tinygemm_compiled    ... with the compiled decode step
@@ -105,7 +104,6 @@ from sdsie.quant import (
     GatedLinear,
     Int4Linear,
     QuantConfig,
-    fold_norm_gains,
     fuse_norms,
     fuse_projections,
     gate_model,
@@ -569,13 +567,12 @@ def int4_kernel(device: torch.device) -> Iterator[str]:
         yield "triton"
         return
 
-    def reference(x: torch.Tensor, w: Any, *args: Any, norm_eps: float | None = None,
-                  residual: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        return sdsie.kernels.compose_epilogue(int4_matmul_reference(x, w).to(x.dtype), x, norm_eps, residual)
+    def reference(x: torch.Tensor, w: Any, config: Any = None, out: Any = None, **epilogue: Any) -> torch.Tensor:
+        # epilogue: int4_matmul's norm_eps, norm_source, residual and out_gain, composed as off the mma kernel
+        return sdsie.kernels.compose_epilogue(int4_matmul_reference(x, w).to(x.dtype), x, **epilogue)
 
-    def silu_reference(x: torch.Tensor, w: Any, *args: Any, norm_eps: float | None = None,
-                       **kwargs: Any) -> torch.Tensor:
-        return sdsie.kernels.silu_mul_halves(reference(x, w, norm_eps=norm_eps))
+    def silu_reference(x: torch.Tensor, w: Any, config: Any = None, **epilogue: Any) -> torch.Tensor:
+        return sdsie.kernels.silu_mul_halves(reference(x, w, **epilogue))
 
     saved = (sdsie.kernels.int4_matmul, sdsie.kernels.ops.int4_matmul, sdsie.kernels.int4_silu_mul,
              sdsie.kernels.ops.int4_silu_mul)
@@ -606,8 +603,6 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     if not later:
         return
     torch._dynamo.reset()
-    if wanted & NORMS:
-        fold_norm_gains(model)  # the same function up to rounding; the float weights the gears quantize carry g
     state = gate_model(model, LINEARS, QuantConfig(group_size=GROUP_SIZE))
     fused = args.gated_layout == "fused" and bool(wanted & GATED)
     if fused:

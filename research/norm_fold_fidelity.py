@@ -1,12 +1,15 @@
-"""Does folding the RMS-norm gains into the weights before quantizing (`fold_norm_gains`, which `fuse_norms` needs)
-cost INT4 fidelity on a real checkpoint?
+"""Do the decoder's norms in the INT4 projections cost fidelity on a real checkpoint, and would folding the norms'
+gains into the weights before quantizing?
 
 SmolLM2-135M-Instruct (the real pair's target, CPU fp32) is quantized whole (every decoder linear and the LM head,
-min-max groups of `--group` codes) twice: as it is, and with its gains folded first and its norms then fused into the
-INT4 projections. Each continues the real prompts' fp32 greedy continuation (teacher-forced, one forward a prompt);
-per variant: top-1 agreement with fp32's next token, and mean KL(fp32 || INT4) in nats, over the continuation. The
-INT4 layers run the kernel's float64 reference (the CPU has no mma kernel; the fused variant composes its epilogues
-as every non-mma path does). Answer recorded in docs/log.md and telemetry/raw/norm_fold_fidelity_smollm2_cpu.json.
+min-max groups of `--group` codes) three ways: as it is; the same INT4 weights with the norms fused into the
+projections (`fuse_norms`: the gain multiplies the stream, the weights are untouched); and with each norm's gain
+folded into the columns of the linears that read it before quantizing (W diag(g), the gain then 1: the other way to
+take the norm out of its kernel). Each continues the real prompts' fp32 greedy continuation (teacher-forced, one
+forward a prompt); per variant: top-1 agreement with fp32's next token, and mean KL(fp32 || INT4) in nats, over the
+continuation. The INT4 layers run the kernel's float64 reference (the CPU has no mma kernel; the fused variant
+composes its epilogues as every non-mma path does). Answer recorded in docs/log.md and
+telemetry/raw/norm_fold_fidelity_smollm2_cpu.json.
 
     python -m research.norm_fold_fidelity --out telemetry/raw/norm_fold_fidelity_smollm2_cpu.json
 """
@@ -22,7 +25,8 @@ import torch
 
 from reproductions.decode_e2e import LINEARS, int4_kernel
 from reproductions.real.suite import load_prompts, load_real_pair, prompts_hash
-from sdsie.quant import QuantConfig, fold_norm_gains, fuse_norms, fuse_projections, quantize_model
+from sdsie.quant import QuantConfig, fuse_norms, fuse_projections, quantize_model
+from sdsie.quant.norms import _decoder_layers, _final_norm, _readers
 
 
 def continuation_stats(model: torch.nn.Module, ids: torch.Tensor, start: int, ref_logp: torch.Tensor) -> dict:
@@ -32,6 +36,23 @@ def continuation_stats(model: torch.nn.Module, ids: torch.Tensor, start: int, re
     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
     return {"top1": (logp.argmax(-1) == ref_logp.argmax(-1)).double().mean().item(), "kl": kl.mean().item(),
             "kl_max": kl.max().item()}
+
+
+@torch.no_grad()
+def fold_gains(model: torch.nn.Module) -> None:
+    """Each RMS norm's gain into the columns of the linears that read it (q/k/v, gate/up; the final norm's into the
+    LM head, untied from the embedding), the gain set to 1: the same function, other weights to quantize."""
+    pairs = []
+    for _, layer in _decoder_layers(model):
+        attn_readers, mlp_readers = _readers(layer)
+        pairs += [(layer.input_layernorm, attn_readers), (layer.post_attention_layernorm, mlp_readers)]
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    pairs.append((getattr(*_final_norm(model)), [head]))
+    for norm, readers in pairs:
+        for r in readers:
+            r.weight.mul_(norm.weight.to(r.weight.dtype))
+        norm.weight.fill_(1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,16 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     plain = copy.deepcopy(base)
     quantize_model(plain, LINEARS, cfg)
     fuse_projections(plain)
+    fused = copy.deepcopy(plain)
+    fuse_norms(fused)
     folded = copy.deepcopy(base)
-    fold_norm_gains(folded)
+    fold_gains(folded)
     quantize_model(folded, LINEARS, cfg)
     fuse_projections(folded)
-    fuse_norms(folded)
     rows = []
     with int4_kernel(torch.device("cpu")):
         for pid, out, start, ref in cases:
             row = {"prompt": pid, "tokens": out.shape[1] - start}
-            for name, model in (("int4", plain), ("int4_folded_norms", folded)):
+            for name, model in (("int4", plain), ("int4_fused_norms", fused), ("int4_gains_folded", folded)):
                 row[name] = continuation_stats(model, out, start, ref)
             rows.append(row)
             print(json.dumps(row), flush=True)

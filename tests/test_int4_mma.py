@@ -329,15 +329,16 @@ def test_an_mma_configuration_takes_a_register_cap_and_launches_with_it(monkeypa
     assert "maxnreg" not in int4_gemm._plan(x, w, MMA_CONFIGS[4]).options
 
 
-def test_a_folded_norm_and_a_residual_leave_the_loop_and_the_cap_keeps_the_registers():
-    """Offline sm_90, M = 1: the norm's pre-pass and the residual's epilogue leave the loop's HMMA and 16-byte loads as
-    they are; uncapped, the norm grows the four-warp two-stage kernel past its 96 registers (5 programs an SM to 4),
-    and `NORM_REGISTER_CAPS`' cap holds it at 96 without a spill, the loop within 2.2 SASS a code."""
+def test_the_norm_and_residual_epilogues_leave_the_loop_and_the_cap_keeps_the_registers():
+    """Offline sm_90, M = 1: the norm's pre-pass and the residual and gained-copy epilogue leave the loop's HMMA and
+    16-byte loads as they are; uncapped, the norm grows the four-warp two-stage kernel past its 96 registers (5
+    programs an SM to 4), and `NORM_REGISTER_CAPS`' cap holds it at 96 without a spill, the loop within 2.2 SASS a
+    code."""
     cap = NORM_REGISTER_CAPS[(4, 1, 2, 1, 1)]
     free, normed, capped, residual = compiled_offline(
         "from reproductions.kernels.inspect_ptx import inspect_mma",
         f"[inspect_mma(), inspect_mma(norm_rows=1), inspect_mma(norm_rows=1, max_registers={cap}), "
-        "inspect_mma(residual=True)]", "the mma GEMV")
+        "inspect_mma(residual=True, out_gain=True)]", "the mma GEMV")
     for r in (normed, capped, residual):
         for op in ("HMMA.16816.F32.BF16", "LDG.E.128"):
             assert r["sass_ops"][op] == free["sass_ops"][op], (op, r)
@@ -570,14 +571,16 @@ def test_the_silu_mul_epilogue_matches_the_reference(warps, group, symmetric):
     assert ((y.double() - ref).abs() - tol).max().item() <= 0
 
 
-def epilogue_reference(x: torch.Tensor, w: Int4Weight, norm_eps: float | None,
-                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (x @ W.T) * rsqrt(mean(x^2) + eps) (+ residual) and each element's tolerance: the product's
-    (`tolerance`) scaled with it, fp32's rsqrt, the rounding of the scaled product and, with a residual, of the sum."""
+def epilogue_reference(x: torch.Tensor, w: Int4Weight, norm_eps: float | None, residual: torch.Tensor | None,
+                       norm_source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (x @ W.T) * rsqrt(mean(h^2) + eps) (+ residual), h = norm_source else x, and each element's
+    tolerance: the product's (`tolerance`) scaled with it, fp32's rsqrt, the rounding of the scaled product and, with
+    a residual, of the sum."""
     ref = int4_matmul_reference(x, w).double()
     tol = tolerance(x, w, ref, x.dtype)
     if norm_eps is not None:
-        rs = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + norm_eps)  # [M, 1]
+        h = x if norm_source is None else norm_source
+        rs = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + norm_eps)  # [M, 1]
         ref, tol = ref * rs, tol * rs + 2.0**-20 * (ref * rs).abs()
     tol = tol + EPS[x.dtype] * ref.abs() + TINY[x.dtype]
     if residual is not None:
@@ -595,7 +598,8 @@ EPILOGUE_CASES = ((1, 16, 128), (1, 6144, 4096), (2, 4096, 3584), (3, 80, 640), 
 @pytest.mark.parametrize("warps, blocks, stages", [(4, 1, 2), (8, 1, 2), (4, 2, 2), (4, 1, 4), (8, 1, 3)])
 @pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
 def test_the_norm_and_residual_epilogues_match_the_reference(warps, blocks, stages, group, symmetric):
-    """x's RMS norm folded after the product (M <= 8; above, composed), a residual added, and both, from one mma
+    """An RMS norm after the product (of x's rows, or of a stream h whose gained copy x is; M <= 8, above composed),
+    a residual added (read at a row stride of 2N), the output's gained copy beside it, and their mixes, from one mma
     launch at M = 1-16 (two row blocks a program: M <= 8), K a multiple of the pre-pass's step and not (3584, 640):
     within the float64 reference's tolerance, every output element written; the residual alone gives the bits of
     the product plus the residual in torch."""
@@ -606,22 +610,31 @@ def test_the_norm_and_residual_epilogues_match_the_reference(warps, blocks, stag
             continue
         w = make_weight(n, k, group, symmetric, 0.02, torch.device("cuda"), gen, scale_dtype=torch.bfloat16)
         x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).cuda()
-        r = torch.randn(m, n, generator=gen).to(torch.bfloat16).cuda()
-        for norm_eps, residual in ((1e-5, None), (None, r), (1e-6, r)):
-            y = int4_matmul(x, w, config=cfg, norm_eps=norm_eps, residual=residual)
+        stream = torch.cat([x, (x * (torch.rand(k, generator=gen) + 0.5).cuda()).to(x.dtype)], -1)  # [h, h * g]
+        h, hg = stream[:, :k], stream[:, k:]  # row stride 2K: views, as a fused layer reads them
+        r = torch.randn(m, 2 * n, generator=gen).to(torch.bfloat16).cuda()[:, :n]  # row stride 2N
+        gain = (torch.rand(n, generator=gen) + 0.5).to(torch.bfloat16).cuda()
+        for norm_eps, source, residual, out_gain in ((1e-5, None, None, None), (None, None, r, None),
+                                                     (1e-6, h, r, None), (1e-5, h, None, None), (None, None, r, gain)):
+            xin = x if source is None else hg
+            y = int4_matmul(xin, w, config=cfg, norm_eps=norm_eps, norm_source=source, residual=residual,
+                            out_gain=out_gain)
             plan = next(iter(_kept_for(_FUSED_PLANS, w).values()))
             if norm_eps is not None and m > NORM_MAX_M:
                 assert plan is None  # composed: the mma product, then torch
             else:
                 assert plan is not None and plan.kernel is _int4_mma_gemv_kernel
                 assert (plan.consts["NORM_ROWS"] > 0) is (norm_eps is not None) and plan.consts["RESIDUAL"] is (
-                    residual is not None)
+                    residual is not None) and plan.consts["OUT_GAIN"] is (out_gain is not None)
             _kept_for(_FUSED_PLANS, w).clear()
-            ref, tol = epilogue_reference(x, w, norm_eps, residual)
-            assert y.shape == (m, n) and torch.isfinite(y).all()
-            worst = ((y.double() - ref).abs() - tol).max().item()
+            ref, tol = epilogue_reference(xin, w, norm_eps, residual, source)
+            assert y.shape == (m, n if out_gain is None else 2 * n) and torch.isfinite(y).all()
+            worst = ((y[:, :n].double() - ref).abs() - tol).max().item()
             assert worst <= 0, (m, n, k, norm_eps, residual is not None, worst)
+            if out_gain is not None:
+                assert torch.equal(y[:, n:], (y[:, :n].float() * gain.float()).to(y.dtype))
         assert torch.equal(int4_matmul(x, w, config=cfg, residual=r), int4_matmul(x, w, config=cfg) + r)
+        _kept_for(_FUSED_PLANS, w).clear()
 
 
 @pytest.mark.gpu

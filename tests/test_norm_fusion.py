@@ -1,8 +1,8 @@
 """The decoder's RMS norms and residual adds moved into the INT4 projections (`sdsie.quant.norms`).
 
-On the CPU: folding the gains keeps the model's function; fusing keeps it up to rounding and `unfuse_norms` restores
-the modules; each precondition is refused by name; the composed epilogue (every path but the mma kernel's) is the
-product scaled and added in torch. On a GPU (`gpu`): a model's one-token and prompt forwards through the fused
+On the CPU: fusing keeps the model's function up to rounding and `unfuse_norms` restores the modules; each
+precondition is refused by name; the composed epilogue (every path but the mma kernel's) is the norm, the residual
+and the gained copy in torch. On a GPU (`gpu`): a model's one-token and prompt forwards through the fused
 launches against the same model unfused.
 """
 
@@ -17,7 +17,6 @@ from sdsie.kernels import compose_epilogue, int4_matmul, int4_matmul_reference
 from sdsie.quant import (
     Int4Linear,
     QuantConfig,
-    fold_norm_gains,
     fuse_norms,
     fuse_projections,
     quantize_model,
@@ -47,40 +46,15 @@ def quantized(model: nn.Module) -> nn.Module:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_folding_the_gains_keeps_the_function_and_sets_them_to_one(name):
-    model = tiny(name)
-    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    before = model(ids).logits
-    assert fold_norm_gains(model) == 2 * model.config.num_hidden_layers + 1
-    torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert norms and all(bool((m.weight == 1).all()) for m in norms)
-
-
-def test_a_tied_head_is_untied_before_its_gain_is_folded():
-    model = tiny("llama3.1-8b")
-    model.lm_head.weight = model.model.embed_tokens.weight
-    embedding = model.model.embed_tokens.weight.detach().clone()
-    ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
-    before = model(ids).logits
-    fold_norm_gains(model)
-    assert model.lm_head.weight is not model.model.embed_tokens.weight
-    assert torch.equal(model.model.embed_tokens.weight, embedding)
-    torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", FAMILIES)
 def test_fused_norms_give_the_unfused_logits_and_unfusing_restores_the_modules(name):
     """Prompt and one-token forwards of the INT4 model (the CPU composes each epilogue) match the model with its
     norms as modules, within rounding; `unfuse_norms` gives back the same module tree and bits."""
-    model = tiny(name)
-    fold_norm_gains(model)
-    quantized(model)
+    model = quantized(tiny(name))
     ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
     plain = model(ids).logits
     tree = [(n, type(m)) for n, m in model.named_modules()]
     report = fuse_norms(model)
-    assert len(report.layers) == model.config.num_hidden_layers and report.final
+    assert len(report.layers) == model.config.num_hidden_layers
     assert all(isinstance(layer, NormFusedLayer) for layer in model.model.layers)
     assert isinstance(model.model.norm, FoldedNorm) and model.lm_head.norm_eps == model.config.rms_norm_eps
     assert isinstance(model.model.layers[0].layer.self_attn.o_proj, DeferredProjection)
@@ -92,29 +66,24 @@ def test_fused_norms_give_the_unfused_logits_and_unfusing_restores_the_modules(n
 
 
 def test_each_precondition_is_refused_by_name():
-    model = quantized(tiny("llama3.1-8b"))  # gains not folded
-    with pytest.raises(ValueError, match="fold_norm_gains before quantizing"):
-        fuse_norms(model)
-    with pytest.raises(ValueError, match="before quantizing"):
-        fold_norm_gains(model)
     model = tiny("llama3.1-8b")
-    fold_norm_gains(model)
     quantize_model(model, LINEARS, QuantConfig(group_size=32))
     with pytest.raises(ValueError, match="MLP fused"):
         fuse_norms(model)  # fuse_projections not run
     model = tiny("llama3.1-8b")
-    fold_norm_gains(model)
     fuse_projections(model)  # bf16 projections, fused
     with pytest.raises(ValueError, match="Int4Linear"):
         fuse_norms(model)
-    model = tiny("llama3.1-8b")
-    fold_norm_gains(model)
-    quantized(model)
+    model = quantized(tiny("llama3.1-8b"))
     model.model.layers[0].self_attn.qkv_proj.linear.register_buffer("input_scale", torch.ones(64))
     with pytest.raises(ValueError, match="AWQ"):
         fuse_norms(model)
+    model = quantized(tiny("llama3.1-8b"))
+    fuse_norms(model)
+    with pytest.raises(ValueError, match="fused already"):
+        fuse_norms(model)
     with pytest.raises(ValueError, match="no pre-norm decoder layer"):
-        fold_norm_gains(nn.Sequential(nn.Linear(4, 4)))
+        fuse_norms(nn.Sequential(nn.Linear(4, 4)))
 
 
 class OnePlusNorm(nn.Module):
@@ -130,28 +99,39 @@ class OnePlusNorm(nn.Module):
 
 
 def test_a_norm_of_another_formula_is_refused():
-    model = tiny("llama3.1-8b")
+    model = quantized(tiny("llama3.1-8b"))
     model.model.layers[0].input_layernorm = OnePlusNorm(model.config.hidden_size)
     with pytest.raises(ValueError, match="does not compute weight"):
-        fold_norm_gains(model)
+        fuse_norms(model)
 
 
-def test_the_composed_epilogue_is_the_product_scaled_then_added():
+def test_the_composed_epilogue_is_the_norm_the_residual_and_the_gained_copy():
+    """Off the mma kernel: a layer with norm_eps reads [h, h * g] and gives rs * ((h * g) @ W.T) (+ residual), and
+    an output gain puts the result's gained copy beside it."""
     gen = torch.Generator().manual_seed(4)
     w = make_weight(48, 256, 128, False, 0.02, torch.device("cpu"), gen)
-    x = torch.randn(3, 256, generator=gen) * 3
+    h = torch.randn(3, 256, generator=gen) * 3
+    g = torch.rand(256, generator=gen) + 0.5
+    gain = torch.rand(48, generator=gen)
     r = torch.randn(3, 48, generator=gen)
     layer = Int4Linear(w)
     layer.norm_eps = 1e-5
-    rs = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
-    want = int4_matmul_reference(x, w).double() * rs + r.double()
-    torch.testing.assert_close(layer(x, residual=r).double(), want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(int4_matmul(x, w, norm_eps=1e-5, residual=r),
-                       compose_epilogue(int4_matmul(x, w), x, 1e-5, r))
+    rs = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    want = int4_matmul_reference(h * g, w).double() * rs + r.double()
+    y = layer(torch.cat([h, h * g], -1), residual=r, out_gain=gain)
+    assert y.shape == (3, 96)
+    torch.testing.assert_close(y[:, :48].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y[:, 48:], y[:, :48] * gain)
+    assert torch.equal(int4_matmul(h * g, w, norm_eps=1e-5, norm_source=h, residual=r),
+                       compose_epilogue(int4_matmul(h * g, w), h * g, 1e-5, r, h))
     with pytest.raises(ValueError, match="residual must be"):
-        int4_matmul(x, w, residual=r[:, :40])
+        int4_matmul(h, w, residual=r[:, :40])
     with pytest.raises(ValueError, match="out is not taken"):
-        int4_matmul(x, w, out=torch.empty(3, 48), norm_eps=1e-5)
+        int4_matmul(h, w, out=torch.empty(3, 48), norm_eps=1e-5)
+    with pytest.raises(ValueError, match="give norm_eps"):
+        int4_matmul(h, w, norm_source=h)
+    with pytest.raises(ValueError, match=r"reads \[h, h \* gain\]"):
+        layer(h)
 
 
 @pytest.mark.gpu
@@ -161,9 +141,7 @@ def test_the_composed_epilogue_is_the_product_scaled_then_added():
 def test_on_the_gpu_fused_norms_give_the_unfused_logits(name):
     """bf16 on the GPU: one-token and 5-token forwards (the fused mma launches) and a 40-token prompt (composed)
     match the same weights with the norms as modules, within bf16's rounding of the logits."""
-    model = tiny(name, "cuda", torch.bfloat16)
-    fold_norm_gains(model)
-    quantized(model)
+    model = quantized(tiny(name, "cuda", torch.bfloat16))
     gen = torch.Generator().manual_seed(5)
     for length in (1, 5, 40):
         ids = torch.randint(3, model.config.vocab_size, (1, length), generator=gen).cuda()

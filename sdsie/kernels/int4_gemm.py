@@ -21,6 +21,7 @@ import functools
 import inspect
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -145,7 +146,7 @@ class _Plan:
     split_k: int
     lock_slots: int
     sources: tuple  # (qweight, scales, zeros) it was built from: Int4Weight is mutable, so a call checks them
-    extra: tuple = ()  # GEMV: CODE_MAGIC; mma: the folded norm's eps
+    extra: tuple = ()  # GEMV: CODE_MAGIC; mma: the residual's and the norm stream's row strides, the norm's eps
     compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
     workspace: torch.Tensor | None = None  # split K: [SPLIT_K, M, N] fp32 partials, allocated once per plan
     before_y: tuple = ()  # after the first launch: the compiled kernel's arguments between x and y ...
@@ -184,11 +185,29 @@ def _fragments(w: Int4Weight, gate_up: bool = False) -> tuple[torch.Tensor, torc
     return kept[1:]
 
 
+class _Epilogue(NamedTuple):
+    """The mma kernel's epilogues of one call beyond storing y (see `int4_matmul`), with its tensors as 2-D rows:
+    the norm's epsilon and its stream h [M, K], the residual [M, N], the output gain [N]."""
+
+    norm_eps: float | None = None
+    h2: torch.Tensor | None = None
+    r2: torch.Tensor | None = None
+    gain: torch.Tensor | None = None
+
+    def key(self) -> tuple:
+        """What a plan pins of it: the epsilon, which tensors are given, and the row strides it reads them by."""
+        return (self.norm_eps, None if self.h2 is None else self.h2.stride(0),
+                None if self.r2 is None else self.r2.stride(0), self.gain is not None)
+
+
+NO_EPILOGUE = _Epilogue()
+
+
 def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool = False,
-          norm_eps: float | None = None, residual: bool = False) -> _Plan:
+          ep: _Epilogue = NO_EPILOGUE) -> _Plan:
     """The launch of `cfg` for this x and weight; mma configurations only: `gate_up`, the fused [gate; up]
-    weight's silu * up epilogue, y [M, N/2]; `norm_eps`, x's RMS norm folded after the product; `residual`, a
-    residual added in the epilogue (see `int4_matmul`)."""
+    weight's silu * up epilogue, y [M, N/2]; `ep`, the norm, residual and output-gain epilogues (see
+    `int4_matmul`)."""
     m, k = x2.shape
     n = w.out_features
     pdl = pdl_on(x2.device)
@@ -203,16 +222,19 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
         if cfg.max_registers is not None:
             options["maxnreg"] = cfg.max_registers
         blocks = cfg.block_n // 16
-        consts = mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages, norm_eps is not None,
-                            residual)
+        norm = ep.norm_eps is not None
+        consts = mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages, norm, ep.r2 is not None,
+                            ep.gain is not None)
         cap = NORM_REGISTER_CAPS.get((cfg.num_warps, consts["HALVES"], consts["STAGES"], blocks, consts["NORM_ROWS"]))
-        if norm_eps is not None and cfg.max_registers is None and cap is not None:
+        if norm and cfg.max_registers is None and cap is not None:
             options["maxnreg"] = cap
+        strides = (0 if ep.r2 is None else ep.r2.stride(0), 0 if ep.h2 is None else ep.h2.stride(0))
         return _Plan(_int4_mma_gemv_kernel, (triton.cdiv(n // 16, blocks), 1, 1), words,
                      zeros if zeros is not None else scales, (m, n, k), consts, options, 1, 0,
-                     (w.qweight, w.scales, w.zeros), (0.0 if norm_eps is None else float(norm_eps),), scales=scales)
-    if gate_up or norm_eps is not None or residual:
-        raise ValueError("int4_matmul: silu * up, a folded norm and a residual are epilogues of the mma kernel only")
+                     (w.qweight, w.scales, w.zeros), (*strides, float(ep.norm_eps) if norm else 0.0), scales=scales)
+    if gate_up or ep.key() != NO_EPILOGUE.key():
+        raise ValueError("int4_matmul: silu * up, a norm, a residual and an output gain are epilogues of the mma "
+                         "kernel only")
     per_channel = w.group_size >= k
     block_k, split_k, k_per_split = _k_tiling(cfg, k, w.group_size)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
@@ -304,12 +326,13 @@ def _plans_of(w: Int4Weight) -> dict:
     return _kept_for(_PLANS, w)
 
 
-def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor, r: torch.Tensor | None = None) -> None:
-    """Run `plan` on x2, writing y; `r`: the residual of an mma plan that adds one ([M, N] contiguous, y's dtype)."""
+def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor, ep: _Epilogue = NO_EPILOGUE) -> None:
+    """Run `plan` on x2, writing y; `ep`: the tensors of an mma plan's epilogues (their strides pinned by its key)."""
     compiled = plan.compiled
     mma = plan.kernel is _int4_mma_gemv_kernel
-    outs = (y, y if r is None else r) if mma else (y,)  # the mma kernel's r_ptr: y where it adds no residual
-    # y and r are the pointers the plan key does not pin: the compiled kernel assumed them 16-byte aligned
+    # the mma kernel's r_ptr, h_ptr and g_ptr: y where the plan reads none
+    outs = (y, *(y if t is None else t for t in (ep.r2, ep.h2, ep.gain))) if mma else (y,)
+    # y, r, h and g are the pointers the plan key does not pin: the compiled kernel assumed them 16-byte aligned
     if compiled is not None and all(t.data_ptr() % 16 == 0 for t in outs):
         # Every argument but x, y and r is fixed for the plan (its key pins x's strides; y is contiguous [M, N]):
         # one tuple per call, no per-call stride reads, buffer lookups or constexpr packing.
@@ -333,7 +356,7 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor, r: to
     # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
     scales = w.scales if plan.scales is None else plan.scales
     if mma:
-        after_y = (*plan.ints, x2.stride(0), y.shape[1], *plan.extra)  # y: [M, N], or [M, N/2] for silu * up
+        after_y = (*plan.ints, x2.stride(0), y.shape[1], *plan.extra)  # y: [M, N], [M, N/2] (silu * up), [M, 2N]
     else:
         after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
     try:
@@ -394,38 +417,61 @@ def _dequant_matmul(x2: torch.Tensor, w: Int4Weight, y: torch.Tensor) -> None:
         y[:, r0:r1] = x2 @ int4_dequantize(w, x2.dtype, slice(r0, r1)).T
 
 
-def _residual_rows(residual: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tensor | None:
-    """The residual as a contiguous [M, N] of x's dtype and device; ValueError naming what differs."""
-    if residual is None:
+def _rows(t: torch.Tensor | None, x: torch.Tensor, width: int, what: str) -> torch.Tensor | None:
+    """`t` [..., width] (x's leading dims, dtype and device) as 2-D rows [M, width] with a unit last stride (a view
+    where it can be); ValueError naming what differs."""
+    if t is None:
         return None
-    want = (*x.shape[:-1], n)
-    if tuple(residual.shape) != want or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(f"int4_matmul: residual must be a {x.dtype} tensor of shape {want} on {x.device}, got "
-                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
-    return residual.reshape(-1, n).contiguous()
+    want = (*x.shape[:-1], width)
+    if tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(f"int4_matmul: {what} must be a {x.dtype} tensor of shape {want} on {x.device}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    rows = t.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _epilogue_of(x: torch.Tensor, n: int, norm_eps: float | None, norm_source: torch.Tensor | None,
+                 residual: torch.Tensor | None, out_gain: torch.Tensor | None) -> _Epilogue:
+    if norm_source is not None and norm_eps is None:
+        raise ValueError("int4_matmul: norm_source is the stream of a norm: give norm_eps with it")
+    if out_gain is not None and (out_gain.shape != (n,) or out_gain.device != x.device):
+        raise ValueError(f"int4_matmul: out_gain must be a tensor of shape ({n},) on {x.device}, got "
+                         f"{tuple(out_gain.shape)} on {out_gain.device}")
+    return _Epilogue(norm_eps, _rows(norm_source, x, x.shape[-1], "norm_source"), _rows(residual, x, n, "residual"),
+                     None if out_gain is None else out_gain.to(x.dtype).contiguous())
 
 
 def compose_epilogue(y: torch.Tensor, x: torch.Tensor, norm_eps: float | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
-    """What the mma kernel's norm and residual epilogues compute, from torch ops on y [..., N] (the product x [..., K]
-    @ W.T, already in x's dtype): y * rsqrt(mean(x^2) + eps) per row, rounded to y's dtype, plus `residual`."""
+                     residual: torch.Tensor | None = None, norm_source: torch.Tensor | None = None,
+                     out_gain: torch.Tensor | None = None) -> torch.Tensor:
+    """What the mma kernel's epilogues compute, from torch ops on y [..., N] (the product x [..., K] @ W.T, already
+    in x's dtype): y * rsqrt(mean(h^2) + eps) per row (h: `norm_source`, else x), rounded to y's dtype, plus
+    `residual`; with `out_gain`, [that, that * out_gain] along the last dim."""
     if norm_eps is not None:
-        rs = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
+        h = x if norm_source is None else norm_source
+        rs = torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
         y = (y.float() * rs).to(y.dtype)
-    return y if residual is None else y + residual
+    if residual is not None:
+        y = y + residual
+    if out_gain is not None:
+        y = torch.cat([y, (y.float() * out_gain.float()).to(y.dtype)], dim=-1)
+    return y
 
 
 def int4_matmul(
     x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, out: torch.Tensor | None = None, *,
-    norm_eps: float | None = None, residual: torch.Tensor | None = None,
+    norm_eps: float | None = None, norm_source: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    out_gain: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for x [..., K]; returns [..., N] in x's dtype (fp32 accumulation).
 
-    `norm_eps`: x's RMS norm folded after the product, y = (x @ W.T) * rsqrt(mean(x^2, -1) + eps) per row, for a
-    weight whose norm gains are folded into its columns (`sdsie.quant.fold_norm_gains`): the decoder's RMS norm in
-    the projection's launch. `residual` [..., N] (x's dtype): y = residual + the product rounded to x's dtype, a
-    linear followed by an add. Both are the mma kernel's epilogues where that kernel takes the call (one launch);
-    every other path computes the product, then the same in torch ops (`compose_epilogue`).
+    The decoder's RMS norm and residual add in the projections' launches (`sdsie.quant.fuse_norms`): `norm_eps`,
+    y = (x @ W.T) * rsqrt(mean(h^2, -1) + eps) per row, h = `norm_source` [..., K] (else x), x being h times the
+    norm's gain (so y is the norm's output times W); `residual` [..., N] (x's dtype): y = residual + the product
+    rounded to x's dtype, a linear followed by an add; `out_gain` [N]: the output is [..., 2N], y then y * out_gain
+    (the next norm's gained copy of the stream y is). These are the mma kernel's epilogues where that kernel takes
+    the call (one launch; the norm at M <= 8); every other path computes the product, then the same in torch ops
+    (`compose_epilogue`).
 
     `config` overrides the automatic choice (tests use it to cover every candidate). Without one, M >= DEQUANT_MIN_M
     unpacks the weight to x's dtype (at most DEQUANT_CHUNK weights at a time, a temporary of that size) and runs
@@ -445,8 +491,8 @@ def int4_matmul(
     """
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
-    if norm_eps is not None or residual is not None:
-        return _fused_matmul(x, w, config, out, norm_eps, _residual_rows(residual, x, n))
+    if norm_eps is not None or residual is not None or out_gain is not None or norm_source is not None:
+        return _fused_matmul(x, w, config, out, _epilogue_of(x, n, norm_eps, norm_source, residual, out_gain))
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, k)  # [M, K]; copies only when x cannot be viewed so (strides handled)
     m = x2.shape[0]
@@ -482,19 +528,19 @@ def int4_matmul(
 
 
 def _mma_plan(x2: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None, store: dict, key: tuple,
-              gate_up: bool = False, norm_eps: float | None = None, residual: bool = False) -> _Plan | None:
-    """The mma plan of an epilogue only that kernel has (silu * up, a folded norm, a residual), kept in `store`
+              gate_up: bool = False, ep: _Epilogue = NO_EPILOGUE) -> _Plan | None:
+    """The mma plan of an epilogue only that kernel has (silu * up, a norm, a residual, an output gain), kept in `store`
     under `key`; None (decided once) where another kernel takes the call and the epilogue is composed."""
     plan = store.get(key)
     if key in store and (plan is None or plan.built_from(w)):
         return plan
     plan = None
     m = x2.shape[0]
-    most = min(8 if gate_up else ROW_SLICE, ROW_SLICE if norm_eps is None else NORM_MAX_M)  # beyond: composed
+    most = min(8 if gate_up else ROW_SLICE, ROW_SLICE if ep.norm_eps is None else NORM_MAX_M)  # beyond: composed
     if 1 <= m <= most and x2.is_cuda and (config is None or config.mma):
         cfg = config or select_config(m, w.out_features, w.in_features, x2.device, w.group_size)
         if cfg.mma and mma_supported(x2, w):
-            plan = _plan(x2, w, cfg, gate_up, norm_eps, residual)
+            plan = _plan(x2, w, cfg, gate_up, ep)
     if plan is None and config is not None and config.mma and m <= most:
         what = "int4_silu_mul" if gate_up else "int4_matmul"
         raise ValueError(f"{what}: the mma configuration needs M <= {most} and what "
@@ -508,23 +554,24 @@ _FUSED_PLANS: dict[int, dict] = {}  # id(weight) -> {key: _Plan, or None where t
 
 
 def _fused_matmul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None, out: torch.Tensor | None,
-                  norm_eps: float | None, r2: torch.Tensor | None) -> torch.Tensor:
-    """`int4_matmul` with a folded norm and/or a residual: one mma launch where that kernel takes the call."""
+                  ep: _Epilogue) -> torch.Tensor:
+    """`int4_matmul` with epilogues: one mma launch where that kernel takes the call."""
     if out is not None:
-        raise ValueError("int4_matmul: out is not taken with norm_eps or residual (the output is a new tensor)")
+        raise ValueError("int4_matmul: out is not taken with a norm, a residual or an output gain (the output is a "
+                         "new tensor)")
     n, k = w.out_features, w.in_features
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     m = x2.shape[0]
-    key = (*_plan_key(x2, config), norm_eps, r2 is not None)
-    plan = None if m == 0 or n == 0 else _mma_plan(x2, w, config, _kept_for(_FUSED_PLANS, w), key,
-                                                    norm_eps=norm_eps, residual=r2 is not None)
+    width = 2 * n if ep.gain is not None else n
+    key = (*_plan_key(x2, config), *ep.key())
+    plan = None if m == 0 or n == 0 else _mma_plan(x2, w, config, _kept_for(_FUSED_PLANS, w), key, ep=ep)
     if plan is None:
-        y = compose_epilogue(int4_matmul(x2, w, config), x2, norm_eps, r2)
+        y = compose_epilogue(int4_matmul(x2, w, config), x2, ep.norm_eps, ep.r2, ep.h2, ep.gain)
     else:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        _launch(plan, x2, w, y, r2)
+        y = torch.empty((m, width), dtype=x.dtype, device=x.device)
+        _launch(plan, x2, w, y, ep)
         _CALLS["n"] += 1
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], width)
 
 
 def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
@@ -535,25 +582,26 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
 
 
 def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, *,
-                  norm_eps: float | None = None) -> torch.Tensor:
+                  norm_eps: float | None = None, norm_source: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up for a fused [gate; up] weight (rows 0 .. N/2 - 1 the gate's, then the up's), x [..., K] ->
     [..., N/2] in x's dtype: a gated MLP's activation in the projection's launch.
 
     Where `int4_matmul` would run the mma kernel at M <= 8 (or `config` names an mma configuration), one launch whose
     epilogue takes silu(gate) * up in fp32 from the fp32 sums (its first call on a weight keeps a copy of the codes
     in `gate_up_order`); elsewhere (M = 9-16 included) `int4_matmul` with `config`, then torch's silu and product in
-    x's dtype. `norm_eps`: x's RMS norm folded after the product, before silu (as `int4_matmul`'s)."""
+    x's dtype. `norm_eps`, `norm_source`: the RMS norm after the product, before silu (as `int4_matmul`'s)."""
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
     if n % 2:
         raise ValueError(f"int4_silu_mul: a fused [gate; up] weight has an even N, got N = {n}")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    key = (*_plan_key(x2, config), norm_eps)
-    plan = _mma_plan(x2, w, config, _kept_for(_GATE_UP_PLANS, w), key, gate_up=True, norm_eps=norm_eps)
+    ep = _epilogue_of(x, n, norm_eps, norm_source, None, None)
+    key = (*_plan_key(x2, config), *ep.key())
+    plan = _mma_plan(x2, w, config, _kept_for(_GATE_UP_PLANS, w), key, gate_up=True, ep=ep)
     if plan is None:
-        return silu_mul_halves(int4_matmul(x, w, config, norm_eps=norm_eps))
+        return silu_mul_halves(int4_matmul(x, w, config, norm_eps=norm_eps, norm_source=norm_source))
     y = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-    _launch(plan, x2, w, y)
+    _launch(plan, x2, w, y, ep)
     _CALLS["n"] += 1
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n // 2)

@@ -272,9 +272,9 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 @gluon.jit
 def _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
                  NORM_STEPS: gl.constexpr, WARPS: gl.constexpr):
-    """Each thread's share of sum(x[r]^2) for rows r < NORM_ROWS (0 past M): [NORM_ROWS, 32 WARPS] fp32, one column
-    a thread (a thread reads NORM_PER contiguous values a step, all its loads issued at once); `_row_rsqrt` sums the
-    columns."""
+    """Each thread's share of sum(x[r]^2) (x: the norm's stream h) for rows r < NORM_ROWS (0 past M):
+    [NORM_ROWS, 32 WARPS] fp32, one column a thread (a thread reads NORM_PER contiguous values a step, all its loads
+    issued at once); the epilogue sums the columns."""
     LV: gl.constexpr = gl.BlockedLayout([1, NORM_PER], [32, 1], [WARPS, 1], [1, 0])  # [32 W, NORM_PER]
     LP: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])  # [NORM_ROWS, 32 W]
     vk = (gl.expand_dims(gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, LV)), 1) * NORM_PER
@@ -303,24 +303,30 @@ def _row_factor(rs, om, NORM_ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(y_ptr, r_ptr, y, om, orow, stride_ym, mask, rs, NORM_ROWS: gl.constexpr, RESIDUAL: gl.constexpr):
+def _store_rows(y_ptr, r_ptr, g_ptr, y, om, orow, N, stride_ym, stride_rm, mask, rs, NORM_ROWS: gl.constexpr,
+                RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr):
     """y [B, 32, 4] fp32 sums of x's rows om at output rows orow: scaled by the row's rs (NORM_ROWS > 0), rounded to
-    y's dtype, plus r's element (RESIDUAL; the sum in fp32, rounded once more), stored."""
+    y's dtype, plus r's element (RESIDUAL; the sum in fp32, rounded once more), stored; with OUT_GAIN, also
+    y * g[orow] rounded, N columns further on (the next norm's gain applied to the stream it reads)."""
     if NORM_ROWS > 0:
         y = y * _row_factor(rs, om, NORM_ROWS)
     y = y.to(y_ptr.dtype.element_ty)
     if RESIDUAL:
-        y = (y.to(gl.float32) + gl.load(r_ptr + om * stride_ym + orow, mask=mask, other=0.0).to(gl.float32)).to(
+        y = (y.to(gl.float32) + gl.load(r_ptr + om * stride_rm + orow, mask=mask, other=0.0).to(gl.float32)).to(
             y_ptr.dtype.element_ty)
     gl.store(y_ptr + om * stride_ym + orow, y, mask=mask)
+    if OUT_GAIN:
+        g = gl.load(g_ptr + orow, mask=mask, other=0.0).to(gl.float32)
+        gl.store(y_ptr + om * stride_ym + N + orow, (y.to(gl.float32) * g).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, stride_xm, stride_ym, eps,
+def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_ptr, M, N, K, stride_xm, stride_ym,
+                          stride_rm, stride_hm, eps,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                           WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
                           PDL: gl.constexpr, STAGES: gl.constexpr, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
-                          NORM_STEPS: gl.constexpr, RESIDUAL: gl.constexpr):
+                          NORM_STEPS: gl.constexpr, RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr):
     # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
     # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs ahead
     # right after its mmas), and their sums meet in one cross-warp reduction. A warp's x registers for a pair serve
@@ -329,11 +335,12 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, st
     # GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
     # SILU_MUL (HALVES 1): rows in `gate_up_order`; y [M, N/2] = silu(gate) * up, computed in fp32 from the sums.
-    # NORM_ROWS (> 0, a power of 2 >= M): an RMS norm of x's rows folded after the product: each sum is scaled by
-    # rsqrt(mean(x[m]^2) + eps) (before silu * up). Every program reads x's rows whole once more for it, from L2,
-    # after the weights' first loads are asked for; the threads' shares meet in the epilogue.
-    # RESIDUAL (not with SILU_MUL): y = r + the product rounded to y's dtype (r [M, N], y's strides), as a linear
-    # followed by an add.
+    # NORM_ROWS (> 0, a power of 2 >= M): an RMS norm after the product: each sum is scaled by
+    # rsqrt(mean(h[m]^2) + eps) (before silu * up), h [M, K] the stream whose gained copy x is (x = h * gain). Every
+    # program reads h's rows whole for it, from L2, after the weights' first loads are asked for; the threads' shares
+    # meet in the epilogue.
+    # RESIDUAL (not with SILU_MUL): y = r + the product rounded to y's dtype, as a linear followed by an add.
+    # OUT_GAIN: y [M, 2N] holds that sum and, N columns on, the sum times g [N] (the gained copy a norm reads).
     L4: gl.constexpr = gl.BlockedLayout([BLOCKS, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [B, W, 32]
     LJ: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))  # [4] along j
@@ -384,7 +391,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, st
     if STAGES == 4:
         d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
     if NORM_ROWS > 0:
-        squares = _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS)
+        squares = _row_squares(h_ptr, M, K, stride_hm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS)
     if PDL:
         _release_dependents()
     p = warp
@@ -437,11 +444,12 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, st
             gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=(me < M) & live)
     else:
         orow = onb * 16 + ol // 4 + 8 * (oc // 2)  # [B, 32, 4]
-        _store_rows(y_ptr, r_ptr, gl.sum(tot, axis=1), om, orow, stride_ym, (om < M) & live, rs, NORM_ROWS, RESIDUAL)
+        _store_rows(y_ptr, r_ptr, g_ptr, gl.sum(tot, axis=1), om, orow, N, stride_ym, stride_rm, (om < M) & live, rs,
+                    NORM_ROWS, RESIDUAL, OUT_GAIN)
     if HALVES == 2:
         orow = onb * 16 + ol // 4 + 8 * (oc // 2)
-        _store_rows(y_ptr, r_ptr, gl.sum(tot_h, axis=1), om + 8, orow, stride_ym, (om + 8 < M) & live, rs, NORM_ROWS,
-                    RESIDUAL)
+        _store_rows(y_ptr, r_ptr, g_ptr, gl.sum(tot_h, axis=1), om + 8, orow, N, stride_ym, stride_rm,
+                    (om + 8 < M) & live, rs, NORM_ROWS, RESIDUAL, OUT_GAIN)
 
 
 def norm_layout(k: int, warps: int) -> tuple[int, int]:
@@ -462,17 +470,18 @@ NORM_MAX_M = 8  # above, a program's pre-pass would read as many bytes of x as o
 
 
 def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1,
-               stages: int = 2, norm: bool = False, residual: bool = False) -> dict:
+               stages: int = 2, norm: bool = False, residual: bool = False, out_gain: bool = False) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
-    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4; `norm`: x's RMS norm folded
-    after the product; `residual`: a residual added to the output, not with `silu_mul`)."""
+    `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4; `norm`: an RMS norm after
+    the product; `residual`: a residual added to the output; `out_gain`: the output's gained copy beside it; neither
+    with `silu_mul`)."""
     if stages not in MMA_STAGES:
         raise ValueError(f"the mma kernel keeps {MMA_STAGES} pairs in flight a warp, got {stages}")
     if silu_mul and m > 8:
         raise ValueError(f"the mma kernel's silu * up epilogue takes M <= 8, got M = {m}")
-    if silu_mul and residual:
-        raise ValueError("the mma kernel's silu * up epilogue adds no residual")
+    if silu_mul and (residual or out_gain):
+        raise ValueError("the mma kernel's silu * up epilogue adds no residual and writes no gained copy")
     if norm and m > NORM_MAX_M:
         raise ValueError(f"the mma kernel's folded norm takes M <= {NORM_MAX_M}, got M = {m}")
     per_channel = w.group_size >= w.in_features
@@ -480,4 +489,4 @@ def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: b
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
                 SILU_MUL=silu_mul, PDL=pdl, STAGES=stages, NORM_ROWS=1 << max(m - 1, 0).bit_length() if norm else 0,
-                NORM_PER=per, NORM_STEPS=steps, RESIDUAL=residual)
+                NORM_PER=per, NORM_STEPS=steps, RESIDUAL=residual, OUT_GAIN=out_gain)

@@ -11,7 +11,7 @@ from sdsie.quant.fuse import FusionReport, fuse_projections
 from sdsie.quant.gated import GatedLinear, GearState, gate_model
 from sdsie.quant.io import load_int4_weight, load_int4_weights, save_int4_weight, save_int4_weights
 from sdsie.quant.linear import Int4Linear, QuantReport, quantize_model, select_linears
-from sdsie.quant.norms import NormFusion, fold_norm_gains, fuse_norms, unfuse_norms
+from sdsie.quant.norms import NormFusion, fuse_norms, unfuse_norms
 
 __all__ = [
     "CalibratedWeight",
@@ -25,7 +25,6 @@ __all__ = [
     "QuantConfig",
     "QuantReport",
     "calibrate",
-    "fold_norm_gains",
     "fuse_norms",
     "fuse_projections",
     "gate_model",

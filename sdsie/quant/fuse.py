@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from sdsie.int4_format import Int4Weight
+from sdsie.kernels import compose_epilogue
 from sdsie.quant.gated import GatedLinear
 from sdsie.quant.linear import Int4Linear
 
@@ -175,19 +176,20 @@ class FusedMLP(nn.Module):
         replaced after fusing)."""
         return self._silu and isinstance(self.gate_up_proj, (Int4Linear, GatedLinear))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP of x [..., H]; plus `residual` [..., H] where given (in the down projection's launch where it is
-        an Int4Linear)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out_gain: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x [..., H]; plus `residual` [..., H] where given, and with `out_gain` [H] the result beside its
+        copy times the gain, [..., 2H] (in the down projection's launch where it is an Int4Linear)."""
         if self.silu_in_projection:
             hidden = self.gate_up_proj.silu_mul(x)
         else:
             gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
             hidden = self.act_fn(gate) * up
-        if residual is None:
+        if residual is None and out_gain is None:
             return self.down_proj(hidden)
         if isinstance(self.down_proj, Int4Linear):
-            return self.down_proj(hidden, residual=residual)
-        return residual + self.down_proj(hidden)
+            return self.down_proj(hidden, residual=residual, out_gain=out_gain)
+        return compose_epilogue(self.down_proj(hidden), hidden, residual=residual, out_gain=out_gain)
 
 
 @dataclass

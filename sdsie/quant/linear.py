@@ -38,8 +38,9 @@ class Int4Linear(nn.Module):
 
     Weights stay packed (buffers `qweight`, `scales`, `zeros`); `input_scale` [K] is the AWQ
     per-input-channel multiplier (absent for min-max calibrations). `norm_eps` (set by
-    `sdsie.quant.fuse_norms`): the layer reads an un-normalized residual stream and applies the decoder's
-    RMS norm itself, y = (x @ W.T) * rsqrt(mean(x^2) + norm_eps), its gains folded into W beforehand.
+    `sdsie.quant.fuse_norms`): the layer applies the decoder's RMS norm before it itself, its input being
+    the residual stream h and its copy times the norm's gain g side by side, [..., 2K] = [h, h * g]:
+    y = rsqrt(mean(h^2) + norm_eps) * ((h * g) @ W.T).
     """
 
     norm_eps: float | None = None
@@ -90,36 +91,50 @@ class Int4Linear(nn.Module):
         """The [N, K] matrix this layer effectively multiplies by (input scaling folded in)."""
         return CalibratedWeight(self._packed, self.input_scale).effective_weight(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype; `residual` [..., N] is added to the output (in the kernel's epilogue
-        where it takes the call and the layer has no bias)."""
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the GEMV's operand, the norm's stream): with `norm_eps`, x [..., 2K] = [h, h * g] -> (h * g, h)."""
+        if self.norm_eps is None:
+            return x, None
+        k = self.in_features
+        if x.shape[-1] != 2 * k:
+            raise ValueError(f"Int4Linear with norm_eps reads [h, h * gain], [..., {2 * k}]; got {tuple(x.shape)}")
+        return x[..., k:], x[..., :k]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out_gain: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] ([..., 2K] with `norm_eps`) -> [..., N] in x's dtype; `residual` [..., N] is added to the
+        output; `out_gain` [N]: the output is [..., 2N], y then y * out_gain. Both in the kernel's epilogue where it
+        takes the call and the layer has no bias."""
+        x, h = self._split(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
-        fused = residual if self.bias is None else None
+        fused = self.bias is None
+        r, g = (residual, out_gain) if fused else (None, None)
         if torch.compiler.is_compiling():  # one opaque node for dynamo; eager calls skip the dispatcher
-            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size, self.norm_eps,
-                                        fused)
-        elif self.norm_eps is None and fused is None:
+            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size, self.norm_eps, h,
+                                        r, g)
+        elif self.norm_eps is None and r is None and g is None:
             y = kernels.int4_matmul(x, self._packed)
         else:
-            y = kernels.int4_matmul(x, self._packed, norm_eps=self.norm_eps, residual=fused)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y if residual is None or fused is not None else residual + y
+            y = kernels.int4_matmul(x, self._packed, norm_eps=self.norm_eps, norm_source=h, residual=r, out_gain=g)
+        if fused:
+            return y
+        return kernels.compose_epilogue(y + self.bias.to(y.dtype), x, residual=residual, out_gain=out_gain)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): [..., N/2], in one launch
         where `int4_silu_mul` takes the call."""
         if self.bias is not None:
             return kernels.silu_mul_halves(self(x))
+        x, h = self._split(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if torch.compiler.is_compiling():
             return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size,
-                                                 self.norm_eps)
+                                                 self.norm_eps, h)
         if self.norm_eps is None:
             return kernels.int4_silu_mul(x, self._packed)
-        return kernels.int4_silu_mul(x, self._packed, norm_eps=self.norm_eps)
+        return kernels.int4_silu_mul(x, self._packed, norm_eps=self.norm_eps, norm_source=h)
 
     def extra_repr(self) -> str:
         kind = "per-channel" if self.group_size >= self.in_features else f"group_size={self.group_size}"

@@ -1,18 +1,16 @@
 """The decoder's RMS norms and residual adds in the INT4 projections' launches.
 
 A pre-norm decoder layer (Llama, Qwen2, Mistral) runs, per token, `h + attn(norm1(h))` then `h' + mlp(norm2(h'))`.
-Compiled, each add and the norm after it is one small kernel of its own: two a layer, beside four GEMVs (64 of a
-Llama-3.1-8B token's 308 kernels; busy time in docs/kernel-log.md). Both move into the projections:
+Compiled, each add and the norm after it is one small kernel of its own: two a layer beside four GEMVs (61 of an INT4
+Llama-3.1-8B token's 308 kernels, docs/kernel-log.md 2026-12-06 07:05). `fuse_norms` moves both into the projections:
 
-* the norm's gain g is folded into the columns of the linears that read the norm (`fold_norm_gains`: W <- W diag(g),
-  g <- 1, on the float model, before quantizing), and those linears scale each output row by
-  rsqrt(mean(h^2) + eps) themselves (`Int4Linear.norm_eps`: the mma kernel reads h's row once more from L2);
-* the residual add moves into the epilogue of the projection before it (o_proj, down_proj: `Int4Linear(x,
-  residual=h)`), so the residual stream is what those launches write.
+* the residual add goes into the epilogue of the projection before it (o_proj, down_proj), which also writes the sum
+  times the next norm's gain g beside it: the stream between the projections is [h, h * g] ([..., 2H]);
+* the projections that read a norm (q/k/v, gate/up, the LM head) multiply h * g by their weights and scale each
+  output row by rsqrt(mean(h^2) + eps) (`Int4Linear.norm_eps`: the mma kernel reads h's row once more, from L2).
 
-`fuse_norms` then rewires each layer (`NormFusedLayer`) and the final norm (into the LM head); `unfuse_norms` undoes
-it. The result computes the same function up to rounding: rs * (W diag(g)) h against W (g * bf16(rs * h)), and one
-rounding of each projection's output before its residual add, as before.
+The weights are not touched: rs * (W (g * h)) is the norm's output times W, rounded differently from
+W (g * bf16(rs * h)). The first layer makes its [h, h * g] from the embedding in torch. `unfuse_norms` undoes it.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from torch import nn
 from sdsie.quant.fuse import FusedMLP, FusedProjection
 from sdsie.quant.linear import Int4Linear
 
-__all__ = ["DeferredProjection", "NormFusedLayer", "NormFusion", "fold_norm_gains", "fuse_norms", "unfuse_norms"]
+__all__ = ["DeferredProjection", "FoldedNorm", "NormFusedLayer", "NormFusion", "fuse_norms", "unfuse_norms"]
 
 QKV = ("q_proj", "k_proj", "v_proj")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -36,8 +34,6 @@ def _decoder_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, layer) of each pre-norm decoder layer: a module with input_layernorm, self_attn,
     post_attention_layernorm and mlp (and no other norm: Gemma's pre/post feed-forward norms are refused)."""
     for name, module in model.named_modules():
-        if isinstance(module, NormFusedLayer):
-            continue
         if all(isinstance(getattr(module, part, None), nn.Module) for part in _LAYER_PARTS):
             extra = [n for n, _ in module.named_children() if n.endswith("norm") and n not in _LAYER_PARTS]
             if extra:
@@ -46,16 +42,12 @@ def _decoder_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def _final_norm(model: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
-    """(owner, attribute, head) of the norm before the LM head: the base model's `norm` (the module holding the
-    decoder `layers`), with the model's output embeddings; None where either is missing."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return None
+def _final_norm(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """(owner, attribute) of the norm before the LM head: the `norm` of the module holding the decoder `layers`."""
     for module in model.modules():
         if isinstance(getattr(module, "layers", None), nn.ModuleList) and isinstance(getattr(module, "norm", None),
                                                                                    nn.Module):
-            return module, "norm", head
+            return module, "norm"
     return None
 
 
@@ -84,49 +76,12 @@ def _readers(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     qkv = getattr(attn, "qkv_proj", None)
     attn_readers = [qkv.linear] if isinstance(qkv, FusedProjection) else [getattr(attn, p, None) for p in QKV]
     if isinstance(mlp, FusedMLP):
-        mlp_readers = [mlp.gate_up_proj]
-    else:
-        mlp_readers = [getattr(mlp, p, None) for p in ("gate_proj", "up_proj")]
-    return attn_readers, mlp_readers
+        return attn_readers, [mlp.gate_up_proj]
+    return attn_readers, [getattr(mlp, p, None) for p in ("gate_proj", "up_proj")]
 
 
-@torch.no_grad()
-def _fold(norm: nn.Module, readers: list[nn.Module], name: str) -> None:
-    if not all(isinstance(r, nn.Linear) for r in readers):
-        kinds = sorted({type(r).__name__ for r in readers})
-        raise ValueError(f"{name}: the norm's readers are {kinds}; fold_norm_gains folds into nn.Linear weights, "
-                         "before quantizing")
-    _eps(norm, name)
-    g = norm.weight.detach().float()
-    for r in readers:
-        r.weight.copy_((r.weight.float() * g.to(r.weight.device)).to(r.weight.dtype))
-    norm.weight.fill_(1.0)
-
-
-def fold_norm_gains(model: nn.Module) -> int:
-    """Fold each decoder RMS norm's gain into the linears that read it (q/k/v and gate/up; the final norm's into the
-    LM head, untied from the input embedding where they shared a weight), setting the gain to 1: the same function up
-    to rounding, and the form `fuse_norms` needs. On the float model, before quantizing; returns the norms folded."""
-    count = 0
-    for name, layer in list(_decoder_layers(model)):
-        attn_readers, mlp_readers = _readers(layer)
-        _fold(layer.input_layernorm, attn_readers, f"{name}.input_layernorm")
-        _fold(layer.post_attention_layernorm, mlp_readers, f"{name}.post_attention_layernorm")
-        count += 2
-    final = _final_norm(model)
-    if final is not None:
-        owner, attr, head = final
-        inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if inputs is not None and isinstance(head, nn.Linear) and head.weight is inputs.weight:
-            head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
-            if hasattr(model.config, "tie_word_embeddings"):
-                model.config.tie_word_embeddings = False
-        _fold(getattr(owner, attr), [head], "final norm")
-        count += 1
-    if not count:
-        raise ValueError(f"fold_norm_gains: {type(model).__name__} has no pre-norm decoder layer (input_layernorm, "
-                         "self_attn, post_attention_layernorm, mlp)")
-    return count
+def _gain(norm: nn.Module) -> torch.Tensor:
+    return norm.weight.detach()
 
 
 class DeferredProjection(nn.Module):
@@ -141,20 +96,31 @@ class DeferredProjection(nn.Module):
 
 
 class NormFusedLayer(nn.Module):
-    """A pre-norm decoder layer whose norms live in its projections (`fuse_norms`): h -> h + attn(norm1(h)) ->
-    that + mlp(norm2(that)), in five launches besides the attention's own (q/k/v, o with the residual, gate/up,
-    down with the residual)."""
+    """A pre-norm decoder layer whose norms and residual adds live in its projections (`fuse_norms`): the stream in
+    and out is [h, h * g] ([B, S, 2H]; the first layer takes the embedding's h alone, [B, S, H]), g being the gain of
+    the norm that reads it."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, next_gain: torch.Tensor, first: bool) -> None:
         super().__init__()
         self.layer = layer
+        self.first = first
+        self.register_buffer("gain", _gain(layer.input_layernorm), persistent=False)  # [H], this layer's first norm
+        self.register_buffer("mlp_gain", _gain(layer.post_attention_layernorm), persistent=False)
+        self.register_buffer("next_gain", next_gain, persistent=False)  # [H]: the norm after this layer
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
-        # hidden_states: the residual stream [B, S, H]; the keyword arguments are the model's for its layers
+        # hidden_states: [B, S, 2H] = [h, h * gain] (the first layer: h [B, S, H]); the keyword arguments are the
+        # model's for its layers
+        if self.first:
+            h = hidden_states
+            stream = torch.cat([h, (h.float() * self.gain.float()).to(h.dtype)], dim=-1)
+        else:
+            stream = hidden_states
+            h = stream[..., : stream.shape[-1] // 2]
         attn = self.layer.self_attn
-        out, _ = attn(hidden_states=hidden_states, **kwargs)  # [B, S, heads * head_dim]: o_proj deferred
-        h = attn.o_proj.linear(out, residual=hidden_states)
-        return self.layer.mlp(h, residual=h)
+        out, _ = attn(hidden_states=stream, **kwargs)  # [B, S, heads * head_dim]: q/k/v read the stream
+        mid = attn.o_proj.linear(out, residual=h, out_gain=self.mlp_gain)  # [B, S, 2H]
+        return self.layer.mlp(mid, residual=mid[..., : h.shape[-1]], out_gain=self.next_gain)
 
 
 class FoldedNorm(nn.Module):
@@ -171,10 +137,9 @@ class FoldedNorm(nn.Module):
 
 @dataclass
 class NormFusion:
-    """What fuse_norms rewired: the decoder layers' names, and whether the final norm went into the LM head."""
+    """What fuse_norms rewired: the decoder layers' names."""
 
     layers: list[str]
-    final: bool
 
 
 def _check_int4(readers: list[nn.Module], what: str) -> None:
@@ -182,64 +147,61 @@ def _check_int4(readers: list[nn.Module], what: str) -> None:
         if not isinstance(r, Int4Linear):
             raise ValueError(f"{what}: fuse_norms needs Int4Linear projections, got {type(r).__name__}")
         if r.input_scale is not None:
-            raise ValueError(f"{what}: an AWQ input scale is applied before the norm fuse_norms folds; use a min-max "
-                             "scheme")
-
-
-def _check_unit(norm: nn.Module, name: str) -> float:
-    eps = _eps(norm, name)
-    if not bool((norm.weight == 1).all()):
-        raise ValueError(f"{name}: its gain is not 1; fold_norm_gains before quantizing, then fuse_norms")
-    return eps
+            raise ValueError(f"{what}: an AWQ input scale multiplies the norm's output, which fuse_norms no longer "
+                             "forms; use a min-max scheme")
 
 
 def fuse_norms(model: nn.Module) -> NormFusion:
-    """Move each pre-norm decoder layer's RMS norms and residual adds into its INT4 projections, and the final norm
-    into the LM head (see the module docstring), in place.
+    """Move each pre-norm decoder layer's RMS norms and residual adds, and the final norm, into the model's INT4
+    projections (see the module docstring), in place.
 
-    Needs: gains folded (`fold_norm_gains`, before quantizing), the projections `Int4Linear` without an AWQ input
-    scale, q/k/v either separate or fused, and the MLP fused (`fuse_projections`). ValueError naming the first layer
-    that falls short, before anything changes."""
+    Needs every decoder linear and the LM head `Int4Linear` without an AWQ input scale, q/k/v separate or fused and
+    the MLP fused (`fuse_projections`). ValueError naming the first part that falls short, before anything
+    changes."""
+    if any(isinstance(m, NormFusedLayer) for m in model.modules()):
+        raise ValueError("fuse_norms: the model's norms are fused already")
     plan = []
     for name, layer in _decoder_layers(model):
-        eps1 = _check_unit(layer.input_layernorm, f"{name}.input_layernorm")
-        eps2 = _check_unit(layer.post_attention_layernorm, f"{name}.post_attention_layernorm")
-        attn_readers, mlp_readers = _readers(layer)
+        eps1 = _eps(layer.input_layernorm, f"{name}.input_layernorm")
+        eps2 = _eps(layer.post_attention_layernorm, f"{name}.post_attention_layernorm")
         if not isinstance(layer.mlp, FusedMLP):
             raise ValueError(f"{name}.mlp: fuse_norms needs the MLP fused (fuse_projections), got "
                              f"{type(layer.mlp).__name__}")
+        attn_readers, mlp_readers = _readers(layer)
         _check_int4(attn_readers + [layer.self_attn.o_proj], f"{name}.self_attn")
         _check_int4(mlp_readers + [layer.mlp.down_proj], f"{name}.mlp")
         plan.append((name, layer, eps1, eps2, attn_readers, mlp_readers))
     if not plan:
-        raise ValueError(f"fuse_norms: {type(model).__name__} has no pre-norm decoder layer to fuse")
+        raise ValueError(f"fuse_norms: {type(model).__name__} has no pre-norm decoder layer (input_layernorm, "
+                         "self_attn, post_attention_layernorm, mlp)")
     final = _final_norm(model)
-    final_eps = None
-    if final is not None and isinstance(final[2], Int4Linear):
-        owner, attr, head = final
-        final_eps = _check_unit(getattr(owner, attr), "final norm")
-        _check_int4([head], "lm_head")
-    for name, layer, eps1, eps2, attn_readers, mlp_readers in plan:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if final is None or head is None:
+        raise ValueError(f"fuse_norms: {type(model).__name__} has no final norm before an output embedding")
+    final_norm = getattr(*final)
+    final_eps = _eps(final_norm, "final norm")
+    _check_int4([head], "lm_head")
+    for index, (name, layer, eps1, eps2, attn_readers, mlp_readers) in enumerate(plan):
         for r in attn_readers:
             r.norm_eps = eps1
         for r in mlp_readers:
             r.norm_eps = eps2
         layer.self_attn.o_proj = DeferredProjection(layer.self_attn.o_proj)
+        following = plan[index + 1][1].input_layernorm if index + 1 < len(plan) else final_norm
+        fused = NormFusedLayer(layer, _gain(following), first=index == 0)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(parent, nn.ModuleList):
-            parent[int(child)] = NormFusedLayer(layer)
+            parent[int(child)] = fused
         else:
-            setattr(parent, child, NormFusedLayer(layer))
-    if final_eps is not None:
-        owner, attr, head = final
-        head.norm_eps = final_eps
-        setattr(owner, attr, FoldedNorm(getattr(owner, attr)))
-    return NormFusion([name for name, *_ in plan], final_eps is not None)
+            setattr(parent, child, fused)
+    head.norm_eps = final_eps
+    setattr(*final, FoldedNorm(final_norm))
+    return NormFusion([name for name, *_ in plan])
 
 
 def unfuse_norms(model: nn.Module) -> int:
-    """Undo `fuse_norms` in place (the gains stay folded, at 1); returns the layers restored."""
+    """Undo `fuse_norms` in place; returns the layers restored."""
     count = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):

@@ -437,7 +437,8 @@ def _epilogue_of(x: torch.Tensor, n: int, norm_eps: float | None, norm_source: t
     if out_gain is not None and (out_gain.shape != (n,) or out_gain.device != x.device):
         raise ValueError(f"int4_matmul: out_gain must be a tensor of shape ({n},) on {x.device}, got "
                          f"{tuple(out_gain.shape)} on {out_gain.device}")
-    return _Epilogue(norm_eps, _rows(norm_source, x, x.shape[-1], "norm_source"), _rows(residual, x, n, "residual"),
+    source = x if norm_eps is not None and norm_source is None else norm_source  # the norm of x's own rows
+    return _Epilogue(norm_eps, _rows(source, x, x.shape[-1], "norm_source"), _rows(residual, x, n, "residual"),
                      None if out_gain is None else out_gain.to(x.dtype).contiguous())
 
 

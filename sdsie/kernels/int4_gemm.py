@@ -334,7 +334,8 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor, ep: _
     outs = (y, *(y if t is None else t for t in (ep.r2, ep.h2, ep.gain))) if mma else (y,)
     # y, r, h and g are the pointers the plan key does not pin: the compiled kernel assumed them 16-byte aligned
     if compiled is not None and all(t.data_ptr() % 16 == 0 for t in outs):
-        # Every argument but x, y and r is fixed for the plan (its key pins x's strides; y is contiguous [M, N]):
+        # Every argument but the pointers is fixed for the plan (its key pins x's, r's and h's strides; y is
+        # contiguous):
         # one tuple per call, no per-call stride reads, buffer lookups or constexpr packing.
         stream = triton.runtime.driver.active.get_current_stream(x2.device.index)
         values = (x2, *plan.before_y, *outs, *plan.after_y)

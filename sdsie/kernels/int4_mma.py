@@ -21,6 +21,10 @@ SILU_MUL (`int4_silu_mul`, M <= 8): for a fused [gate; up] weight packed with it
 c0, c1 and c2, c3 are one channel's gate and up, and the epilogue writes silu(gate) * up in fp32 from the sums: the
 gated MLP's activation without a kernel of its own.
 
+The decoder's RMS norm and residual add (`sdsie.quant.fuse_norms`, M <= 8 for the norm): RESIDUAL adds r to the
+rounded product and OUT_GAIN writes the sum times the next norm's gain beside it; NORM_ROWS scales each row's sums by
+rsqrt(mean(h^2) + eps), h read whole once more by every program (from L2, while its first weights are in flight).
+
 The Gluon kernel compiles only for an NVIDIA GPU (sm_80 or newer for mma.sync, sm_90 for bf16x2 subtraction);
 `emulate_fragments` is its CPU twin: the same products, lane by lane, from the same words, as the PTX ISA defines
 the fragments.

@@ -157,7 +157,8 @@ def fuse_norms(model: nn.Module) -> NormFusion:
 
     Needs every decoder linear and the LM head `Int4Linear` without an AWQ input scale, q/k/v separate or fused and
     the MLP fused (`fuse_projections`). ValueError naming the first part that falls short, before anything
-    changes."""
+    changes. Module names change (`layers.{i}.layer...`, `o_proj.linear`): save or load weights before, or after
+    `unfuse_norms`."""
     if any(isinstance(m, NormFusedLayer) for m in model.modules()):
         raise ValueError("fuse_norms: the model's norms are fused already")
     plan = []

@@ -104,7 +104,9 @@ class NormFusedLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.first = first
-        self.register_buffer("gain", _gain(layer.input_layernorm), persistent=False)  # [H], this layer's first norm
+        # [H]: this layer's first norm's gain, which only the first layer applies itself (later layers receive
+        # h * gain from the layer before)
+        self.register_buffer("gain", _gain(layer.input_layernorm) if first else None, persistent=False)
         self.register_buffer("mlp_gain", _gain(layer.post_attention_layernorm), persistent=False)
         self.register_buffer("next_gain", next_gain, persistent=False)  # [H]: the norm after this layer
 

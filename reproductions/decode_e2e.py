@@ -96,7 +96,7 @@ import sdsie.kernels
 import sdsie.kernels.ops
 from reproductions.kernels.int4_bench import tuned_table_provenance
 from sdsie.clutch import ClutchConfig, EntropyClutch
-from sdsie.decoding import DecodeConfig, DecodeStats, generate, run_attention
+from sdsie.decoding import DecodeCompiled, DecodeConfig, DecodeStats, generate, run_attention
 from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
 from sdsie.kernels import int4_matmul_reference
 from sdsie.kernels.device import set_programmatic_launch
@@ -213,35 +213,6 @@ def _tinygemm_pack_cpu(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes().to(torch.int32).contiguous(), 8)
     offsets = (8.0 - w.zeros.float()) * w.scales.float()
     return packed, torch.stack([w.scales.to(dtype), offsets.to(dtype)], dim=-1).contiguous()  # [G, N, 2]
-
-
-class DecodeCompiled(nn.Module):
-    """`model` whose one-token forwards (the decode step) run through torch.compile with static shapes, and whose
-    longer forwards (the prefill) run through a second compilation with a dynamic length (one graph for every prompt
-    length) where compile_prefill is set, as gpt-fast compiles its decode step and, with --compile_prefill, its
-    prefill; otherwise the prefill runs eagerly. The engine captures the compiled step in its graphs; the prefill runs
-    uncaptured."""
-
-    def __init__(self, model: nn.Module, compile_prefill: bool = False, **compile_kwargs: Any) -> None:
-        super().__init__()
-        self.model = model
-        compile_kwargs.setdefault("dynamic", False)  # a graph per shape (prompt length), never a dynamic-shape one
-        self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
-        self._prefill = (torch.compile(model, **{**compile_kwargs, "dynamic": True}),) if compile_prefill else None
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.model.get_output_embeddings()
-
-    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
-        if input_ids.shape[-1] == 1:
-            run = self._step[0]
-        else:
-            run = self._prefill[0] if self._prefill is not None else self.model
-        return run(input_ids=input_ids, **kwargs)
 
 
 def ungate(model: nn.Module) -> None:

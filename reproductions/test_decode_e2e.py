@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import reproductions.decode_e2e as e2e
-from reproductions.decode_e2e import Budget, DecodeCompiled, build_model, kernel_category, main
+from reproductions.decode_e2e import Budget, build_model, kernel_category, main
+from sdsie.decoding import DecodeCompiled
 from sdsie.telemetry.records import load_record
 
 # every stage of the model's transformations, each compiled kind once (dynamo's eager backend: seconds on CPU)

@@ -8,6 +8,8 @@ launches against the same model unfused.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from sdsie.quant import (
     QuantConfig,
     fuse_norms,
     fuse_projections,
+    quantize_for_decode,
     quantize_model,
     unfuse_norms,
 )
@@ -63,6 +66,21 @@ def test_fused_norms_give_the_unfused_logits_and_unfusing_restores_the_modules(n
     assert unfuse_norms(model) == model.config.num_hidden_layers
     assert [(n, type(m)) for n, m in model.named_modules()] == tree
     assert torch.equal(model(ids).logits, plain)
+
+
+def test_quantize_for_decode_is_the_recipe_in_one_call():
+    """quantize_for_decode = quantize_model over DECODE_LINEARS, fuse_projections, fuse_norms (or not), bit for bit."""
+    base = tiny("qwen2.5-7b")
+    model, unnormed, recipe = (copy.deepcopy(base) for _ in range(3))
+    fuse_norms(quantized(recipe))
+    done = quantize_for_decode(model, QuantConfig(group_size=32))
+    assert done.describe() == "8 linears INT4, 1 q/k/v and 1 gate/up fused, norms fused in 1 layer"
+    ids = torch.randint(3, base.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(model(ids).logits, recipe(ids).logits)
+    assert quantize_for_decode(unnormed, QuantConfig(group_size=32), norms=False).norms is None
+    assert not any(isinstance(m, NormFusedLayer) for m in unnormed.modules())
+    with pytest.raises(ValueError, match="fused norms need a min-max scheme"):
+        quantize_for_decode(copy.deepcopy(base), QuantConfig("awq", 32))
 
 
 def test_each_precondition_is_refused_by_name():

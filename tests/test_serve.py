@@ -527,6 +527,84 @@ def test_gear_share_in_usage_matches_generate(pair) -> None:
     assert "sdsie_int4_forward_share" in engine.metrics.render(0, False)
 
 
+def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that_model(pair) -> None:
+    """--int4 group --compile: Engine.load quantizes the target's linears and LM head, fuses q/k/v, gate/up and the
+    norms, and wraps it for a compiled decode step (dynamo's eager backend here); the served tokens, with the scout
+    and clutch, are generate()'s on the same quantized model. The INT4 products are the kernel's float64 reference
+    (the interpreter takes a second a call; the kernel has its own tests)."""
+    from reproductions.decode_e2e import int4_kernel
+    from sdsie.decoding import DecodeCompiled
+    from sdsie.quant import Int4Linear, quantize_for_decode
+    from sdsie.quant.fuse import FusedMLP
+    from sdsie.quant.norms import NormFusedLayer
+
+    config = _config(tokenizer=str(PAIR / "tokenizer"), int4="group", compile="eager", kv_cache="static")
+    with int4_kernel(torch.device("cpu")):
+        engine = Engine.load(config)
+        model = engine.target.model
+        assert isinstance(engine.target, DecodeCompiled) and isinstance(model.lm_head, Int4Linear)
+        layers = list(model.model.layers)
+        assert all(isinstance(layer, NormFusedLayer) and isinstance(layer.layer.mlp, FusedMLP) for layer in layers)
+        with TestClient(create_app(engine)) as http:
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+                                                   "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        target = copy.deepcopy(pair.target)
+        quantize_for_decode(target)
+        ids = pair.tokenizer.encode(PROMPT)
+        ref = generate(target, ids, DecodeConfig(max_new_tokens=10, eos_token_id=EOS, kv_cache="static"),
+                       scout=pair.scout, clutch=EntropyClutch(MIXED))
+    assert r.json()["choices"][0]["token_ids"] == ref.tokens
+    assert r.json()["usage"]["sdsie"]["decisions"] == ref.decisions
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_int4_compiled_graphed_serving_answers_as_generate_on_the_served_model() -> None:
+    """The GPU form of the test above: the INT4 kernels (the mma GEMV with its norm epilogues at M = 1), inductor and
+    CUDA graphs; the served tokens and decisions are generate()'s on the engine's own (compiled) target."""
+    config = _config(tokenizer=str(PAIR / "tokenizer"), int4="group", compile="inductor", kv_cache="static",
+                     cuda_graphs=True, device="cuda", dtype="bfloat16")
+    engine = Engine.load(config)
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    with TestClient(create_app(engine)) as http:
+        answers = [http.post("/v1/completions", json=body).json() for _ in range(2)]
+    ids = engine.tokenizer.encode(PROMPT)
+    ref = generate(engine.target, ids, DecodeConfig(max_new_tokens=24, eos_token_id=EOS, kv_cache="static",
+                                                    cuda_graphs=True), scout=engine.scout, clutch=EntropyClutch(MIXED))
+    assert answers[0]["choices"][0]["token_ids"] == answers[1]["choices"][0]["token_ids"] == ref.tokens
+    assert answers[0]["usage"]["sdsie"]["decisions"] == ref.decisions
+
+
+def test_int4_and_compile_options_refuse_what_they_cannot_serve(monkeypatch) -> None:
+    p = argparse.ArgumentParser()
+    configure(p)
+    args = p.parse_args(["--target", "t", "--int4", "per-channel", "--compile", "--kv-cache", "static"])
+    config = config_from_args(args)
+    assert (config.int4, config.fuse_norms, config.compile) == ("per-channel", True, "inductor")
+    args = p.parse_args(["--target", "t", "--int4", "group", "--no-fuse-norms", "--compile", "eager", "--kv-cache",
+                         "static"])
+    assert (config_from_args(args).fuse_norms, config_from_args(args).compile) == (False, "eager")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--target", "t", "--int4", "awq"])
+    with pytest.raises(ValueError, match="--no-fuse-norms is an option of --int4"):
+        config_from_args(p.parse_args(["--target", "t", "--no-fuse-norms"]))
+    with pytest.raises(ValueError, match="compile needs kv_cache='static'"):
+        config_from_args(p.parse_args(["--target", "t", "--compile"]))
+    with pytest.raises(ValueError, match="int4 must be one of"):
+        ServeConfig(target="t", int4="awq")
+    with pytest.raises(ValueError, match="pass one of them"):
+        ServeConfig(target="t", int4="group", gear=("down_proj",), clutch=MIXED)
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    engine = Engine.load(_config(tokenizer=str(PAIR / "tokenizer"), compile="eager", kv_cache="static", context=2048))
+    assert torch._dynamo.config.recompile_limit == 8  # one compilation per 256-position cache length, none eager
+    assert engine.target.model is not None and engine.limits.context == 2048
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter cannot run the INT4 kernel
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Engine.load(_config(int4="group"))
+
+
 # ------------------------------------------------------------------------------------------------
 # Pieces: incremental text, the command line
 

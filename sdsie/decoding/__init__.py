@@ -1,5 +1,6 @@
 """Decoding: one engine for the plain loop, fixed-K speculation, and entropy-gated speculation and precision."""
 
+from sdsie.decoding.compiled import DecodeCompiled
 from sdsie.decoding.engine import (
     CycleRecord,
     DecodeConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "near_tie_report",
     "sweep",
     "CycleRecord",
+    "DecodeCompiled",
     "DecodeConfig",
     "DecodeStats",
     "Gear",

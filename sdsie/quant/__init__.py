@@ -7,6 +7,7 @@ and is re-exported here.
 
 from sdsie.int4_format import Int4Weight, pack_int4, unpack_int4
 from sdsie.quant.calibrate import CalibratedWeight, LayerReport, QuantConfig, calibrate, layer_report, preset, sqnr_db
+from sdsie.quant.decode import DECODE_LINEARS, Int4Decode, quantize_for_decode
 from sdsie.quant.fuse import FusionReport, fuse_projections
 from sdsie.quant.gated import GatedLinear, GearState, gate_model
 from sdsie.quant.io import load_int4_weight, load_int4_weights, save_int4_weight, save_int4_weights
@@ -14,10 +15,12 @@ from sdsie.quant.linear import Int4Linear, QuantReport, quantize_model, select_l
 from sdsie.quant.norms import NormFusion, fuse_norms, unfuse_norms
 
 __all__ = [
+    "DECODE_LINEARS",
     "CalibratedWeight",
     "FusionReport",
     "GatedLinear",
     "GearState",
+    "Int4Decode",
     "Int4Linear",
     "Int4Weight",
     "LayerReport",
@@ -33,6 +36,7 @@ __all__ = [
     "load_int4_weights",
     "pack_int4",
     "preset",
+    "quantize_for_decode",
     "quantize_model",
     "save_int4_weight",
     "save_int4_weights",

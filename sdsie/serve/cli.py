@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sdsie.serve.config import DTYPES, KV_CACHES, ServeConfig, parse_clutch
+from sdsie.serve.config import DTYPES, INT4_PRESETS, KV_CACHES, ServeConfig, parse_clutch
 
 __all__ = ["config_from_args", "configure", "run"]
 
@@ -34,6 +34,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gear", default="", metavar="LINEAR[,LINEAR...]",
                    help="gate these linear layers to INT4 when the clutch engages (e.g. mlp.down_proj; default none)")
     p.add_argument("--gear-layers", default=None, metavar="I[,I...]", help="decoder layers to gate (default all)")
+    p.add_argument("--int4", choices=INT4_PRESETS, default=None,
+                   help="quantize the target's decoder linears and LM head to INT4 at load (min-max, groups of 128 "
+                        "or per channel), q/k/v and gate/up fused, norms in the INT4 launches (docs/int4.md)")
+    p.add_argument("--no-fuse-norms", action="store_true",
+                   help="with --int4: keep the RMS norms and residual adds as the model's own modules")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="compile the target's decode step with torch.compile (default backend inductor; needs "
+                        "--kv-cache static; the first request of each length compiles)")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs "
                                                               "(needs --kv-cache static and a CUDA device)")
@@ -60,10 +68,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     clutch = args.clutch if not isinstance(args.clutch, str) else parse_clutch(args.clutch)
     layers = None if args.gear_layers is None else tuple(int(i) for i in args.gear_layers.split(","))
     template = None if args.chat_template is None else args.chat_template.read_text()
+    if args.no_fuse_norms and args.int4 is None:
+        raise ValueError("--no-fuse-norms is an option of --int4")
     return ServeConfig(
         target=args.target, scout=args.scout, tokenizer=args.tokenizer, model_name=args.model_name,
         clutch=clutch if (args.scout is not None or args.gear) else None,
-        gear=tuple(g for g in args.gear.split(",") if g), gear_layers=layers, kv_cache=args.kv_cache,
+        gear=tuple(g for g in args.gear.split(",") if g), gear_layers=layers, int4=args.int4,
+        fuse_norms=not args.no_fuse_norms, compile=args.compile, kv_cache=args.kv_cache,
         cuda_graphs=args.cuda_graphs, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
         api_key=args.api_key, max_tokens=args.max_tokens, context=args.context, queue_size=args.queue_size,
         chat_template=template, energy=not args.no_energy)

@@ -10,6 +10,7 @@ __all__ = ["ServeConfig", "parse_clutch"]
 
 KV_CACHES = ("dynamic", "static")
 DTYPES = ("float32", "float16", "bfloat16")
+INT4_PRESETS = ("group", "per-channel")  # min-max schemes: AWQ needs calibration data a server does not have
 
 
 def parse_clutch(text: str) -> ClutchConfig | None:
@@ -35,11 +36,14 @@ class ServeConfig:
 
     scout None: no speculation. clutch None ('off'): the scout, if any, drafts K in every cycle (fixed-K).
     gear: names of linear layers to gate to INT4 (sdsie.quant.gated.gate_model; needs a clutch), gear_layers:
-    which decoder layers (None: all). max_tokens: the most a request may ask for. context: positions one request
-    may fill, prompt plus max_tokens (None: the target's max_position_embeddings). queue_size: requests that may
-    wait behind the running one; one more is answered 503 with Retry-After. chat_template: Jinja text that
-    replaces the tokenizer's own (None: keep the tokenizer's, if it has one). energy: measure each request's GPU
-    energy where NVML and CUDA are present.
+    which decoder layers (None: all). int4: quantize the target's decoder linears and LM head to INT4 with this
+    min-max preset at load, q/k/v and gate/up fused, and with fuse_norms its norms and residual adds in the INT4
+    launches (sdsie.quant.quantize_for_decode). compile: a torch.compile backend for the target's decode step
+    (sdsie.decoding.DecodeCompiled; needs the static cache). max_tokens: the most a request may ask for.
+    context: positions one request may fill, prompt plus max_tokens (None: the target's max_position_embeddings).
+    queue_size: requests that may wait behind the running one; one more is answered 503 with Retry-After.
+    chat_template: Jinja text that replaces the tokenizer's own (None: keep the tokenizer's, if it has one).
+    energy: measure each request's GPU energy where NVML and CUDA are present.
     """
 
     target: str
@@ -49,6 +53,9 @@ class ServeConfig:
     clutch: ClutchConfig | None = None
     gear: tuple[str, ...] = ()
     gear_layers: tuple[int, ...] | None = None
+    int4: str | None = None
+    fuse_norms: bool = True
+    compile: str | None = None
     kv_cache: str = "dynamic"
     cuda_graphs: bool = False
     device: str = "cpu"
@@ -71,6 +78,17 @@ class ServeConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.gear and self.clutch is None:
             raise ValueError("gear needs a clutch to drive it: pass clutch (production, tuned or thresholds)")
+        if self.int4 is not None and self.int4 not in INT4_PRESETS:
+            raise ValueError(f"int4 must be one of {INT4_PRESETS} (min-max; AWQ needs calibration data), got "
+                             f"{self.int4!r}")
+        if self.int4 is not None and self.gear:
+            raise ValueError("int4 quantizes every linear of the target, gear gates some of them between bf16 and "
+                             "INT4: pass one of them")
+        if self.compile is not None and (not isinstance(self.compile, str) or not self.compile):
+            raise ValueError(f"compile must be a torch.compile backend name, got {self.compile!r}")
+        if self.compile is not None and self.kv_cache != "static":
+            raise ValueError("compile needs kv_cache='static' (a dynamic cache changes shape every token, a "
+                             "recompilation a token)")
         if self.clutch is not None and self.scout is None and not self.gear:
             raise ValueError("a clutch with neither a scout nor a gear gates nothing: pass scout and/or gear")
         for name, low in (("max_tokens", 1), ("queue_size", 1), ("port", 0)):

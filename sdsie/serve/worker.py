@@ -154,6 +154,33 @@ class Front:
             job.emit(Failed(message))
 
 
+def _quantized(target: nn.Module, config: ServeConfig) -> nn.Module:
+    """The target in its INT4 decode form (`quantize_for_decode` with config's preset and fuse_norms), in place."""
+    from sdsie.quant import preset, quantize_for_decode
+
+    done = quantize_for_decode(target, preset(config.int4), norms=config.fuse_norms)
+    log.info("target quantized (%s): %s", config.int4, done.describe())
+    return target
+
+
+def _compiled(target: nn.Module, config: ServeConfig) -> nn.Module:
+    """The target with its decode step compiled (`DecodeCompiled`, static shapes). Each static cache length (prompt
+    plus max_tokens, rounded up to STATIC_LEN_BUCKET positions) is a shape of its own, compiled on its first request;
+    dynamo's recompile limit is raised to the count the context allows, so no length falls back to eager."""
+    import torch._dynamo
+
+    from sdsie.decoding import DecodeCompiled
+    from sdsie.decoding.engine import STATIC_LEN_BUCKET
+
+    context = config.context or int(getattr(target.config, "max_position_embeddings", 0) or 0)
+    lengths = -(-context // STATIC_LEN_BUCKET)
+    if torch._dynamo.config.recompile_limit < lengths:
+        log.info("dynamo's recompile limit raised from %d to %d: one decode-step compilation per cache length",
+                 torch._dynamo.config.recompile_limit, lengths)
+        torch._dynamo.config.recompile_limit = lengths
+    return DecodeCompiled(target, backend=config.compile)
+
+
 class Engine(Front):
     """Holds the models; `submit` queues a Job (APIError 503 when the queue is full); `start` runs the worker."""
 
@@ -179,8 +206,12 @@ class Engine(Front):
         """Load the models config names, gate the target's gear layers, open the energy meter where there is one."""
         import torch
 
+        from sdsie.kernels.device import kernel_runs_on
         from sdsie.models import load_model, load_pair, load_tokenizer
 
+        if config.int4 is not None and not kernel_runs_on(torch.device(config.device)):  # before any model loads
+            raise ValueError(f"int4 runs the Triton INT4 kernel, which needs a CUDA device (or a CPU under "
+                             f"TRITON_INTERPRET=1, seconds a token); got device {config.device!r}")
         dtype = getattr(torch, config.dtype)
         if config.scout is not None:
             pair = load_pair(config.target, config.scout, dtype, config.device, tokenizer=config.tokenizer)
@@ -195,6 +226,10 @@ class Engine(Front):
             from sdsie.quant.gated import gate_model
 
             gear = gate_model(target, list(config.gear), layers=config.gear_layers)
+        if config.int4 is not None:
+            target = _quantized(target, config)
+        if config.compile is not None:
+            target = _compiled(target, config)
         return cls(target, tokenizer, config, scout=scout, gear=gear, meter=_meter(config))
 
     # -- the worker ------------------------------------------------------------------------------

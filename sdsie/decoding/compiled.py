@@ -1,0 +1,49 @@
+"""`DecodeCompiled`: a model whose decode step runs through torch.compile, as gpt-fast compiles its decode step.
+
+The engine captures the compiled step in its CUDA graphs like any forward, so inductor's fused kernels (norms, RoPE,
+residual adds, SiLU) replay with no host work. Prompts (and speculative verification's multi-token forwards) run
+eagerly unless `compile_prefill`, which compiles them once more with a dynamic length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DecodeCompiled"]
+
+
+class DecodeCompiled(nn.Module):
+    """`model` whose one-token forwards (the decode step) run through torch.compile with static shapes, and whose
+    longer forwards run through a second compilation with a dynamic length (one graph for every prompt length) where
+    compile_prefill is set, otherwise eagerly. compile_kwargs go to torch.compile (backend, mode, options); `dynamic`
+    defaults to False for the step: a graph per shape, never a dynamic-shape one.
+
+    Each new shape compiles on its first call (seconds to a minute for a 7-8B model under inductor); under CUDA graphs
+    those calls are the capture's warm-up runs."""
+
+    def __init__(self, model: nn.Module, compile_prefill: bool = False, **compile_kwargs: Any) -> None:
+        super().__init__()
+        self.model = model
+        compile_kwargs.setdefault("dynamic", False)
+        self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
+        self._prefill = (torch.compile(model, **{**compile_kwargs, "dynamic": True}),) if compile_prefill else None
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        if input_ids.shape[-1] == 1:
+            run = self._step[0]
+        else:
+            run = self._prefill[0] if self._prefill is not None else self.model
+        return run(input_ids=input_ids, **kwargs)

@@ -21,8 +21,8 @@ class DecodeCompiled(nn.Module):
     compile_prefill is set, otherwise eagerly. compile_kwargs go to torch.compile (backend, mode, options); `dynamic`
     defaults to False for the step: a graph per shape, never a dynamic-shape one.
 
-    Each new shape compiles on its first call (seconds to a minute for a 7-8B model under inductor); under CUDA graphs
-    those calls are the capture's warm-up runs."""
+    Each new shape (a static cache's length) compiles on its first call; under CUDA graphs those calls are the
+    capture's warm-up runs."""
 
     def __init__(self, model: nn.Module, compile_prefill: bool = False, **compile_kwargs: Any) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ error while measuring (config.failed, exit status 1), with the server's log at -
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
@@ -48,10 +49,11 @@ from typing import Any
 import torch
 
 from reproductions.args import positive_float, positive_int
+from reproductions.decode_e2e import MODELS
 from sdsie.clutch import EntropyClutch
 from sdsie.decoding import DecodeConfig, generate
 from sdsie.decoding.model_io import sync_device
-from sdsie.serve.config import DTYPES, KV_CACHES, parse_clutch
+from sdsie.serve.config import DTYPES, INT4_PRESETS, KV_CACHES, ServeConfig, parse_clutch
 from sdsie.stats import paired_ratios, paired_speedup
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
@@ -269,8 +271,9 @@ def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any]
                  hardware: str) -> RunRecord:
     samples, metrics = summarize(m)
     done = max((len(samples.get(f"direct|{p}|tokens_per_s", [])) for p in m.warmed), default=0)
-    config = {k: getattr(a, k) for k in ("preset", "device", "dtype", "kv_cache", "cuda_graphs", "clutch",
-                                         "max_tokens", "one_per_family", "threads", "max_seconds")}
+    config = {k: getattr(a, k) for k in ("preset", "model", "tiny", "int4", "compile", "device", "dtype", "kv_cache",
+                                         "cuda_graphs", "clutch", "max_tokens", "one_per_family", "threads",
+                                         "max_seconds")}
     config.update(
         trials_requested=a.trials, prompts=m.prompts, timed_prompts=m.warmed, pairs=m.pairs, cut=m.cut,
         failed=m.failed, mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
@@ -309,10 +312,12 @@ class Server:
     def __init__(self, pair: Path, a: argparse.Namespace, log: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sdsie.cli", "serve", "--target", str(pair / "target"), "--scout",
-               str(pair / "scout"), "--tokenizer", str(pair / "tokenizer"), "--clutch", a.clutch, "--device",
-               a.device, "--dtype", a.dtype, "--kv-cache", a.kv_cache, "--port", str(self.port), "--model-name",
-               "standin", "--max-tokens", str(a.max_tokens)]
+        cmd = [sys.executable, "-m", "sdsie.cli", "serve", "--target", str(pair / "target"), "--tokenizer",
+               str(pair / "tokenizer"), "--clutch", a.clutch, "--device", a.device, "--dtype", a.dtype, "--kv-cache",
+               a.kv_cache, "--port", str(self.port), "--model-name", "standin", "--max-tokens", str(a.max_tokens)]
+        cmd += ["--scout", str(pair / "scout")] if (pair / "scout").is_dir() else []
+        cmd += ["--int4", a.int4] if a.int4 else []
+        cmd += ["--compile", a.compile] if a.compile else []
         cmd += ["--cuda-graphs"] if a.cuda_graphs else []
         cmd += ["--threads", str(a.threads)] if a.threads else []
         cmd += ["--no-energy"] if a.no_energy else []
@@ -373,6 +378,24 @@ def _streamed(http: Any, url: str, ids: list[int], max_tokens: int) -> StreamedR
     return StreamedRun(ttft if ttft is not None else total, total, "".join(pieces), usage)
 
 
+def random_model_folder(name: str, tiny: bool, a: argparse.Namespace, out: Path) -> tuple[Path, torch.nn.Module]:
+    """A random-weight model of the end-to-end suite's `name` configuration saved as out/target (save_pretrained),
+    beside out/tokenizer, a word-level tokenizer naming each id ("w17"), so any id decodes; no scout. Returns the
+    folder and the model, still in memory for the direct side."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from reproductions.decode_e2e import build_model
+
+    model = build_model(name, tiny, torch.device(a.device), getattr(torch, a.dtype))
+    model.save_pretrained(out / "target")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(model.config.vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {f"{role}_token": f"w{getattr(model.config, f'{role}_token_id')}" for role in ("bos", "eos", "pad")}
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", **special).save_pretrained(out / "tokenizer")
+    return out, model
+
+
 def _pair_dir(preset: str, device: str) -> Path:
     from sdsie.standin import COMMITTED_CPU_DIR, ensure_standin, get_preset
 
@@ -383,33 +406,48 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     import httpx
 
     from reproductions.decode_repro import pair_build_id
-    from sdsie.models import load_pair
+    from sdsie.models import ModelPair, load_pair, load_tokenizer
+    from sdsie.serve.worker import prepare_target
     from sdsie.standin import load_prompts, prompts_hash
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    budget.say(f"stand-in pair ({a.preset} preset): loading, or building on a cache miss")
-    pair_dir = _pair_dir(a.preset, a.device)
     device = torch.device(a.device)
+    scratch = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    if a.model:
+        budget.say(f"{a.model}{' (tiny)' if a.tiny else ''} with random weights: building and saving its folder")
+        pair_dir, target = random_model_folder(a.model, a.tiny, a, scratch / "model")
+        pair = ModelPair(target, None, load_tokenizer(pair_dir / "tokenizer"), a.model, "")  # no scout
+    else:
+        budget.say(f"stand-in pair ({a.preset} preset): loading, or building on a cache miss")
+        pair_dir = _pair_dir(a.preset, a.device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # a build in this process leaves its training memory cached
-    log = a.server_log or Path(tempfile.mkdtemp(prefix="serve_bench_")) / "server.log"
+    log = a.server_log or scratch / "server.log"
     server = Server(pair_dir, a, log)  # starts loading while this process loads the same folders
-    budget.say(f"pair at {pair_dir.name}; server starting on {server.url} (log: {log})")
+    budget.say(f"models at {pair_dir.name}; server starting on {server.url} (log: {log})")
     try:
-        pair = load_pair(pair_dir / "target", pair_dir / "scout", getattr(torch, a.dtype), a.device,
-                         tokenizer=pair_dir / "tokenizer")
+        if not a.model:
+            pair = load_pair(pair_dir / "target", pair_dir / "scout", getattr(torch, a.dtype), a.device,
+                             tokenizer=pair_dir / "tokenizer")
+        serving = ServeConfig(target=str(pair_dir / "target"), int4=a.int4, compile=a.compile, kv_cache=a.kv_cache,
+                              device=a.device, dtype=a.dtype)
+        # what the server does to its copy (the stand-in pair's own target stays as loaded: its hash names the build)
+        target = prepare_target(pair.target if a.model else copy.deepcopy(pair.target), serving)
         prompts = list(load_prompts())
         if a.one_per_family:
             prompts = [next(p for p in prompts if p.family == f) for f in dict.fromkeys(p.family for p in prompts)]
-        ids = {p.id: list(pair.tokenizer.encode(p.text)) for p in prompts}
+        # a random model's prompts: the stand-in tokenizer's ids (all below 2,048), modulo a tiny model's vocabulary
+        words = load_tokenizer(_pair_dir("cpu", "cpu") / "tokenizer") if a.model else pair.tokenizer
+        vocab = pair.target.config.vocab_size
+        ids = {p.id: [i % vocab for i in words.encode(p.text)] for p in prompts}
         clutch = parse_clutch(a.clutch)
         config = DecodeConfig(max_new_tokens=a.max_tokens, kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs)
 
         def direct(pid: str) -> DirectRun:
             sync_device(device)
             t0 = time.perf_counter()
-            r = generate(pair.target, ids[pid], config, scout=pair.scout,
+            r = generate(target, ids[pid], config, scout=pair.scout,
                          clutch=EntropyClutch(clutch) if clutch is not None else None)
             sync_device(device)
             return DirectRun(list(r.tokens), r.decisions, time.perf_counter() - t0, r.stats.prefill_seconds)
@@ -430,11 +468,16 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
                 budget.say(f"cut: {measured.cut}")
     finally:
         server.stop()
-    env = capture_environment(models={"target": pair.target, "scout": pair.scout},
-                              prompts={pid: pair.tokenizer.decode(v) for pid, v in ids.items()})
+    models = {} if a.model else {"target": pair.target, "scout": pair.scout}  # a random model: its config and seed
+    env = capture_environment(models=models, prompts={pid: words.decode(v) for pid, v in ids.items()})
     env["prompts_hash"] = prompts_hash()
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
-    model = f"sdsie stand-in pair ({a.preset} preset, build {pair_build_id(env['models'])}), {a.dtype}"
+    if a.model:
+        model = f"{a.model} configuration{' (tiny)' if a.tiny else ''}, random weights, {a.dtype}"
+    else:
+        model = f"sdsie stand-in pair ({a.preset} preset, build {pair_build_id(env['models'])}), {a.dtype}"
+    forms = ([f"INT4 {a.int4}"] if a.int4 else []) + ([f"decode step compiled ({a.compile})"] if a.compile else [])
+    model += "".join(f", {form}" for form in forms)
     return build_record(a, measured, env, model, hardware)
 
 
@@ -445,6 +488,14 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpu", help="stand-in preset (cpu: the committed pair, for a dry run)")
+    p.add_argument("--model", default=None, choices=sorted(MODELS),
+                   help="instead of the stand-in pair: this configuration of the end-to-end suite with random "
+                        "weights, saved to a temporary folder with a word-level tokenizer; no scout (--clutch off)")
+    p.add_argument("--tiny", action="store_true", help="with --model: its tiny configuration (the CPU dry run)")
+    p.add_argument("--int4", choices=INT4_PRESETS, default=None,
+                   help="both sides: the target in its INT4 decode form (sdsie serve --int4)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="both sides: the target's decode step compiled (sdsie serve --compile)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
@@ -472,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(None)
     a = parser().parse_args(argv)
     parse_clutch(a.clutch)  # refused before anything loads
+    if a.model and a.clutch != "off":
+        raise SystemExit("--model serves a target without a scout: pass --clutch off")
+    if a.tiny and not a.model:
+        raise SystemExit("--tiny is an option of --model")
+    if a.compile and a.kv_cache != "static":
+        raise SystemExit("--compile needs --kv-cache static")
     if a.cuda_graphs and (a.kv_cache != "static" or not a.device.startswith("cuda")):
         raise SystemExit("--cuda-graphs needs --kv-cache static and --device cuda")
     if a.device.startswith("cuda") and not torch.cuda.is_available():

@@ -251,6 +251,40 @@ def test_dry_run_writes_one_record_with_identical_tokens_without_openai(tmp_path
     assert config["graphs"] == {"direct": False, "server": False}
 
 
+@pytest.mark.slow  # a tiny model built and saved, two processes, dynamo on both sides: about 20 s on two cores
+def test_dry_run_of_a_random_model_compiled_on_both_sides(tmp_path: Path) -> None:
+    """--model: the end-to-end suite's configuration (tiny here) with random weights, saved with a word-level
+    tokenizer and served without a scout; --compile reaches the server's command and the direct side alike, and the
+    two sides give the same tokens."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    site, marks, out = tmp_path / "site", tmp_path / "marks", tmp_path / "out"
+    site.mkdir(), marks.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "SERVE_BENCH_MARKS": str(marks)}
+    argv = ["--model", "llama3.1-8b", "--tiny", "--device", "cpu", "--clutch", "off", "--kv-cache", "static",
+            "--compile", "eager", "--trials", "1", "--max-tokens", "3", "--one-per-family", "--threads", "1",
+            "--max-seconds", "300", "--out", str(out)]
+    done = subprocess.run([sys.executable, "-m", "reproductions.serve_bench", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (server,) = [c for c in (p.read_text() for p in marks.iterdir()) if "sdsie.cli serve" in c]
+    assert "--compile eager" in server and "--scout" not in server and "--int4" not in server
+    (path,) = out.glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["complete"] and record["metrics"]["serve.tokens_identical"] is True
+    assert record["conditions"]["model"] == "llama3.1-8b configuration (tiny), random weights, float32, " \
+                                           "decode step compiled (eager)"
+    config = record["config"]
+    assert (config["model"], config["tiny"], config["compile"], config["int4"]) == ("llama3.1-8b", True, "eager", None)
+    assert config["pairs"] == 3 and record["environment"]["models"] == []
+    with pytest.raises(SystemExit, match="pass --clutch off"):
+        main(["--model", "llama3.1-8b", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--compile needs --kv-cache static"):
+        main(["--device", "cpu", "--compile"])
+
+
 @pytest.mark.parametrize(("flag", "value", "message"), [("--max-seconds", "0", "must be a number > 0, got 0"),
                                                          ("--max-seconds", "nan", "must be a number > 0, got nan"),
                                                          ("--trials", "0", "must be an integer >= 1, got 0")])

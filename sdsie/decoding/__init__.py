@@ -1,6 +1,6 @@
 """Decoding: one engine for the plain loop, fixed-K speculation, and entropy-gated speculation and precision."""
 
-from sdsie.decoding.compiled import DecodeCompiled
+from sdsie.decoding.compiled import DecodeCompiled, inductor_options
 from sdsie.decoding.engine import (
     CycleRecord,
     DecodeConfig,
@@ -36,6 +36,7 @@ __all__ = [
     "SamplingConfig",
     "generate",
     "greedy_verify",
+    "inductor_options",
     "logits_to_probs",
     "make_generator",
     "rejection_verify",

@@ -12,7 +12,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DecodeCompiled"]
+__all__ = ["DecodeCompiled", "inductor_options"]
+
+
+def inductor_options(device: torch.device) -> dict[str, bool]:
+    """Inductor's options for a decode step on `device`, those of the end-to-end suite's standing records: combo
+    kernels (the rotary and cache kernels of q, k and v as one launch: 374 -> 308 kernels a Llama-3.1-8B INT4 token,
+    docs/log.md 2026-12-04) and, on sm_90+, programmatic dependent launch of its kernels (docs/kernel-log.md,
+    2026-12-04 20:00). None on a CPU."""
+    from sdsie.kernels.device import pdl_on
+
+    if device.type != "cuda":
+        return {}
+    return {"combo_kernels": True, **({"triton.enable_pdl": True} if pdl_on(device) else {})}
 
 
 class DecodeCompiled(nn.Module):

@@ -32,7 +32,7 @@ from sdsie.serve.metrics import Metrics, RequestStats
 from sdsie.serve.protocol import APIError, GenerationRequest, Limits
 from sdsie.serve.text import TextStream
 
-__all__ = ["Delta", "Done", "Engine", "Failed", "Flag", "Front", "Job"]
+__all__ = ["Delta", "Done", "Engine", "Failed", "Flag", "Front", "Job", "prepare_target"]
 
 log = logging.getLogger(__name__)
 
@@ -154,22 +154,23 @@ class Front:
             job.emit(Failed(message))
 
 
-def _quantized(target: nn.Module, config: ServeConfig) -> nn.Module:
-    """The target in its INT4 decode form (`quantize_for_decode` with config's preset and fuse_norms), in place."""
-    from sdsie.quant import preset, quantize_for_decode
+def prepare_target(target: nn.Module, config: ServeConfig) -> nn.Module:
+    """The target as config serves it: with `int4`, in its INT4 decode form in place (`quantize_for_decode` with
+    that preset and `fuse_norms`); with `compile`, wrapped so its decode step runs compiled (`DecodeCompiled`, static
+    shapes; inductor with `inductor_options`, those of the end-to-end suite's records). Each static cache length
+    (prompt plus max_tokens, rounded up to STATIC_LEN_BUCKET positions) is a shape of its own, compiled on its first
+    request; dynamo's recompile limit is raised to the count the context allows, so no length falls back to eager."""
+    if config.int4 is not None:
+        from sdsie.quant import preset, quantize_for_decode
 
-    done = quantize_for_decode(target, preset(config.int4), norms=config.fuse_norms)
-    log.info("target quantized (%s): %s", config.int4, done.describe())
-    return target
-
-
-def _compiled(target: nn.Module, config: ServeConfig) -> nn.Module:
-    """The target with its decode step compiled (`DecodeCompiled`, static shapes). Each static cache length (prompt
-    plus max_tokens, rounded up to STATIC_LEN_BUCKET positions) is a shape of its own, compiled on its first request;
-    dynamo's recompile limit is raised to the count the context allows, so no length falls back to eager."""
+        done = quantize_for_decode(target, preset(config.int4), norms=config.fuse_norms)
+        log.info("target quantized (%s): %s", config.int4, done.describe())
+    if config.compile is None:
+        return target
+    import torch
     import torch._dynamo
 
-    from sdsie.decoding import DecodeCompiled
+    from sdsie.decoding import DecodeCompiled, inductor_options
     from sdsie.decoding.engine import STATIC_LEN_BUCKET
 
     context = config.context or int(getattr(target.config, "max_position_embeddings", 0) or 0)
@@ -178,7 +179,8 @@ def _compiled(target: nn.Module, config: ServeConfig) -> nn.Module:
         log.info("dynamo's recompile limit raised from %d to %d: one decode-step compilation per cache length",
                  torch._dynamo.config.recompile_limit, lengths)
         torch._dynamo.config.recompile_limit = lengths
-    return DecodeCompiled(target, backend=config.compile)
+    options = inductor_options(torch.device(config.device)) if config.compile == "inductor" else {}
+    return DecodeCompiled(target, backend=config.compile, **({"options": options} if options else {}))
 
 
 class Engine(Front):
@@ -226,10 +228,7 @@ class Engine(Front):
             from sdsie.quant.gated import gate_model
 
             gear = gate_model(target, list(config.gear), layers=config.gear_layers)
-        if config.int4 is not None:
-            target = _quantized(target, config)
-        if config.compile is not None:
-            target = _compiled(target, config)
+        target = prepare_target(target, config)
         return cls(target, tokenizer, config, scout=scout, gear=gear, meter=_meter(config))
 
     # -- the worker ------------------------------------------------------------------------------

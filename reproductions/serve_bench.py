@@ -421,8 +421,12 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     else:
         budget.say(f"stand-in pair ({a.preset} preset): loading, or building on a cache miss")
         pair_dir = _pair_dir(a.preset, a.device)
+    serving = ServeConfig(target=str(pair_dir / "target"), int4=a.int4, compile=a.compile, kv_cache=a.kv_cache,
+                          device=a.device, dtype=a.dtype)
+    if a.model:  # prepared before the server starts: two 7-8B models quantizing at once do not fit one GPU
+        target = prepare_target(pair.target, serving)  # what the server does to its copy
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # a build in this process leaves its training memory cached
+        torch.cuda.empty_cache()  # a build (or a quantization) in this process leaves its memory cached
     log = a.server_log or scratch / "server.log"
     server = Server(pair_dir, a, log)  # starts loading while this process loads the same folders
     budget.say(f"models at {pair_dir.name}; server starting on {server.url} (log: {log})")
@@ -430,10 +434,8 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
         if not a.model:
             pair = load_pair(pair_dir / "target", pair_dir / "scout", getattr(torch, a.dtype), a.device,
                              tokenizer=pair_dir / "tokenizer")
-        serving = ServeConfig(target=str(pair_dir / "target"), int4=a.int4, compile=a.compile, kv_cache=a.kv_cache,
-                              device=a.device, dtype=a.dtype)
-        # what the server does to its copy (the stand-in pair's own target stays as loaded: its hash names the build)
-        target = prepare_target(pair.target if a.model else copy.deepcopy(pair.target), serving)
+            # the server's form on a copy: the pair's own target stays as loaded, its hash names the build
+            target = prepare_target(copy.deepcopy(pair.target), serving)
         prompts = list(load_prompts())
         if a.one_per_family:
             prompts = [next(p for p in prompts if p.family == f) for f in dict.fromkeys(p.family for p in prompts)]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import math
@@ -378,10 +379,11 @@ def _streamed(http: Any, url: str, ids: list[int], max_tokens: int) -> StreamedR
     return StreamedRun(ttft if ttft is not None else total, total, "".join(pieces), usage)
 
 
-def random_model_folder(name: str, tiny: bool, a: argparse.Namespace, out: Path) -> tuple[Path, torch.nn.Module]:
+def random_model_folder(name: str, tiny: bool, a: argparse.Namespace, out: Path) -> Path:
     """A random-weight model of the end-to-end suite's `name` configuration saved as out/target (save_pretrained),
-    beside out/tokenizer, a word-level tokenizer naming each id ("w17"), so any id decodes; no scout. Returns the
-    folder and the model, still in memory for the direct side."""
+    beside out/tokenizer, a word-level tokenizer naming each id ("w17"), so any id decodes; no scout. Both sides load
+    the folder: the model as built differs from the model as loaded (its rotary buffers are computed in another
+    dtype), and that changes greedy tokens on random weights."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -393,7 +395,7 @@ def random_model_folder(name: str, tiny: bool, a: argparse.Namespace, out: Path)
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     special = {f"{role}_token": f"w{getattr(model.config, f'{role}_token_id')}" for role in ("bos", "eos", "pad")}
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", **special).save_pretrained(out / "tokenizer")
-    return out, model
+    return out
 
 
 def _pair_dir(preset: str, device: str) -> Path:
@@ -406,7 +408,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     import httpx
 
     from reproductions.decode_repro import pair_build_id
-    from sdsie.models import ModelPair, load_pair, load_tokenizer
+    from sdsie.models import ModelPair, load_model, load_pair, load_tokenizer
     from sdsie.serve.worker import prepare_target
     from sdsie.standin import load_prompts, prompts_hash
 
@@ -416,8 +418,10 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     scratch = Path(tempfile.mkdtemp(prefix="serve_bench_"))
     if a.model:
         budget.say(f"{a.model}{' (tiny)' if a.tiny else ''} with random weights: building and saving its folder")
-        pair_dir, target = random_model_folder(a.model, a.tiny, a, scratch / "model")
-        pair = ModelPair(target, None, load_tokenizer(pair_dir / "tokenizer"), a.model, "")  # no scout
+        pair_dir = random_model_folder(a.model, a.tiny, a, scratch / "model")
+        gc.collect()  # the model as built
+        pair = ModelPair(load_model(pair_dir / "target", getattr(torch, a.dtype), a.device), None,
+                         load_tokenizer(pair_dir / "tokenizer"), a.model, "")  # no scout
     else:
         budget.say(f"stand-in pair ({a.preset} preset): loading, or building on a cache miss")
         pair_dir = _pair_dir(a.preset, a.device)

@@ -272,9 +272,9 @@ def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any]
                  hardware: str) -> RunRecord:
     samples, metrics = summarize(m)
     done = max((len(samples.get(f"direct|{p}|tokens_per_s", [])) for p in m.warmed), default=0)
-    config = {k: getattr(a, k) for k in ("preset", "model", "tiny", "int4", "compile", "device", "dtype", "kv_cache",
-                                         "cuda_graphs", "clutch", "max_tokens", "one_per_family", "threads",
-                                         "max_seconds")}
+    config = {k: getattr(a, k) for k in ("preset", "model", "tiny", "int4", "compile", "compile_prefill", "device",
+                                         "dtype", "kv_cache", "cuda_graphs", "clutch", "max_tokens", "one_per_family",
+                                         "threads", "max_seconds")}
     config.update(
         trials_requested=a.trials, prompts=m.prompts, timed_prompts=m.warmed, pairs=m.pairs, cut=m.cut,
         failed=m.failed, mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
@@ -319,6 +319,7 @@ class Server:
         cmd += ["--scout", str(pair / "scout")] if (pair / "scout").is_dir() else []
         cmd += ["--int4", a.int4] if a.int4 else []
         cmd += ["--compile", a.compile] if a.compile else []
+        cmd += ["--compile-prefill"] if a.compile_prefill else []
         cmd += ["--cuda-graphs"] if a.cuda_graphs else []
         cmd += ["--threads", str(a.threads)] if a.threads else []
         cmd += ["--no-energy"] if a.no_energy else []
@@ -425,8 +426,8 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     else:
         budget.say(f"stand-in pair ({a.preset} preset): loading, or building on a cache miss")
         pair_dir = _pair_dir(a.preset, a.device)
-    serving = ServeConfig(target=str(pair_dir / "target"), int4=a.int4, compile=a.compile, kv_cache=a.kv_cache,
-                          device=a.device, dtype=a.dtype)
+    serving = ServeConfig(target=str(pair_dir / "target"), int4=a.int4, compile=a.compile,
+                          compile_prefill=a.compile_prefill, kv_cache=a.kv_cache, device=a.device, dtype=a.dtype)
     if a.model:  # prepared before the server starts: two 7-8B models quantizing at once do not fit one GPU
         target = prepare_target(pair.target, serving)  # what the server does to its copy
     if device.type == "cuda":
@@ -483,6 +484,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     else:
         model = f"sdsie stand-in pair ({a.preset} preset, build {pair_build_id(env['models'])}), {a.dtype}"
     forms = ([f"INT4 {a.int4}"] if a.int4 else []) + ([f"decode step compiled ({a.compile})"] if a.compile else [])
+    forms += ["prefill compiled"] if a.compile_prefill else []
     model += "".join(f", {form}" for form in forms)
     return build_record(a, measured, env, model, hardware)
 
@@ -502,6 +504,7 @@ def parser() -> argparse.ArgumentParser:
                    help="both sides: the target in its INT4 decode form (sdsie serve --int4)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="both sides: the target's decode step compiled (sdsie serve --compile)")
+    p.add_argument("--compile-prefill", action="store_true", help="both sides: the prompts' forward compiled too")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
@@ -535,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--tiny is an option of --model")
     if a.compile and a.kv_cache != "static":
         raise SystemExit("--compile needs --kv-cache static")
+    if a.compile_prefill and not a.compile:
+        raise SystemExit("--compile-prefill is an option of --compile")
     if a.cuda_graphs and (a.kv_cache != "static" or not a.device.startswith("cuda")):
         raise SystemExit("--cuda-graphs needs --kv-cache static and --device cuda")
     if a.device.startswith("cuda") and not torch.cuda.is_available():

@@ -538,11 +538,13 @@ def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that
     from sdsie.quant.fuse import FusedMLP
     from sdsie.quant.norms import NormFusedLayer
 
-    config = _config(tokenizer=str(PAIR / "tokenizer"), int4="group", compile="eager", kv_cache="static")
+    config = _config(tokenizer=str(PAIR / "tokenizer"), int4="group", compile="eager", compile_prefill=True,
+                     kv_cache="static")
     with int4_kernel(torch.device("cpu")):
         engine = Engine.load(config)
         model = engine.target.model
         assert isinstance(engine.target, DecodeCompiled) and isinstance(model.lm_head, Int4Linear)
+        assert engine.target._prefill is not None  # prompts (and the scout's verification) compiled too
         layers = list(model.model.layers)
         assert all(isinstance(layer, NormFusedLayer) and isinstance(layer.layer.mlp, FusedMLP) for layer in layers)
         with TestClient(create_app(engine)) as http:
@@ -581,9 +583,12 @@ def test_int4_and_compile_options_refuse_what_they_cannot_serve(monkeypatch) -> 
     args = p.parse_args(["--target", "t", "--int4", "per-channel", "--compile", "--kv-cache", "static"])
     config = config_from_args(args)
     assert (config.int4, config.fuse_norms, config.compile) == ("per-channel", True, "inductor")
-    args = p.parse_args(["--target", "t", "--int4", "group", "--no-fuse-norms", "--compile", "eager", "--kv-cache",
-                         "static"])
-    assert (config_from_args(args).fuse_norms, config_from_args(args).compile) == (False, "eager")
+    args = p.parse_args(["--target", "t", "--int4", "group", "--no-fuse-norms", "--compile", "eager",
+                         "--compile-prefill", "--kv-cache", "static"])
+    config = config_from_args(args)
+    assert (config.fuse_norms, config.compile, config.compile_prefill) == (False, "eager", True)
+    with pytest.raises(ValueError, match="compile_prefill compiles the prompt's forward"):
+        config_from_args(p.parse_args(["--target", "t", "--compile-prefill", "--kv-cache", "static"]))
     with pytest.raises(SystemExit):
         p.parse_args(["--target", "t", "--int4", "awq"])
     with pytest.raises(ValueError, match="--no-fuse-norms is an option of --int4"):

@@ -42,6 +42,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="compile the target's decode step with torch.compile (default backend inductor; needs "
                         "--kv-cache static; the first request of each length compiles)")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="with --compile: compile the prompt's forward too, with a dynamic length (one graph for all)")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs "
                                                               "(needs --kv-cache static and a CUDA device)")
@@ -74,7 +76,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         target=args.target, scout=args.scout, tokenizer=args.tokenizer, model_name=args.model_name,
         clutch=clutch if (args.scout is not None or args.gear) else None,
         gear=tuple(g for g in args.gear.split(",") if g), gear_layers=layers, int4=args.int4,
-        fuse_norms=not args.no_fuse_norms, compile=args.compile, kv_cache=args.kv_cache,
+        fuse_norms=not args.no_fuse_norms, compile=args.compile,
+        compile_prefill=args.compile_prefill, kv_cache=args.kv_cache,
         cuda_graphs=args.cuda_graphs, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
         api_key=args.api_key, max_tokens=args.max_tokens, context=args.context, queue_size=args.queue_size,
         chat_template=template, energy=not args.no_energy)

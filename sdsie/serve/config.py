@@ -39,7 +39,8 @@ class ServeConfig:
     which decoder layers (None: all). int4: quantize the target's decoder linears and LM head to INT4 with this
     min-max preset at load, q/k/v and gate/up fused, and with fuse_norms its norms and residual adds in the INT4
     launches (sdsie.quant.quantize_for_decode). compile: a torch.compile backend for the target's decode step
-    (sdsie.decoding.DecodeCompiled; needs the static cache). max_tokens: the most a request may ask for.
+    (sdsie.decoding.DecodeCompiled; needs the static cache); compile_prefill: prompts too, one graph for every
+    length. max_tokens: the most a request may ask for.
     context: positions one request may fill, prompt plus max_tokens (None: the target's max_position_embeddings).
     queue_size: requests that may wait behind the running one; one more is answered 503 with Retry-After.
     chat_template: Jinja text that replaces the tokenizer's own (None: keep the tokenizer's, if it has one).
@@ -56,6 +57,7 @@ class ServeConfig:
     int4: str | None = None
     fuse_norms: bool = True
     compile: str | None = None
+    compile_prefill: bool = False
     kv_cache: str = "dynamic"
     cuda_graphs: bool = False
     device: str = "cpu"
@@ -86,6 +88,8 @@ class ServeConfig:
                              "INT4: pass one of them")
         if self.compile is not None and (not isinstance(self.compile, str) or not self.compile):
             raise ValueError(f"compile must be a torch.compile backend name, got {self.compile!r}")
+        if self.compile_prefill and self.compile is None:
+            raise ValueError("compile_prefill compiles the prompt's forward beside the decode step: it needs compile")
         if self.compile is not None and self.kv_cache != "static":
             raise ValueError("compile needs kv_cache='static' (a dynamic cache changes shape every token, a "
                              "recompilation a token)")

@@ -157,7 +157,8 @@ class Front:
 def prepare_target(target: nn.Module, config: ServeConfig) -> nn.Module:
     """The target as config serves it: with `int4`, in its INT4 decode form in place (`quantize_for_decode` with
     that preset and `fuse_norms`); with `compile`, wrapped so its decode step runs compiled (`DecodeCompiled`, static
-    shapes; inductor with `inductor_options`, those of the end-to-end suite's records). Each static cache length
+    shapes; inductor with `inductor_options`, those of the end-to-end suite's records; with `compile_prefill` the
+    prompts' forward too, with a dynamic length). Each static cache length
     (prompt plus max_tokens, rounded up to STATIC_LEN_BUCKET positions) is a shape of its own, compiled on its first
     request; dynamo's recompile limit is raised to the count the context allows, so no length falls back to eager."""
     if config.int4 is not None:
@@ -180,7 +181,8 @@ def prepare_target(target: nn.Module, config: ServeConfig) -> nn.Module:
                  torch._dynamo.config.recompile_limit, lengths)
         torch._dynamo.config.recompile_limit = lengths
     options = inductor_options(torch.device(config.device)) if config.compile == "inductor" else {}
-    return DecodeCompiled(target, backend=config.compile, **({"options": options} if options else {}))
+    return DecodeCompiled(target, config.compile_prefill, backend=config.compile,
+                          **({"options": options} if options else {}))
 
 
 class Engine(Front):

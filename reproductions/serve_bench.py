@@ -14,6 +14,11 @@ text; the server's engine time (usage.sdsie.seconds) gives its engine tokens/s, 
 is HTTP, queueing and streaming (http overhead). The ratio server / direct is paired per prompt and trial
 (sdsie.stats.paired_ratios). One record, suite `serve_overhead`.
 
+--model NAME serves, instead of the pair, the end-to-end suite's random-weight configuration of that model (saved to
+a temporary folder with a word-level tokenizer, no scout, --clutch off), the prompts being the stand-in tokenizer's
+ids of the same texts. --int4 PRESET, --compile [BACKEND] and --compile-prefill give both sides the server's form
+(`sdsie.serve.worker.prepare_target`, the function the server applies to its copy).
+
 --max-seconds bounds the whole run from its start, pair build included: a warm-up or timed pair that would end past
 it (less a reserve for stopping the server and writing) is not started, and the record keeps what completed,
 marked incomplete (`complete: false`, config.cut saying where). SIGTERM and SIGINT end it the same way; so does an
@@ -21,6 +26,8 @@ error while measuring (config.failed, exit status 1), with the server's log at -
 
     python -u -m reproductions.serve_bench --preset gpu --device cuda --dtype bfloat16 --kv-cache static \\
         --cuda-graphs --max-tokens 128 --trials 10 --max-seconds 450 --out telemetry
+    python -u -m reproductions.serve_bench --model llama3.1-8b --device cuda --dtype bfloat16 --kv-cache static \\
+        --cuda-graphs --clutch off --int4 group --compile --max-tokens 128 --trials 3 --one-per-family --out DIR
     python -m reproductions.serve_bench --preset cpu --device cpu --trials 1 --max-tokens 4 --one-per-family \\
         --threads 1 --out /tmp/serve_bench                                          (the CPU dry run)
 """

@@ -601,9 +601,10 @@ def test_int4_and_compile_options_refuse_what_they_cannot_serve(monkeypatch) -> 
         ServeConfig(target="t", int4="group", gear=("down_proj",), clutch=MIXED)
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    engine = Engine.load(_config(tokenizer=str(PAIR / "tokenizer"), compile="eager", kv_cache="static", context=2048))
-    assert torch._dynamo.config.recompile_limit == 8  # one compilation per 256-position cache length, none eager
+    with torch._dynamo.config.patch(recompile_limit=2):  # restored after (monkeypatch's undo hides the option)
+        engine = Engine.load(_config(tokenizer=str(PAIR / "tokenizer"), compile="eager", kv_cache="static",
+                                     context=2048))
+        assert torch._dynamo.config.recompile_limit == 8  # one compilation per 256-position cache length
     assert engine.target.model is not None and engine.limits.context == 2048
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter cannot run the INT4 kernel
     with pytest.raises(ValueError, match="needs a CUDA device"):

@@ -209,8 +209,9 @@ with open(os.path.join(os.environ["SERVE_BENCH_MARKS"], str(os.getpid())), "w") 
 """
 
 
-@pytest.mark.slow  # two processes start and load the pair: about 15 s on two idle cores
-def test_dry_run_writes_one_record_with_identical_tokens_without_openai(tmp_path: Path) -> None:
+def _dry_run(tmp_path: Path, argv: list[str]) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    """serve_bench run as a command (its server a child of it) with openai unimportable in both processes: (the
+    finished process, each process's command line, the records' folder). Asserts it exited 0."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
@@ -218,13 +219,17 @@ def test_dry_run_writes_one_record_with_identical_tokens_without_openai(tmp_path
     site.mkdir(), marks.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "SERVE_BENCH_MARKS": str(marks)}
-    argv = ["--preset", "cpu", "--device", "cpu", "--trials", "2", "--max-tokens", "3", "--one-per-family",
-            "--threads", "1", "--clutch", "6.5,7.0,0.5", "--max-seconds", "300", "--out", str(out),
-            "--server-log", str(tmp_path / "server.log")]
-    done = subprocess.run([sys.executable, "-m", "reproductions.serve_bench", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-m", "reproductions.serve_bench", *argv, "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    commands = [p.read_text() for p in marks.iterdir()]
+    return done, [p.read_text() for p in marks.iterdir()], out
+
+
+@pytest.mark.slow  # two processes start and load the pair: about 15 s on two idle cores
+def test_dry_run_writes_one_record_with_identical_tokens_without_openai(tmp_path: Path) -> None:
+    done, commands, out = _dry_run(tmp_path, [
+        "--preset", "cpu", "--device", "cpu", "--trials", "2", "--max-tokens", "3", "--one-per-family", "--threads",
+        "1", "--clutch", "6.5,7.0,0.5", "--max-seconds", "300", "--server-log", str(tmp_path / "server.log")])
     assert any("sdsie.cli serve" in c for c in commands)  # the server saw this environment's PYTHONPATH
     for line in ("server ready; warm-up", "warm-up code-instruction: 3 tokens", "trial 2/2 done (6 pairs)", "record:"):
         assert line in done.stdout
@@ -256,20 +261,11 @@ def test_dry_run_of_a_random_model_compiled_on_both_sides(tmp_path: Path) -> Non
     """--model: the end-to-end suite's configuration (tiny here) with random weights, saved with a word-level
     tokenizer and served without a scout; --compile reaches the server's command and the direct side alike, and the
     two sides give the same tokens."""
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("httpx")
-    site, marks, out = tmp_path / "site", tmp_path / "marks", tmp_path / "out"
-    site.mkdir(), marks.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "SERVE_BENCH_MARKS": str(marks)}
-    argv = ["--model", "llama3.1-8b", "--tiny", "--device", "cpu", "--clutch", "off", "--kv-cache", "static",
-            "--compile", "eager", "--trials", "1", "--max-tokens", "3", "--one-per-family", "--threads", "1",
-            "--max-seconds", "300", "--out", str(out)]
-    done = subprocess.run([sys.executable, "-m", "reproductions.serve_bench", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (server,) = [c for c in (p.read_text() for p in marks.iterdir()) if "sdsie.cli serve" in c]
+    _, commands, out = _dry_run(tmp_path, [
+        "--model", "llama3.1-8b", "--tiny", "--device", "cpu", "--clutch", "off", "--kv-cache", "static",
+        "--compile", "eager", "--trials", "1", "--max-tokens", "3", "--one-per-family", "--threads", "1",
+        "--max-seconds", "300"])
+    (server,) = [c for c in commands if "sdsie.cli serve" in c]
     assert "--compile eager" in server and "--scout" not in server and "--int4" not in server
     (path,) = out.glob("*.json")
     record = json.loads(path.read_text())

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import copy
 import dataclasses
+import logging
 import re
 import socket
 import threading
@@ -711,6 +712,7 @@ def test_sdsie_serve_runs_the_engine_in_the_layout_its_flag_names(monkeypatch, f
     p = argparse.ArgumentParser()
     configure(p)
     assert cli.run(p.parse_args(["--target", "t", *flag])) == 0
+    assert logging.getLogger("sdsie").isEnabledFor(logging.INFO)  # the engine's load lines reach stderr
     ((kind, engine),) = made
     assert kind == layout and served == [engine] and engine.stopped
     assert getattr(engine, "started", False) == (layout == "process")  # a process engine starts before serving

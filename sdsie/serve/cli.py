@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sdsie.serve.config import DTYPES, INT4_PRESETS, KV_CACHES, ServeConfig, parse_clutch
+from sdsie.serve.config import DTYPES, INT4_PRESETS, KV_CACHES, ServeConfig, log_to_stderr, parse_clutch
 
 __all__ = ["config_from_args", "configure", "run"]
 
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"sdsie serve: {err}", file=sys.stderr)
         return 1
+    log_to_stderr()
     try:
         from sdsie.serve.app import run_server
         from sdsie.serve.process import EngineProcess, EngineStartError

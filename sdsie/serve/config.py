@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass
 
 from sdsie.clutch import SEED_CLUTCHES, ClutchConfig
 
-__all__ = ["ServeConfig", "parse_clutch"]
+__all__ = ["ServeConfig", "log_to_stderr", "parse_clutch"]
 
 KV_CACHES = ("dynamic", "static")
 DTYPES = ("float32", "float16", "bfloat16")
 INT4_PRESETS = ("group", "per-channel")  # min-max schemes: AWQ needs calibration data a server does not have
+
+
+def log_to_stderr() -> None:
+    """The package's INFO lines (what --int4 quantized, dynamo's recompile limit) on stderr beside uvicorn's, in the
+    process that loads the models; other libraries' loggers stay as they are."""
+    logger = logging.getLogger("sdsie")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.__stderr__)  # the process's own stream, never a replaced one
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def parse_clutch(text: str) -> ClutchConfig | None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from sdsie.serve.config import ServeConfig
+from sdsie.serve.config import ServeConfig, log_to_stderr
 from sdsie.serve.metrics import Metrics
 from sdsie.serve.protocol import APIError
 from sdsie.serve.worker import Done, Engine, Failed, Front, Job
@@ -273,6 +273,7 @@ def _child_main(conn: Connection, config: ServeConfig, threads: int | None,
             torch.set_num_threads(threads)
         if child_init is not None:
             child_init()
+        log_to_stderr()
         engine = Engine.load(config)
     except BaseException as err:
         traceback.print_exc()  # the whole story to the server's log; the parent's error gets the last line

@@ -158,9 +158,9 @@ def prepare_target(target: nn.Module, config: ServeConfig) -> nn.Module:
     """The target as config serves it: with `int4`, in its INT4 decode form in place (`quantize_for_decode` with
     that preset and `fuse_norms`); with `compile`, wrapped so its decode step runs compiled (`DecodeCompiled`, static
     shapes; inductor with `inductor_options`, those of the end-to-end suite's records; with `compile_prefill` the
-    prompts' forward too, with a dynamic length). Each static cache length
-    (prompt plus max_tokens, rounded up to STATIC_LEN_BUCKET positions) is a shape of its own, compiled on its first
-    request; dynamo's recompile limit is raised to the count the context allows, so no length falls back to eager."""
+    prompts' forward too, with a dynamic length). Each static cache length (prompt plus max_tokens, rounded up to
+    STATIC_LEN_BUCKET positions) is a shape of its own, compiled on its first request; dynamo's recompile limit is
+    raised to the count the context allows, so no length falls back to eager."""
     if config.int4 is not None:
         from sdsie.quant import preset, quantize_for_decode
 
@@ -207,7 +207,8 @@ class Engine(Front):
 
     @classmethod
     def load(cls, config: ServeConfig) -> Engine:
-        """Load the models config names, gate the target's gear layers, open the energy meter where there is one."""
+        """Load the models config names, gate the target's gear layers or give it its INT4 and compiled form
+        (`prepare_target`), open the energy meter where there is one."""
         import torch
 
         from sdsie.kernels.device import kernel_runs_on

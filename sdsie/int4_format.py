@@ -136,12 +136,16 @@ class Int4Weight:
         """Unpacked integer codes, uint8 [N, K]."""
         return unpack_int4(self.qweight, self.in_features)
 
-    def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """Dequantized weights [N, K] in `dtype` (float64 by default: the ground truth)."""
-        q = self.codes().to(dtype)  # [N, K]
+    def dequantize(self, dtype: torch.dtype = torch.float64, rows: slice = slice(None)) -> torch.Tensor:
+        """Dequantized weights [N, K] in `dtype` (float64 by default: the ground truth); `rows` a contiguous slice
+        of them ([rows, K]), so a large weight's float64 copy can be taken a piece at a time."""
+        r0, r1, step = rows.indices(self.out_features)
+        if step != 1:
+            raise ValueError(f"Int4Weight.dequantize: rows must be a contiguous slice, got step {step}")
+        q = unpack_int4(self.qweight[r0:r1], self.in_features).to(dtype)  # [R, K]
         col_group = torch.arange(self.in_features, device=q.device) // self.group_size  # [K]
-        s = self.scales.to(dtype)[col_group].T  # [N, K]
-        z = SYMMETRIC_ZERO if self.zeros is None else self.zeros.to(dtype)[col_group].T
+        s = self.scales[:, r0:r1].to(dtype)[col_group].T  # [R, K]
+        z = SYMMETRIC_ZERO if self.zeros is None else self.zeros[:, r0:r1].to(dtype)[col_group].T
         return (q - z) * s
 
     def nbytes(self) -> int:

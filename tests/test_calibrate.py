@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -241,6 +242,24 @@ def test_layer_report() -> None:
     y_ref, y_q = x.double() @ w.double().T, x.double() @ cal.effective_weight().T
     assert rep.output_sqnr_db == pytest.approx(sqnr_db(y_ref, y_q))
     assert layer_report("l", w, calibrate(w), QuantConfig()).output_sqnr_db is None
+
+
+def test_the_report_taken_a_few_rows_at_a_time_is_the_whole_ones(monkeypatch) -> None:
+    """The float64 copies go REPORT_ELEMENTS at a time (a large LM head's whole copy does not fit beside a model):
+    three rows a step here give the SQNRs of one step, and a row slice of the dequantized weight is its rows."""
+    calibrate_module = importlib.import_module("sdsie.quant.calibrate")  # sdsie.quant.calibrate is also a function
+
+    w = _randn(16, 64, seed=8)
+    x = _activations_with_large_channels(8, 64 + 64, seed=9)[:, :64]
+    cal = calibrate(w, QuantConfig("awq", 32), act_samples=x)
+    whole = layer_report("l", w, cal, QuantConfig("awq", 32), act_samples=x)
+    monkeypatch.setattr(calibrate_module, "REPORT_ELEMENTS", 3 * 64)  # 3 rows of [R, 64] and [8, R]
+    pieces = layer_report("l", w, cal, QuantConfig("awq", 32), act_samples=x)
+    assert pieces.weight_sqnr_db == pytest.approx(whole.weight_sqnr_db, rel=1e-12)
+    assert pieces.output_sqnr_db == pytest.approx(whole.output_sqnr_db, rel=1e-12)
+    assert torch.equal(cal.effective_weight(rows=slice(5, 11)), cal.effective_weight()[5:11])
+    with pytest.raises(ValueError, match="contiguous slice"):
+        cal.weight.dequantize(rows=slice(0, 16, 2))
 
 
 # --- configuration and bad input ----------------------------------------------------------------

@@ -95,9 +95,10 @@ class CalibratedWeight:
     input_scale: torch.Tensor | None  # [K], weight dtype, or None
     alpha: float | None = None  # the AWQ exponent chosen (None for min-max)
 
-    def effective_weight(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """The [N, K] matrix the quantized layer effectively multiplies by: y = x @ W_eff.T."""
-        w = self.weight.dequantize(dtype)  # [N, K]
+    def effective_weight(self, dtype: torch.dtype = torch.float64, rows: slice = slice(None)) -> torch.Tensor:
+        """The [N, K] matrix the quantized layer effectively multiplies by: y = x @ W_eff.T (`rows`: a contiguous
+        slice of its rows)."""
+        w = self.weight.dequantize(dtype, rows)  # [R, K]
         return w if self.input_scale is None else w * self.input_scale.to(dtype)[None, :]
 
 
@@ -229,18 +230,29 @@ def calibrate(
 # --- error report -------------------------------------------------------------------------------
 
 
-def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio 10 log10(|ref|^2 / |ref - approx|^2) in dB (inf if exact)."""
-    if reference.shape != approx.shape:
-        raise ValueError(f"sqnr_db: shapes differ, {tuple(reference.shape)} vs {tuple(approx.shape)}")
+def _energies(reference: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
+    """(|ref|^2, |ref - approx|^2) in float64."""
     ref = reference.detach().to(torch.float64)
-    noise = float((ref - approx.detach().to(device=ref.device, dtype=torch.float64)).pow(2).sum())
-    signal = float(ref.pow(2).sum())
+    noise = (ref - approx.detach().to(device=ref.device, dtype=torch.float64)).pow(2).sum()
+    return float(ref.pow(2).sum()), float(noise)
+
+
+def _db(signal: float, noise: float) -> float:
     if noise == 0.0:
         return math.inf
     if signal == 0.0:
         return -math.inf
     return 10.0 * math.log10(signal / noise)
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10 log10(|ref|^2 / |ref - approx|^2) in dB (inf if exact)."""
+    if reference.shape != approx.shape:
+        raise ValueError(f"sqnr_db: shapes differ, {tuple(reference.shape)} vs {tuple(approx.shape)}")
+    return _db(*_energies(reference, approx))
+
+
+REPORT_ELEMENTS = 1 << 24  # float64 elements a report's copies take at a time (128 MiB each)
 
 
 @dataclass(frozen=True)
@@ -263,11 +275,19 @@ def layer_report(
     config: QuantConfig,
     act_samples: torch.Tensor | None = None,
 ) -> LayerReport:
-    """Per-layer SQNR of a calibration (output SQNR only when activations are given)."""
-    w_eff = calibrated.effective_weight()  # [N, K] float64
-    out_sqnr = None
-    if act_samples is not None:
-        x = _flat_activations(act_samples, weight.shape[1]).to(w_eff.device)  # [T, K]
-        out_sqnr = sqnr_db(x @ weight.detach().to(torch.float64).T, x @ w_eff.T)
+    """Per-layer SQNR of a calibration (output SQNR only when activations are given). The float64 copies are taken
+    REPORT_ELEMENTS at a time, rows of the weight (and columns of the outputs) at once: a whole one is 3.91 GiB for
+    Llama-3.1-8B's LM head, whose allocation ran an H100 out of memory beside a second 8B model
+    (telemetry/raw/serve_int4_oom_llama_h100.txt)."""
     n, k = weight.shape
-    return LayerReport(name, n, k, config.describe(), sqnr_db(weight, w_eff), out_sqnr, calibrated.alpha)
+    x = None if act_samples is None else _flat_activations(act_samples, k).to(weight.device, torch.float64)  # [T, K]
+    w_sums, out_sums = [0.0, 0.0], [0.0, 0.0]  # (signal, noise) of the weight and of the outputs
+    step = max(1, REPORT_ELEMENTS // max(k, 0 if x is None else x.shape[0]))  # rows R: [R, K] and [T, R] copies
+    for r0 in range(0, n, step):
+        w = weight[r0:r0 + step].detach().to(torch.float64)  # [R, K]
+        w_eff = calibrated.effective_weight(rows=slice(r0, r0 + step))  # [R, K]
+        w_sums = [a + b for a, b in zip(w_sums, _energies(w, w_eff), strict=True)]
+        if x is not None:
+            out_sums = [a + b for a, b in zip(out_sums, _energies(x @ w.T, x @ w_eff.T), strict=True)]
+    out_sqnr = None if x is None else _db(*out_sums)
+    return LayerReport(name, n, k, config.describe(), _db(*w_sums), out_sqnr, calibrated.alpha)

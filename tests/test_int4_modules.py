@@ -175,6 +175,22 @@ def test_quantize_model_replaces_targets_and_computes_the_dequantized_model(kern
     assert not torch.equal(y_q, _logits(model, ids))  # the weights really changed
 
 
+def test_quantize_model_replaces_each_layer_before_calibrating_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """So each original weight can be freed as it goes: the memory held stays near the original model's."""
+    import sdsie.quant.linear as linear_module
+
+    model = tiny_llama()
+    seen: list[int] = []
+
+    def counting(weight, *args, **kwargs):
+        seen.append(sum(isinstance(m, Int4Linear) for m in model.modules()))
+        return calibrate(weight, *args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "calibrate", counting)
+    report = quantize_model(model, ["q_proj", "down_proj"], QuantConfig("minmax", 32))
+    assert seen == list(range(len(report.names))) == [0, 1, 2, 3]
+
+
 def test_quantize_model_by_layer_index_and_several_patterns() -> None:
     model = tiny_llama()
     report = quantize_model(model, ["mlp.down_proj", "self_attn.o_proj"], layers=[1])

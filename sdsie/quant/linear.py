@@ -9,7 +9,7 @@ layer index matching none of the pattern's modules, is a ValueError.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -241,20 +241,33 @@ def calibrate_targets(
     `calibration_inputs` (e.g. input_ids [B, S]) are run through the model once to capture each
     target's inputs: required by "awq", and used by every scheme to report output SQNR.
     """
+    chosen: dict[str, tuple[nn.Linear, CalibratedWeight]] = {}
+    reports: list[LayerReport] = []
     cfg = config or QuantConfig()
+    for name, linear, cal, rep in _calibrated(model, targets, cfg, layers, calibration_inputs):
+        chosen[name] = (linear, cal)
+        reports.append(rep)
+    return chosen, QuantReport(cfg, reports)
+
+
+def _calibrated(
+    model: nn.Module,
+    targets: str | Sequence[str],
+    cfg: QuantConfig,
+    layers: Sequence[int] | None,
+    calibration_inputs: torch.Tensor | None,
+) -> Iterator[tuple[str, nn.Linear, CalibratedWeight, LayerReport]]:
+    """(name, layer, calibration, report) of each chosen linear in turn, its inputs captured for all before the
+    first: a caller may replace each layer before the next is calibrated."""
     names = select_linears(model, targets, layers)
     if cfg.scheme == "awq" and calibration_inputs is None:
         raise ValueError("the 'awq' scheme needs calibration_inputs (e.g. input_ids) to capture layer activations")
     acts = {} if calibration_inputs is None else capture_linear_inputs(model, names, calibration_inputs)
-    chosen: dict[str, tuple[nn.Linear, CalibratedWeight]] = {}
-    reports: list[LayerReport] = []
     for name in names:
         linear = model.get_submodule(name)
-        x = acts.get(name)
+        x = acts.pop(name, None)
         cal = calibrate(linear.weight, cfg, x if cfg.scheme == "awq" else None)
-        chosen[name] = (linear, cal)
-        reports.append(layer_report(name, linear.weight, cal, cfg, x))
-    return chosen, QuantReport(cfg, reports)
+        yield name, linear, cal, layer_report(name, linear.weight, cal, cfg, x)
 
 
 def quantize_model(
@@ -264,8 +277,13 @@ def quantize_model(
     layers: Sequence[int] | None = None,
     calibration_inputs: torch.Tensor | None = None,
 ) -> QuantReport:
-    """Replace the chosen `nn.Linear` modules by `Int4Linear` in place; returns the per-layer report."""
-    chosen, report = calibrate_targets(model, targets, config, layers, calibration_inputs)
-    for name, (linear, cal) in chosen.items():
+    """Replace the chosen `nn.Linear` modules by `Int4Linear` in place; returns the per-layer report.
+
+    Each layer is replaced as soon as it is calibrated, so its original weight can be freed before the next is
+    calibrated: the memory held stays near the original model's, not the model's plus every layer's INT4 copy."""
+    cfg = config or QuantConfig()
+    reports: list[LayerReport] = []
+    for name, linear, cal, rep in _calibrated(model, targets, cfg, layers, calibration_inputs):
         replace_module(model, name, Int4Linear.from_calibrated(cal, linear.bias))
-    return report
+        reports.append(rep)
+    return QuantReport(cfg, reports)

@@ -12,6 +12,8 @@ once and taken through its variants in this order, each variant reusing the prev
                          (fuse_projections: each gear's weights concatenated), the gear pinned to bf16 by the clutch
     gated_int4           ... pinned to INT4 (one graph per precision, as in gated decoding)
     gated_*_compiled     the two gears with the compiled decode step
+    gated_norms_*_compiled  ... with each layer's norms and residual adds in its gated projections (fuse_norms: the
+                         INT4 gear in the kernel's epilogues, the full one in torch; not in the default list)
     int4_unfused         the gated layers' INT4 halves alone (sdsie kernel), q/k/v and gate/up separate (needs
                          --gated-layout unfused where a gated variant runs too; not in the default list)
     int4                 ... q/k/v and gate/up fused (fuse_projections)
@@ -131,17 +133,20 @@ TINY: dict[str, dict[str, Any]] = {
                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6),
 }
 VARIANTS = ("bf16", "bf16_compiled", "gated_full", "gated_int4", "gated_full_compiled", "gated_int4_compiled",
-            "int4_unfused", "int4", "int4_compiled", "int4_norms", "int4_norms_compiled", "tinygemm",
-            "tinygemm_compiled", "hf_tinygemm_compiled")
+            "gated_norms_full_compiled", "gated_norms_int4_compiled", "int4_unfused", "int4", "int4_compiled",
+            "int4_norms", "int4_norms_compiled", "tinygemm", "tinygemm_compiled", "hf_tinygemm_compiled")
 NORMS = frozenset({"int4_norms", "int4_norms_compiled"})
 GATED = frozenset(v for v in VARIANTS if v.startswith("gated_"))
-# int4_unfused is an A/B of fusion: it needs the gated layers unfused, so it is run only when named
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "int4_unfused")
+GATED_NORMS = frozenset({"gated_norms_full_compiled", "gated_norms_int4_compiled"})
+# int4_unfused is an A/B of fusion: it needs the gated layers unfused, so it is run only when named; the gated rows
+# with fused norms are run only when named too (two more compiled rows a model)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "int4_unfused" and v not in GATED_NORMS)
 BASELINE = {"bf16": "bf16", "int4": "bf16", "tinygemm": "bf16", "int4_unfused": "bf16", "gated_full": "bf16",
             "gated_int4": "bf16", "bf16_compiled": "bf16_compiled", "int4_compiled": "bf16_compiled",
             "tinygemm_compiled": "bf16_compiled", "gated_full_compiled": "bf16_compiled",
             "gated_int4_compiled": "bf16_compiled", "hf_tinygemm_compiled": "bf16_compiled",
-            "int4_norms": "bf16", "int4_norms_compiled": "bf16_compiled"}
+            "int4_norms": "bf16", "int4_norms_compiled": "bf16_compiled",
+            "gated_norms_full_compiled": "bf16_compiled", "gated_norms_int4_compiled": "bf16_compiled"}
 # Gears pinned by the clutch: an entropy EMA never below 0 keeps it out (bf16), never above 1e9 bits keeps it in
 PIN_FULL = ClutchConfig(theta_low=0.0, theta_high=0.0, alpha=1.0, initial_engaged=False)
 PIN_INT4 = ClutchConfig(theta_low=1e9, theta_high=1e9, alpha=1.0, initial_engaged=True)
@@ -594,6 +599,17 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     yield "gated_int4_compiled", lambda: Variant("gated_int4_compiled", gated_compiled, state, PIN_INT4,
                                                  read_skip=not_full)
     gated_compiled = None
+    if wanted & GATED_NORMS:
+        torch._dynamo.reset()
+        fuse_norms(model)  # both gears read the [h, h * g] stream
+        normed = compiled(model)
+        yield "gated_norms_full_compiled", lambda: Variant("gated_norms_full_compiled", normed, state, PIN_FULL,
+                                                           read_skip=not_int4)
+        yield "gated_norms_int4_compiled", lambda: Variant("gated_norms_int4_compiled", normed, state, PIN_INT4,
+                                                           read_skip=not_full)
+        normed = None
+        torch._dynamo.reset()
+        unfuse_norms(model)
     torch._dynamo.reset()
     ungate(model)
     gc.collect()
@@ -872,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gated_layout == "fused" and "int4_unfused" in args.variants and GATED & set(args.variants):
         p.error("int4_unfused runs the gated layers' INT4 halves unfused: with a gated variant, pass "
                 "--gated-layout unfused")
+    if args.gated_layout == "unfused" and GATED_NORMS & set(args.variants):
+        p.error("the gated_norms variants need the MLP fused (fuse_norms): drop --gated-layout unfused")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("decode_e2e needs a CUDA GPU (or --device cpu --tiny for a dry run)")

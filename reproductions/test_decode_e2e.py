@@ -163,6 +163,40 @@ def test_int4_unfused_beside_a_fused_gated_variant_is_refused_by_name(tmp_path: 
     assert exit_info.value.code == 2 and "--gated-layout unfused" in capsys.readouterr().err
 
 
+@CPU_ONLY
+def test_the_norm_fused_rows_run_gated_and_not_and_leave_the_later_rows_unfused(tmp_path: Path, monkeypatch):
+    """gated_norms_* (fuse_norms over GatedLinear, both gears) and int4_norms_*: each runs on a model whose norms
+    are fused, and the rows after them (tinygemm) on one whose norms are back."""
+    import reproductions.decode_e2e as e2e
+    from sdsie.quant.norms import NormFusedLayer
+
+    fused_in: dict[str, bool] = {}
+    real = e2e.generate
+
+    def spy(model, prompt, cfg, **kw):
+        fused_in.setdefault(spy.variant, any(isinstance(m, NormFusedLayer) for m in model.modules()))
+        return real(model, prompt, cfg, **kw)
+
+    real_measure = e2e.measure
+
+    def tagged(variant, *args, **kw):
+        spy.variant = variant.name
+        return real_measure(variant, *args, **kw)
+
+    monkeypatch.setattr(e2e, "generate", spy)
+    monkeypatch.setattr(e2e, "measure", tagged)
+    variants = ["gated_norms_full_compiled", "gated_norms_int4_compiled", "int4_norms", "int4_norms_compiled",
+                "tinygemm"]
+    assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", *variants, "--no-record", "--no-profile",
+                      "--no-energy")) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "decode_e2e.json").read_text())["results"]}
+    assert list(rows) == variants and all(len(r["decode_tok_s"]) == 1 for r in rows.values())
+    assert fused_in == {**dict.fromkeys(variants[:4], True), "tinygemm": False}
+    assert "gated_norms_int4_compiled" not in e2e.DEFAULT_VARIANTS
+    with pytest.raises(SystemExit):
+        main(_argv(tmp_path, "--variants", "gated_norms_int4_compiled", "--gated-layout", "unfused"))
+
+
 def test_time_outside_kernels_is_wall_time_per_token_less_busy_gpu_time():
     from reproductions.decode_e2e import outside_kernels_us, summarize, table
 

@@ -68,6 +68,33 @@ def test_fused_norms_give_the_unfused_logits_and_unfusing_restores_the_modules(n
     assert torch.equal(model(ids).logits, plain)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_gated_model_fuses_its_norms_in_both_gears(name):
+    """GatedLinear layers (gate_model, then fuse_projections) take the fused norms too: each gear's one-token and
+    prompt logits match the same gear unfused within rounding (the full gear composes the norm, the bias, the
+    residual and the gained copy in torch), and unfusing restores the modules."""
+    from sdsie.quant import gate_model
+
+    model = tiny(name)
+    state = gate_model(model, LINEARS, QuantConfig(group_size=32))
+    fuse_projections(model)
+    ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    plain = {}
+    for gear in (False, True):
+        state.int4 = gear
+        plain[gear] = model(ids).logits
+    tree = [(n, type(m)) for n, m in model.named_modules()]
+    fuse_norms(model)
+    assert model.lm_head.norm_eps == model.lm_head.quantized.norm_eps == model.config.rms_norm_eps
+    for gear in (False, True):
+        state.int4 = gear
+        torch.testing.assert_close(model(ids).logits, plain[gear], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(ids[:, :1]).logits, plain[gear][:, :1], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(plain[False], plain[True])  # the gears differ: each was compared with itself
+    unfuse_norms(model)
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree and model.lm_head.norm_eps is None
+
+
 def test_quantize_for_decode_is_the_recipe_in_one_call():
     """quantize_for_decode = quantize_model over DECODE_LINEARS, fuse_projections, fuse_norms (or not), bit for bit."""
     base = tiny("qwen2.5-7b")

@@ -179,7 +179,7 @@ class FusedMLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_gain: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP of x [..., H]; plus `residual` [..., H] where given, and with `out_gain` [H] the result beside its
-        copy times the gain, [..., 2H] (in the down projection's launch where it is an Int4Linear)."""
+        copy times the gain, [..., 2H] (in the down projection's launch where it is an Int4Linear or the INT4 gear)."""
         if self.silu_in_projection:
             hidden = self.gate_up_proj.silu_mul(x)
         else:
@@ -187,7 +187,7 @@ class FusedMLP(nn.Module):
             hidden = self.act_fn(gate) * up
         if residual is None and out_gain is None:
             return self.down_proj(hidden)
-        if isinstance(self.down_proj, Int4Linear):
+        if isinstance(self.down_proj, (Int4Linear, GatedLinear)):
             return self.down_proj(hidden, residual=residual, out_gain=out_gain)
         return compose_epilogue(self.down_proj(hidden), hidden, residual=residual, out_gain=out_gain)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sdsie.kernels import silu_mul_halves
+from sdsie.kernels import compose_epilogue, silu_mul_halves
 from sdsie.quant.calibrate import QuantConfig
 from sdsie.quant.linear import Int4Linear, QuantReport, calibrate_targets, replace_module
 
@@ -48,18 +48,42 @@ class GatedLinear(nn.Module):
         self.state = state
         self.in_features, self.out_features = full.in_features, full.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N]
+    @property
+    def norm_eps(self) -> float | None:
+        """The decoder norm both gears apply before themselves (set by `sdsie.quant.fuse_norms`; their input is then
+        [h, h * g], as `Int4Linear.norm_eps` says)."""
+        return self.quantized.norm_eps
+
+    @norm_eps.setter
+    def norm_eps(self, value: float | None) -> None:
+        self.quantized.norm_eps = value
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out_gain: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., K] ([..., 2K] with norm_eps) -> [..., N] ([..., 2N] with out_gain); residual [..., N]
         if torch.compiler.is_compiling():
             # The counters are Python ints dynamo would guard on: counted while tracing, a compiled step would be
             # compiled again at every call (and, past dynamo's limit, silently run eagerly). Compiled calls, like
             # graph replays, go uncounted; the gear still acts (kernel_calls counts the INT4 launches).
-            return self.quantized(x) if self.state.int4 else self.full(x)
+            if self.state.int4:
+                return self.quantized(x, residual, out_gain)
+            return self._full(x, residual, out_gain)
         if self.state.int4:
             self.state.int4_calls += 1
-            return self.quantized(x)
+            return self.quantized(x, residual, out_gain)
         self.state.full_calls += 1
-        return self.full(x)
+        return self._full(x, residual, out_gain)
+
+    def _full(self, x: torch.Tensor, residual: torch.Tensor | None, out_gain: torch.Tensor | None) -> torch.Tensor:
+        """The original layer, with the INT4 layer's epilogue in torch where a norm, residual or gain is asked: the
+        norm scales the product, then the bias, the residual and the gained copy follow, in the INT4 layer's order."""
+        if self.norm_eps is None and residual is None and out_gain is None:
+            return self.full(x)
+        x, h = self.quantized._split(x)  # the product's operand and the norm's stream
+        y = compose_epilogue(nn.functional.linear(x, self.full.weight), x, norm_eps=self.norm_eps, norm_source=h)
+        if self.full.bias is not None:
+            y = y + self.full.bias.to(y.dtype)
+        return compose_epilogue(y, x, residual=residual, out_gain=out_gain)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): the INT4 gear through

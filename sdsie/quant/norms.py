@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sdsie.quant.fuse import FusedMLP, FusedProjection
+from sdsie.quant.gated import GatedLinear
 from sdsie.quant.linear import Int4Linear
 
 __all__ = ["DeferredProjection", "FoldedNorm", "NormFusedLayer", "NormFusion", "fuse_norms", "unfuse_norms"]
@@ -87,7 +88,7 @@ def _gain(norm: nn.Module) -> torch.Tensor:
 class DeferredProjection(nn.Module):
     """In an attention's o_proj slot: returns its input, so the layer applies `linear` with the residual itself."""
 
-    def __init__(self, linear: Int4Linear) -> None:
+    def __init__(self, linear: nn.Module) -> None:
         super().__init__()
         self.linear = linear
 
@@ -146,9 +147,10 @@ class NormFusion:
 
 def _check_int4(readers: list[nn.Module], what: str) -> None:
     for r in readers:
-        if not isinstance(r, Int4Linear):
-            raise ValueError(f"{what}: fuse_norms needs Int4Linear projections, got {type(r).__name__}")
-        if r.input_scale is not None:
+        if not isinstance(r, (Int4Linear, GatedLinear)):
+            raise ValueError(f"{what}: fuse_norms needs Int4Linear (or GatedLinear) projections, got "
+                             f"{type(r).__name__}")
+        if (r.quantized if isinstance(r, GatedLinear) else r).input_scale is not None:
             raise ValueError(f"{what}: an AWQ input scale multiplies the norm's output, which fuse_norms no longer "
                              "forms; use a min-max scheme")
 
@@ -157,8 +159,9 @@ def fuse_norms(model: nn.Module) -> NormFusion:
     """Move each pre-norm decoder layer's RMS norms and residual adds, and the final norm, into the model's INT4
     projections (see the module docstring), in place.
 
-    Needs every decoder linear and the LM head `Int4Linear` without an AWQ input scale, q/k/v separate or fused and
-    the MLP fused (`fuse_projections`). ValueError naming the first part that falls short, before anything
+    Needs every decoder linear and the LM head `Int4Linear` without an AWQ input scale, or `GatedLinear` of such an
+    INT4 layer (both gears then apply the norm: the full one in torch), q/k/v separate or fused and the MLP fused
+    (`fuse_projections`). ValueError naming the first part that falls short, before anything
     changes. Module names change (`layers.{i}.layer...`, `o_proj.linear`): save or load weights before, or after
     `unfuse_norms`."""
     if any(isinstance(m, NormFusedLayer) for m in model.modules()):
@@ -221,6 +224,6 @@ def unfuse_norms(model: nn.Module) -> int:
             elif isinstance(child, FoldedNorm):
                 setattr(parent, child_name, child.norm)
                 head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-                if isinstance(head, Int4Linear):
+                if isinstance(head, (Int4Linear, GatedLinear)):
                     head.norm_eps = None
     return count

@@ -331,6 +331,8 @@ COUNTERS = {"completion_tokens_total": "completion_tokens", "cycles_total": "cyc
 def test_models_health_and_metrics(idle_url, client) -> None:
     url = idle_url
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["sdsie"] == {
+        "int4": None, "norms_fused": False, "compile": None, "compile_prefill": False, "gear": [], "scout": True}
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     ok = 'requests_total{outcome="ok"}'
     before = {name: metric(url, name) for name in (ok, *COUNTERS)}
@@ -551,6 +553,9 @@ def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that
         with TestClient(create_app(engine)) as http:
             r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
                                                    "return_token_ids": True})
+            served = http.get("/v1/models").json()["data"][0]["sdsie"]
+        assert served == {"int4": "group", "norms_fused": True, "compile": "eager", "compile_prefill": True,
+                          "gear": [], "scout": True}  # what a client can read of the served form
         assert r.status_code == 200, r.text
         target = copy.deepcopy(pair.target)
         quantize_for_decode(target)

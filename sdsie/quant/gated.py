@@ -79,7 +79,7 @@ class GatedLinear(nn.Module):
         norm scales the product, then the bias, the residual and the gained copy follow, in the INT4 layer's order."""
         if self.norm_eps is None and residual is None and out_gain is None:
             return self.full(x)
-        x, h = self.quantized._split(x)  # the product's operand and the norm's stream
+        x, h = self.quantized.split_stream(x)  # the product's operand and the norm's stream
         y = compose_epilogue(nn.functional.linear(x, self.full.weight), x, norm_eps=self.norm_eps, norm_source=h)
         if self.full.bias is not None:
             y = y + self.full.bias.to(y.dtype)

@@ -91,7 +91,7 @@ class Int4Linear(nn.Module):
         """The [N, K] matrix this layer effectively multiplies by (input scaling folded in)."""
         return CalibratedWeight(self._packed, self.input_scale).effective_weight(dtype)
 
-    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def split_stream(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the GEMV's operand, the norm's stream): with `norm_eps`, x [..., 2K] = [h, h * g] -> (h * g, h)."""
         if self.norm_eps is None:
             return x, None
@@ -105,7 +105,7 @@ class Int4Linear(nn.Module):
         """x [..., K] ([..., 2K] with `norm_eps`) -> [..., N] in x's dtype; `residual` [..., N] is added to the
         output; `out_gain` [N]: the output is [..., 2N], y then y * out_gain. Both in the kernel's epilogue where it
         takes the call and the layer has no bias."""
-        x, h = self._split(x)
+        x, h = self.split_stream(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         fused = self.bias is None
@@ -126,7 +126,7 @@ class Int4Linear(nn.Module):
         where `int4_silu_mul` takes the call."""
         if self.bias is not None:
             return kernels.silu_mul_halves(self(x))
-        x, h = self._split(x)
+        x, h = self.split_stream(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if torch.compiler.is_compiling():

@@ -583,6 +583,23 @@ def test_on_the_gpu_int4_compiled_graphed_serving_answers_as_generate_on_the_ser
     assert answers[0]["usage"]["sdsie"]["decisions"] == ref.decisions
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_compile_with_inductor_takes_the_suites_options_on_cuda_and_none_elsewhere(pair, monkeypatch, pdl) -> None:
+    """prepare_target compiles the step with inductor_options: combo kernels on CUDA, PDL where the GPU takes it;
+    another backend, or a CPU, gets none."""
+    import sdsie.kernels.device
+    from sdsie.serve.worker import prepare_target
+
+    calls: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
+    monkeypatch.setattr(sdsie.kernels.device, "pdl_on", lambda device: pdl)
+    for device, backend in (("cuda", "inductor"), ("cpu", "inductor"), ("cuda", "eager")):
+        prepare_target(pair.target, ServeConfig(target="t", compile=backend, kv_cache="static", device=device))
+    options = {"combo_kernels": True, **({"triton.enable_pdl": True} if pdl else {})}
+    assert calls == [{"backend": "inductor", "options": options, "dynamic": False}, {"backend": "inductor",
+                     "dynamic": False}, {"backend": "eager", "dynamic": False}]
+
+
 def test_int4_and_compile_options_refuse_what_they_cannot_serve(monkeypatch) -> None:
     p = argparse.ArgumentParser()
     configure(p)

@@ -169,6 +169,11 @@ def test_the_composed_epilogue_is_the_norm_the_residual_and_the_gained_copy():
     torch.testing.assert_close(y[:, 48:], y[:, :48] * gain)
     assert torch.equal(int4_matmul(h * g, w, norm_eps=1e-5, norm_source=h, residual=r),
                        compose_epilogue(int4_matmul(h * g, w), h * g, 1e-5, r, h))
+    b = torch.randn(48, generator=gen)  # a layer's bias comes after the norm, before the residual
+    biased = Int4Linear(w, bias=b)
+    biased.norm_eps = 1e-5
+    torch.testing.assert_close(biased(torch.cat([h, h * g], -1), residual=r).double(), want + b.double(), rtol=1e-5,
+                               atol=1e-5)
     with pytest.raises(ValueError, match="residual must be"):
         int4_matmul(h, w, residual=r[:, :40])
     with pytest.raises(ValueError, match="out is not taken"):

@@ -50,9 +50,6 @@ class DecodeCompiled(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()
-
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         if input_ids.shape[-1] == 1:
             run = self._step[0]

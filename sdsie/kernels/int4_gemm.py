@@ -445,14 +445,17 @@ def _epilogue_of(x: torch.Tensor, n: int, norm_eps: float | None, norm_source: t
 
 def compose_epilogue(y: torch.Tensor, x: torch.Tensor, norm_eps: float | None = None,
                      residual: torch.Tensor | None = None, norm_source: torch.Tensor | None = None,
-                     out_gain: torch.Tensor | None = None) -> torch.Tensor:
+                     out_gain: torch.Tensor | None = None, *, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What the mma kernel's epilogues compute, from torch ops on y [..., N] (the product x [..., K] @ W.T, already
-    in x's dtype): y * rsqrt(mean(h^2) + eps) per row (h: `norm_source`, else x), rounded to y's dtype, plus
-    `residual`; with `out_gain`, [that, that * out_gain] along the last dim."""
+    in x's dtype): y * rsqrt(mean(h^2) + eps) per row (h: `norm_source`, else x), rounded to y's dtype, plus a
+    layer's `bias` [N] (which the kernel leaves to torch), plus `residual`; with `out_gain`, [that, that * out_gain]
+    along the last dim."""
     if norm_eps is not None:
         h = x if norm_source is None else norm_source
         rs = torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
         y = (y.float() * rs).to(y.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
     if residual is not None:
         y = y + residual
     if out_gain is not None:

@@ -80,10 +80,8 @@ class GatedLinear(nn.Module):
         if self.norm_eps is None and residual is None and out_gain is None:
             return self.full(x)
         x, h = self.quantized.split_stream(x)  # the product's operand and the norm's stream
-        y = compose_epilogue(nn.functional.linear(x, self.full.weight), x, norm_eps=self.norm_eps, norm_source=h)
-        if self.full.bias is not None:
-            y = y + self.full.bias.to(y.dtype)
-        return compose_epilogue(y, x, residual=residual, out_gain=out_gain)
+        return compose_epilogue(nn.functional.linear(x, self.full.weight), x, self.norm_eps, residual, h, out_gain,
+                                bias=self.full.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): the INT4 gear through

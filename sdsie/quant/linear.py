@@ -119,7 +119,7 @@ class Int4Linear(nn.Module):
             y = kernels.int4_matmul(x, self._packed, norm_eps=self.norm_eps, norm_source=h, residual=r, out_gain=g)
         if fused:
             return y
-        return kernels.compose_epilogue(y + self.bias.to(y.dtype), x, residual=residual, out_gain=out_gain)
+        return kernels.compose_epilogue(y, x, bias=self.bias, residual=residual, out_gain=out_gain)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): [..., N/2], in one launch

@@ -212,6 +212,19 @@ def test_time_outside_kernels_is_wall_time_per_token_less_busy_gpu_time():
     assert cells[8:11] == ["1800 / 200 / 300", "3100", "200"]  # after J/token, J/token decode and kernels/token
 
 
+def test_the_prefill_profile_sums_a_one_token_runs_categories_and_prices_the_host_time():
+    from reproductions.decode_e2e import CATEGORIES, prefill_profile
+
+    one = {f"{c}.{w}": v for c, (k, us, busy) in zip(CATEGORIES, ((260, 9000.0, 7000.0), (32, 400.0, 400.0),
+                                                                   (300, 2000.0, 1600.0)), strict=True)
+           for w, v in (("kernels", k), ("us", us), ("busy_us", busy))}
+    out = prefill_profile(one, prefill_s=0.031)
+    assert (out["kernels"], out["gpu_us"], out["busy_us"]) == (592, 11400.0, 9000.0)
+    assert out["outside_us"] == pytest.approx(22000.0)  # 31 ms of wall, 9 ms of it busy on the GPU
+    assert out["gemv_gemm.busy_us"] == 7000.0
+    assert prefill_profile(one, prefill_s=0.0)["outside_us"] is None  # HF rows: no prefill time of their own
+
+
 def test_a_run_out_of_time_writes_an_incomplete_record(tmp_path: Path):
     assert main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--max-seconds", "0"]) == 2
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())

@@ -110,6 +110,42 @@ def test_a_compiled_gated_llama_follows_the_gear(kernel_device):
     torch._dynamo.reset()
 
 
+def test_a_compiled_prompt_takes_the_norm_fused_epilogues_from_torch_ops_and_a_step_from_the_op():
+    """Past the rows a kernel takes an epilogue at (`epilogue_max_m`: a prompt's), a compiled norm-fused layer calls
+    the op for its bare product and composes the norm, residual, gained copy and silu * up from traced torch ops
+    (which inductor fuses); at one row the op carries them to the kernel. Both give eager's logits."""
+    from sdsie.quant import quantize_for_decode
+
+    model = tiny_llama(vocab_size=64, num_layers=1, seed=0)
+    quantize_for_decode(model, QuantConfig("minmax", 32))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
+    # rows -> ops that carry an epilogue to the kernel: all five at one row; at 12 the residual-only ones (o, down:
+    # a residual is taken up to 16 rows), while the normed ones (q/k/v, gate/up, the head) compose; none past 16
+    for rows, carried_ops in ((20, 0), (12, 2), (1, 5)):
+        ids = torch.arange(1, rows + 1).unsqueeze(0) % 64
+        with torch.no_grad():
+            eager = model(ids, use_cache=False).logits
+            before = kernel_calls()
+            out = compiled(ids, use_cache=False).logits
+        # q/k/v, o, gate/up, down and the head: one launch each per 16 rows (ROW_SLICE)
+        assert kernel_calls() - before == 5 * -(-rows // 16), rows
+        assert _same_logits(out, eager), rows
+        ops = [n for n in graphs[-1].graph.nodes if n.op == "call_function" and "sdsie" in str(n.target)]
+        assert sorted(str(n.target).split(".")[1] for n in ops) == (
+            ["int4_mm"] * 4 + ["int4_silu_mul"] if rows == 1 else ["int4_mm"] * 5), rows
+        carried = [n for n in ops if any(a is not None for a in (*n.args[5:], *n.kwargs.values()))]
+        assert len(carried) == carried_ops, rows
+        names = {getattr(n.target, "__name__", str(n.target)) for n in graphs[-1].graph.nodes}
+        assert ("rsqrt" in names) is (rows > 1), rows  # the composed norm, traced
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 def test_inductor_compiles_an_int4_llama_on_the_gpu():
     if not torch.cuda.is_available():

@@ -10,6 +10,7 @@ from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_config import Int4KernelConfig, candidate_configs, select_config
 from sdsie.kernels.int4_gemm import (
     compose_epilogue,
+    epilogue_max_m,
     int4_matmul,
     int4_silu_mul,
     kernel_calls,
@@ -28,6 +29,7 @@ __all__ = [
     "candidate_configs",
     "compose_epilogue",
     "decode_attention",
+    "epilogue_max_m",
     "fuse_rmsnorm",
     "int4_matmul",
     "int4_mm",

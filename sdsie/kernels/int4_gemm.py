@@ -52,8 +52,8 @@ from sdsie.kernels.int4_triton import (
     _int4_gemv_kernel,
 )
 
-__all__ = ["int4_matmul", "int4_silu_mul", "silu_mul_halves", "compose_epilogue", "int4_dequantize", "kernel_calls",
-           "refresh_choice", "DEQUANT_MIN_M", "ROW_SLICE"]
+__all__ = ["int4_matmul", "int4_silu_mul", "silu_mul_halves", "compose_epilogue", "epilogue_max_m", "int4_dequantize",
+           "kernel_calls", "refresh_choice", "DEQUANT_MIN_M", "ROW_SLICE"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -443,6 +443,13 @@ def _epilogue_of(x: torch.Tensor, n: int, norm_eps: float | None, norm_source: t
                      None if out_gain is None else out_gain.to(x.dtype).contiguous())
 
 
+def epilogue_max_m(gate_up: bool = False, norm: bool = False) -> int:
+    """The most rows for which a launch can take an epilogue (the mma GEMV's): silu * up at M <= 8, the norm at
+    M <= NORM_MAX_M, a residual or an output gain at M <= ROW_SLICE. Above it every path composes the epilogue from
+    torch ops (`compose_epilogue`)."""
+    return min(8 if gate_up else ROW_SLICE, NORM_MAX_M if norm else ROW_SLICE)
+
+
 def compose_epilogue(y: torch.Tensor, x: torch.Tensor, norm_eps: float | None = None,
                      residual: torch.Tensor | None = None, norm_source: torch.Tensor | None = None,
                      out_gain: torch.Tensor | None = None, *, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -541,7 +548,7 @@ def _mma_plan(x2: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None, 
         return plan
     plan = None
     m = x2.shape[0]
-    most = min(8 if gate_up else ROW_SLICE, ROW_SLICE if ep.norm_eps is None else NORM_MAX_M)  # beyond: composed
+    most = epilogue_max_m(gate_up, ep.norm_eps is not None)  # beyond: composed
     if 1 <= m <= most and x2.is_cuda and (config is None or config.mma):
         cfg = config or select_config(m, w.out_features, w.in_features, x2.device, w.group_size)
         if cfg.mma and mma_supported(x2, w):

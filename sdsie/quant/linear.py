@@ -110,6 +110,9 @@ class Int4Linear(nn.Module):
             x = x * self.input_scale.to(x.dtype)
         fused = self.bias is None
         r, g = (residual, out_gain) if fused else (None, None)
+        if torch.compiler.is_compiling() and self._composed(x, h, residual, out_gain):
+            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
+            return kernels.compose_epilogue(y, x, self.norm_eps, residual, h, out_gain, bias=self.bias)
         if torch.compiler.is_compiling():  # one opaque node for dynamo; eager calls skip the dispatcher
             y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size, self.norm_eps, h,
                                         r, g)
@@ -129,12 +132,27 @@ class Int4Linear(nn.Module):
         x, h = self.split_stream(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
+        if torch.compiler.is_compiling() and self._composed(x, h, gate_up=True):
+            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
+            return kernels.silu_mul_halves(kernels.compose_epilogue(y, x, self.norm_eps, norm_source=h))
         if torch.compiler.is_compiling():
             return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size,
                                                  self.norm_eps, h)
         if self.norm_eps is None:
             return kernels.int4_silu_mul(x, self._packed)
         return kernels.int4_silu_mul(x, self._packed, norm_eps=self.norm_eps, norm_source=h)
+
+    def _composed(self, x: torch.Tensor, h: torch.Tensor | None, residual: torch.Tensor | None = None,
+                  out_gain: torch.Tensor | None = None, gate_up: bool = False) -> bool:
+        """Whether a compiled graph takes this call's epilogue (norm, bias, residual, gain; silu * up) from torch
+        ops beside the op's bare product: where no kernel can take it (more rows than `epilogue_max_m`, e.g. a
+        prompt's). Traced, inductor fuses those ops into a few kernels; inside the opaque op they would run eagerly,
+        about ten launches a layer (a 32-token Llama-3.1-8B prefill: 1,547 such kernels, docs/log.md 2026-12-06
+        12:10). Under a dynamic length the row count is symbolic and this guards on it."""
+        if h is None and residual is None and out_gain is None and not gate_up:
+            return False
+        rows = x.numel() // x.shape[-1]
+        return rows > kernels.epilogue_max_m(gate_up, h is not None)
 
     def extra_repr(self) -> str:
         kind = "per-channel" if self.group_size >= self.in_features else f"group_size={self.group_size}"

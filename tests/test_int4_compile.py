@@ -161,6 +161,27 @@ def test_inductor_compiles_an_int4_llama_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_inductor_compiles_a_norm_fused_int4_llama_at_a_prompts_rows_and_a_steps():
+    """On a GPU, inductor with a dynamic length (a compiled prefill's): the epilogues composed in the graph at 12 and
+    20 rows, and carried to the mma kernel at one, give eager's logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sdsie.quant import quantize_for_decode
+
+    model = tiny_llama(vocab_size=64, num_layers=1, seed=0)
+    quantize_for_decode(model, QuantConfig("minmax", 32))
+    model.to("cuda", torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for rows in (20, 12, 1):
+        ids = (torch.arange(1, rows + 1).unsqueeze(0) % 64).cuda()
+        with torch.no_grad():
+            eager = model(ids, use_cache=False).logits.float()
+            out = compiled(ids, use_cache=False).logits.float()
+        torch.testing.assert_close(out, eager, atol=0.05, rtol=0.05)  # inductor rounds its fused epilogues in fp32
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 def test_a_compiled_fused_int4_model_replays_under_the_engines_graphs():
     """On a GPU: inductor's decode step (the op, the slices of the fused projections) captured in the engine's graphs
     gives the eager engine's tokens (fp32: inductor's fused norms round within float noise of eager's)."""

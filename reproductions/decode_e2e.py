@@ -280,14 +280,17 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def profile_kernels(run: Callable[[], Any], device: torch.device) -> tuple[dict[str, float], dict[str, list]] | None:
+def profile_kernels(run: Callable[[], Any], device: torch.device,
+                    host: bool = False) -> tuple[dict[str, float], dict[str, list]] | None:
     """Kernel launches, summed GPU microseconds and busy microseconds of one call of `run`, by category, and by
-    kernel name ({name: [launches, us, busy_us]}); None off CUDA."""
+    kernel name ({name: [launches, us, busy_us]}); with `host`, the host's time in the calls `host_times` names too
+    (`host.<name>.calls`, `host.<name>.us`: the CPU side is profiled as well, which slows it). None off CUDA."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
+    with profile(activities=activities) as prof:
         run()
         sync_device(device)
     names = kernel_times(prof)
@@ -297,7 +300,30 @@ def profile_kernels(run: Callable[[], Any], device: torch.device) -> tuple[dict[
         out[f"{cat}.kernels"] += launches
         out[f"{cat}.us"] += us
         out[f"{cat}.busy_us"] += busy
+    if host:
+        for name, (calls, us) in host_times(prof).items():
+            out[f"host.{name}.calls"], out[f"host.{name}.us"] = calls, us
     return out, names
+
+
+# Host calls a prefill's profile times: the INT4 ops, the compiled graphs' calls, and the driver's kernel launches
+HOST_CALLS = ("sdsie::", "Torch-Compiled Region", "cudaLaunchKernel", "cuLaunchKernel")
+
+
+def host_times(prof: Any) -> dict[str, list]:
+    """A finished profile's host events whose names start with one of HOST_CALLS, by that prefix: {prefix or op
+    name: [calls, summed microseconds]} (each sdsie op by its own name; nested calls count in each)."""
+    out: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        prefix = next((p for p in HOST_CALLS if e.name.startswith(p)), None)
+        if prefix is None:
+            continue
+        entry = out.setdefault(e.name if prefix == "sdsie::" else prefix, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    return out
 
 
 def prefill_profile(one_token: dict[str, float], prefill_s: float) -> dict[str, float]:
@@ -468,7 +494,7 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
     if profile:
         try:
             full = profile_kernels(lambda: _run_once(v, prompt, new_tokens, graphs), device)
-            prefill = profile_kernels(lambda: _run_once(v, prompt, 1, graphs), device)
+            prefill = profile_kernels(lambda: _run_once(v, prompt, 1, graphs), device, host=True)
         except RuntimeError as err:  # the row's timings stand without its profile; the record says why
             full = prefill = None
             result["profile_error"] = f"{type(err).__name__}: {err}"[:500]

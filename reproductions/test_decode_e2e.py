@@ -337,6 +337,21 @@ def test_kernel_times_counts_launches_sums_durations_and_busy_time_by_name_and_s
     assert kernel_times(SimpleNamespace(events=lambda: events)) == {"gemv": [2, 5.0, 5.0], "norm": [1, 2.5, 1.5]}
 
 
+def test_host_times_sums_the_named_host_calls_and_skips_the_rest():
+    from types import SimpleNamespace
+
+    from reproductions.decode_e2e import host_times
+
+    cpu = torch.autograd.DeviceType.CPU
+    events = [_span("Torch-Compiled Region: 1/0", 0.0, 30.0, cpu), _span("sdsie::int4_mm", 1.0, 41.0, cpu),
+              _span("cuLaunchKernelEx", 2.0, 7.0, cpu), _span("sdsie::int4_mm", 50.0, 60.0, cpu),
+              _span("cudaLaunchKernel", 61.0, 64.0, cpu), _span("aten::mm", 0.0, 9.0, cpu),
+              _span("sdsie::int4_mm", 0.0, 5.0)]  # a device event of that name is not host time
+    assert host_times(SimpleNamespace(events=lambda: events)) == {
+        "Torch-Compiled Region": [1, 30.0], "sdsie::int4_mm": [2, 50.0], "cuLaunchKernel": [1, 5.0],
+        "cudaLaunchKernel": [1, 3.0]}
+
+
 def test_busy_time_gives_overlap_to_the_kernel_that_started_first_and_adds_up_to_the_union():
     from reproductions.decode_e2e import busy_times
 

@@ -47,12 +47,13 @@ counters alone while dynamo traces, so a gated step compiles once). The prefill 
 compiles it separately with a dynamic length (dynamic=True, as gpt-fast's --compile_prefill), one graph for every
 prompt length, and the record's config says which (`compile_prefill`). An eager prefill is host-bound at short
 prompts: 28 ms (bf16) and 52 ms (INT4) for 8 and 13 ms of GPU work at 32 tokens of Llama-3.1-8B on the H200
-(telemetry/raw/prefill_probe_eager_h200.json). Compiled, it took 31.1 ms against 36.3 eager at 32 tokens of
-Llama-3.1-8B INT4 with fused norms on an H100 (telemetry/raw/decode_e2e_prefill_llama_p32_h100.json). Each profiled
-row keeps its one-token run's kernels (`prefill_profile`: launches and busy GPU time by category, and the prefill's
-wall time outside them), which says whether a prefill is host-bound. The HF peer compiles its own forward
-(inductor, HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and its row says whether HF
-did (`hf_compiled`).
+(telemetry/raw/prefill_probe_eager_h200.json). The compiled INT4 prefill is host-bound too: 29.8 ms at 32 tokens of
+Llama-3.1-8B with fused norms on an H100, 6.0 ms of it busy GPU (telemetry/raw/
+decode_e2e_prefill_composed_llama_p32_h100.json), where bf16's takes 10.3. Each profiled row keeps its one-token
+run's kernels and host calls (`prefill_profile`: launches and busy GPU time by category, the prefill's wall time
+outside them, and the host's time in the INT4 ops, the compiled graphs and the driver's launches). The HF peer
+compiles its own forward (inductor, HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and
+its row says whether HF did (`hf_compiled`).
 
 Attention: --attention picks the engine's one-token attention over its static cache (DecodeConfig.attention; the
 HF peer keeps its own). The default, auto, is the split-KV kernel under graphs on CUDA and SDPA otherwise; the

@@ -34,6 +34,7 @@ from sdsie.models import load_pair, render_chat  # noqa: E402
 from sdsie.serve import ServeConfig, parse_clutch, protocol  # noqa: E402
 from sdsie.serve.app import create_app  # noqa: E402
 from sdsie.serve.cli import config_from_args, configure  # noqa: E402
+from sdsie.serve.metrics import OUTCOMES  # noqa: E402
 from sdsie.serve.process import EngineProcess, EngineStartError  # noqa: E402
 from sdsie.serve.text import TextStream  # noqa: E402
 from sdsie.serve.worker import Delta, Done, Engine, Failed, Job  # noqa: E402
@@ -510,6 +511,34 @@ def test_static_cache_engine_carries_nothing_from_one_request_to_the_next(pair) 
     assert answers[2]["usage"]["sdsie"]["decisions"] == ref.decisions  # the clutch starts afresh
 
 
+def test_warm_up_runs_a_short_request_at_each_cache_length_before_serving(monkeypatch) -> None:
+    """Engine.load warms each configured cache length up with a few-token request that fills it to that length
+    (prompt plus max_new_tokens), as served requests run (the scout and clutch), and counts none of it; a length
+    past the context is refused by name, before any runs."""
+    from sdsie.serve import worker
+
+    calls: list[tuple[int, int, int]] = []
+    real = worker.generate
+
+    def recording(target, prompt, config, **kw):
+        result = real(target, prompt, config, **kw)
+        calls.append((len(prompt), config.max_new_tokens, len(result.tokens)))
+        assert kw["scout"] is not None and kw["clutch"] is not None and result.stop_reason == "stopped"
+        return result
+
+    monkeypatch.setattr(worker, "generate", recording)
+    config = _config(tokenizer=str(PAIR / "tokenizer"), kv_cache="static", warm_up=(40, 256))
+    engine = Engine.load(config)
+    assert [(p, p + n) for p, n, _ in calls] == [(20, 40), (32, 256)]  # each run's room: its cache length
+    assert all(1 + worker.WARM_UP_CYCLES <= tokens < n for _, n, tokens in calls)  # stopped after a few cycles
+    assert sum(engine.metrics.requests(o) for o in OUTCOMES) == 0
+    with pytest.raises(ValueError, match="warm_up: a cache length must be 2 to the context's 256 positions, got 300"):
+        engine.warm_up((64, 300))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="warm_up must be cache lengths"):
+        _config(warm_up=(1,))
+
+
 def test_gear_share_in_usage_matches_generate(pair) -> None:
     from sdsie.quant.gated import gate_model
 
@@ -687,11 +716,12 @@ def test_cli_options_become_the_server_config(tmp_path) -> None:
     configure(p)
     args = p.parse_args(["--target", "t", "--scout", "s", "--clutch", "tuned", "--gear", "mlp.down_proj",
                          "--gear-layers", "0,2", "--kv-cache", "static", "--api-key", "k", "--port", "9",
-                         "--chat-template", str(template)])
+                         "--chat-template", str(template), "--warm-up", "512", "1024"])
     config = config_from_args(args)
     assert config.clutch == parse_clutch("tuned") and config.gear == ("mlp.down_proj",)
     assert config.gear_layers == (0, 2) and config.kv_cache == "static" and config.host == "127.0.0.1"
     assert config.chat_template == TEMPLATE and config.api_key == "k" and config.port == 9
+    assert config.warm_up == (512, 1024)
     assert config_from_args(p.parse_args(["--target", "t", "--scout", "s", "--clutch", "off"])).clutch is None
     assert parse_clutch("1,2") == ClutchConfig(theta_low=1.0, theta_high=2.0)
     assert parse_clutch("1,2,0.5").alpha == 0.5

@@ -53,7 +53,9 @@ class ServeConfig:
     min-max preset at load, q/k/v and gate/up fused, and with fuse_norms its norms and residual adds in the INT4
     launches (sdsie.quant.quantize_for_decode). compile: a torch.compile backend for the target's decode step
     (sdsie.decoding.DecodeCompiled; needs the static cache); compile_prefill: prompts too, one graph for every
-    length. max_tokens: the most a request may ask for.
+    length. warm_up: cache lengths (positions: a request's prompt plus max_tokens, rounded up to 256) to run once
+    at load, before the server takes requests, so their compilations and graph captures are not a client's wait.
+    max_tokens: the most a request may ask for.
     context: positions one request may fill, prompt plus max_tokens (None: the target's max_position_embeddings).
     queue_size: requests that may wait behind the running one; one more is answered 503 with Retry-After.
     chat_template: Jinja text that replaces the tokenizer's own (None: keep the tokenizer's, if it has one).
@@ -71,6 +73,7 @@ class ServeConfig:
     fuse_norms: bool = True
     compile: str | None = None
     compile_prefill: bool = False
+    warm_up: tuple[int, ...] = ()
     kv_cache: str = "dynamic"
     cuda_graphs: bool = False
     device: str = "cpu"
@@ -112,6 +115,8 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 2 for n in self.warm_up):
+            raise ValueError(f"warm_up must be cache lengths of at least 2 positions, got {self.warm_up!r}")
         if self.port > 65535:
             raise ValueError(f"port must be at most 65535, got {self.port}")
         if self.context is not None and (not isinstance(self.context, int) or self.context < 2):

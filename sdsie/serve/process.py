@@ -42,6 +42,11 @@ class EngineStartError(RuntimeError):
     """The engine's process did not become ready; the message carries the child's error."""
 
 
+# Seconds a warm-up length may add to the child's start: a compiled decode step and prefill of Llama-3.1-8B's size
+# took 127 s with a cold compiler cache on an H100 (docs/serving.md)
+WARM_UP_S = 600.0
+
+
 class EngineProcess(Front):
     """Engine's interface (submit, start, stop, queued, busy, metrics, limits, tokenizer, render_chat, retry_after,
     config, failure) over an Engine in a child process. The tokenizer loads here, the models only in the child;
@@ -49,17 +54,20 @@ class EngineProcess(Front):
 
     threads: torch CPU threads in the child (None: torch's choice). child_init: a picklable callable (a module-level
     function or a functools.partial of one) the child calls before it loads the models, e.g. to install a
-    synthetic generate for a benchmark. start_timeout: seconds the child may take to load.
+    synthetic generate for a benchmark. start_timeout: seconds the child may take to load and warm up (None: 900,
+    and WARM_UP_S more for each of config.warm_up's lengths).
     """
 
     def __init__(self, config: ServeConfig, threads: int | None = None, child_init: Callable[[], Any] | None = None,
-                 start_timeout: float = 900.0) -> None:
+                 start_timeout: float | None = None) -> None:
         from sdsie.models import load_tokenizer
 
         tokenizer = load_tokenizer(config.tokenizer or config.target)
         if config.chat_template is not None:
             tokenizer.chat_template = config.chat_template
         super().__init__(tokenizer, config, Metrics(gear=bool(config.gear)))
+        if start_timeout is None:
+            start_timeout = 900.0 + WARM_UP_S * len(config.warm_up)
         self.threads, self.child_init, self.start_timeout = threads, child_init, start_timeout
         self._process: Any = None
         self._conn: Connection | None = None

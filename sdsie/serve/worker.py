@@ -17,7 +17,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +35,10 @@ from sdsie.serve.text import TextStream
 __all__ = ["Delta", "Done", "Engine", "Failed", "Flag", "Front", "Job", "prepare_target"]
 
 log = logging.getLogger(__name__)
+# A warm-up request: a prompt of more rows than any INT4 kernel takes an epilogue at, so it compiles the prefill graph
+# most prompts take (`Int4Linear._composed` guards on the row count), then a few decode cycles past the graph capture.
+WARM_UP_PROMPT = 32
+WARM_UP_CYCLES = 4
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,43 @@ class Engine(Front):
 
             gear = gate_model(target, list(config.gear), layers=config.gear_layers)
         target = prepare_target(target, config)
-        return cls(target, tokenizer, config, scout=scout, gear=gear, meter=_meter(config))
+        engine = cls(target, tokenizer, config, scout=scout, gear=gear, meter=_meter(config))
+        engine.warm_up(config.warm_up)
+        return engine
+
+    def warm_up(self, lengths: Sequence[int]) -> dict[int, float]:
+        """Run one request of a few tokens at each static cache length in `lengths` (positions, as a request's prompt
+        plus max_tokens: each rounds up to STATIC_LEN_BUCKET), as the served requests run (scout, clutch, gear), so
+        the decode step's compilation and graph capture at that length, the compiled prefill and the kernels' first
+        builds happen before serving. Seconds a length; the metrics count none of it. A length past the context is a
+        ValueError."""
+        from sdsie.decoding.engine import STATIC_LEN_BUCKET
+
+        for n in lengths:
+            if not 2 <= n <= self.limits.context:
+                raise ValueError(f"warm_up: a cache length must be 2 to the context's {self.limits.context} "
+                                 f"positions, got {n}")
+        seconds: dict[int, float] = {}
+        for n in lengths:
+            prompt = [t % self.limits.vocab for t in range(1, min(WARM_UP_PROMPT, n // 2) + 1)]
+            steps = 0
+
+            def stop(tokens: list[int]) -> bool:  # past the prefill's token, a few decode cycles (capture included)
+                nonlocal steps
+                steps += 1
+                return steps > WARM_UP_CYCLES
+
+            clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
+            config = DecodeConfig(max_new_tokens=n - len(prompt), kv_cache=self.config.kv_cache,
+                                  cuda_graphs=self.config.cuda_graphs)
+            t0 = time.perf_counter()
+            generate(self.target, prompt, config, scout=self.scout, clutch=clutch, gear=self.gear, on_tokens=stop)
+            seconds[n] = time.perf_counter() - t0
+            log.info("warm-up: cache length %d (%d positions) in %.1f s", n,
+                     -(-n // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET, seconds[n])
+        if self.gear is not None:
+            self.gear.reset_counters()
+        return seconds
 
     # -- the worker ------------------------------------------------------------------------------
     @property

@@ -537,6 +537,13 @@ def test_warm_up_runs_a_short_request_at_each_cache_length_before_serving(monkey
     assert len(calls) == 2
     with pytest.raises(ValueError, match="warm_up must be cache lengths"):
         _config(warm_up=(1,))
+    from sdsie.serve.process import WARM_UP_S
+
+    # the engine process waits for its child's warm-up too: WARM_UP_S more a length, unless told a limit
+    warmed = _config(tokenizer=str(PAIR / "tokenizer"), warm_up=(256, 512))
+    assert EngineProcess(warmed).start_timeout == EngineProcess(_config(tokenizer=str(PAIR / "tokenizer"))
+                                                                ).start_timeout + 2 * WARM_UP_S
+    assert EngineProcess(warmed, start_timeout=30.0).start_timeout == 30.0
 
 
 def test_gear_share_in_usage_matches_generate(pair) -> None:

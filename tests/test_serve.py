@@ -566,7 +566,7 @@ def test_gear_share_in_usage_matches_generate(pair) -> None:
     assert "sdsie_int4_forward_share" in engine.metrics.render(0, False)
 
 
-def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that_model(pair) -> None:
+def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that_model(pair, caplog) -> None:
     """--int4 group --compile: Engine.load quantizes the target's linears and LM head, fuses q/k/v, gate/up and the
     norms, and wraps it for a compiled decode step (dynamo's eager backend here); the served tokens, with the scout
     and clutch, are generate()'s on the same quantized model. The INT4 products are the kernel's float64 reference
@@ -579,8 +579,10 @@ def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that
 
     config = _config(tokenizer=str(PAIR / "tokenizer"), int4="group", compile="eager", compile_prefill=True,
                      kv_cache="static")
-    with int4_kernel(torch.device("cpu")):
+    with int4_kernel(torch.device("cpu")), caplog.at_level(logging.WARNING, logger="sdsie.serve.worker"):
         engine = Engine.load(config)
+        assert "--compile without --warm-up: the first request at each cache length compiles its decode step and " \
+               "the prefill" in caplog.text  # the wait a client would meet is said at start
         model = engine.target.model
         assert isinstance(engine.target, DecodeCompiled) and isinstance(model.lm_head, Int4Linear)
         assert engine.target._prefill is not None  # prompts (and the scout's verification) compiled too

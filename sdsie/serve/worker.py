@@ -238,6 +238,10 @@ class Engine(Front):
         target = prepare_target(target, config)
         engine = cls(target, tokenizer, config, scout=scout, gear=gear, meter=_meter(config))
         engine.warm_up(config.warm_up)
+        if config.compile is not None and not config.warm_up:
+            log.warning("--compile without --warm-up: the first request at each cache length compiles its decode "
+                        "step%s while it waits (minutes at 7-8B sizes, docs/serving.md)",
+                        " and the prefill" if config.compile_prefill else "")
         return engine
 
     def warm_up(self, lengths: Sequence[int]) -> dict[int, float]:

@@ -147,8 +147,9 @@ class Int4Linear(nn.Module):
         """Whether a compiled graph takes this call's epilogue (norm, bias, residual, gain; silu * up) from torch
         ops beside the op's bare product: where no kernel can take it (more rows than `epilogue_max_m`, e.g. a
         prompt's). Traced, inductor fuses those ops into a few kernels; inside the opaque op they would run eagerly,
-        about ten launches a layer (a 32-token Llama-3.1-8B prefill: 1,547 such kernels, docs/log.md 2026-12-06
-        12:10). Under a dynamic length the row count is symbolic and this guards on it."""
+        about ten launches a layer (an eager 32-token Llama-3.1-8B prefill launches 1,547 small kernels beside its
+        GEMVs and attention, docs/log.md 2026-12-06 12:10). Under a dynamic length the row count is symbolic and this
+        guards on it."""
         if h is None and residual is None and out_gain is None and not gate_up:
             return False
         rows = x.numel() // x.shape[-1]

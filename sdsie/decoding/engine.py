@@ -742,6 +742,12 @@ _FINGERPRINTS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDict
 _TREE_STEPS: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], TreeStep]]] = (
     weakref.WeakKeyDictionary())
 STATIC_LEN_BUCKET = 256  # positions: a static cache's length is rounded up to a multiple of this
+
+
+def static_cache_length(positions: int) -> int:
+    """The length of the static cache a run filling `positions` positions gets: rounded up to STATIC_LEN_BUCKET, so
+    nearby lengths share one cache shape (one compiled step, one set of graphs)."""
+    return -(-positions // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET
 # Under graphs, the scout's catch-up forwards (the tokens it skipped: 2 after a fully accepted draft, up to a
 # whole fallback stretch after the clutch re-engages) are padded to these sizes and replayed, not run eagerly.
 # On the H200 an eager forward of the stand-in scout took 2.3 ms, a graphed step 0.23 ms (record d2f2400a).
@@ -779,7 +785,7 @@ def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_s
     role keeps the target's and the scout's caches apart even when one module plays both."""
     if config.kv_cache == "dynamic":
         return new_cache(model)
-    max_len = -(-max_len // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET
+    max_len = static_cache_length(max_len)
     attention = run_attention(config, model_device(model))
     key = (role, max_len, config.cuda_graphs, graph_sizes, pad_sizes, model_device(model),
            next(model.parameters()).dtype, attention)

@@ -110,10 +110,10 @@ class Int4Linear(nn.Module):
             x = x * self.input_scale.to(x.dtype)
         fused = self.bias is None
         r, g = (residual, out_gain) if fused else (None, None)
-        if torch.compiler.is_compiling() and self._composed(x, h, residual, out_gain):
-            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
-            return kernels.compose_epilogue(y, x, self.norm_eps, residual, h, out_gain, bias=self.bias)
         if torch.compiler.is_compiling():  # one opaque node for dynamo; eager calls skip the dispatcher
+            if self._composed(x, h, residual, out_gain):  # the bare product; the epilogue traced beside it
+                y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
+                return kernels.compose_epilogue(y, x, self.norm_eps, residual, h, out_gain, bias=self.bias)
             y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size, self.norm_eps, h,
                                         r, g)
         elif self.norm_eps is None and r is None and g is None:  # the launcher's plain form: the common call, and
@@ -132,10 +132,10 @@ class Int4Linear(nn.Module):
         x, h = self.split_stream(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
-        if torch.compiler.is_compiling() and self._composed(x, h, gate_up=True):
-            y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
-            return kernels.silu_mul_halves(kernels.compose_epilogue(y, x, self.norm_eps, norm_source=h))
         if torch.compiler.is_compiling():
+            if self._composed(x, h, gate_up=True):
+                y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
+                return kernels.silu_mul_halves(kernels.compose_epilogue(y, x, self.norm_eps, norm_source=h))
             return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size,
                                                  self.norm_eps, h)
         if self.norm_eps is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from sdsie.clutch import SEED_CLUTCHES, ClutchConfig
 
@@ -123,6 +124,11 @@ class ServeConfig:
             raise ValueError(f"context must be an integer >= 2, got {self.context!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
+
+    def context_of(self, target: Any) -> int:
+        """Positions one request may fill on `target`: `context`, else its config's max_position_embeddings (0 where
+        it has none)."""
+        return self.context or int(getattr(target.config, "max_position_embeddings", 0) or 0)
 
     @property
     def served_name(self) -> str:

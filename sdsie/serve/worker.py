@@ -176,10 +176,9 @@ def prepare_target(target: nn.Module, config: ServeConfig) -> nn.Module:
     import torch._dynamo
 
     from sdsie.decoding import DecodeCompiled, inductor_options
-    from sdsie.decoding.engine import STATIC_LEN_BUCKET
+    from sdsie.decoding.engine import STATIC_LEN_BUCKET, static_cache_length
 
-    context = config.context or int(getattr(target.config, "max_position_embeddings", 0) or 0)
-    lengths = -(-context // STATIC_LEN_BUCKET)
+    lengths = static_cache_length(config.context_of(target)) // STATIC_LEN_BUCKET
     if torch._dynamo.config.recompile_limit < lengths:
         log.info("dynamo's recompile limit raised from %d to %d: one decode-step compilation per cache length",
                  torch._dynamo.config.recompile_limit, lengths)
@@ -199,7 +198,7 @@ class Engine(Front):
         if bool(config.gear) != (gear is not None):
             raise ValueError("config.gear and the gear state must be given together")
         self.target, self.scout, self.gear, self.meter = target, scout, gear, meter
-        context = config.context or int(getattr(target.config, "max_position_embeddings", 0) or 0)
+        context = config.context_of(target)
         if context < 2:
             raise ValueError("the target's config has no max_position_embeddings: set context")
         self.limits = Limits(config.served_name, config.max_tokens, context, vocab_size(target))
@@ -250,7 +249,7 @@ class Engine(Front):
         the decode step's compilation and graph capture at that length, the compiled prefill and the kernels' first
         builds happen before serving. Seconds a length; the metrics count none of it. A length past the context is a
         ValueError."""
-        from sdsie.decoding.engine import STATIC_LEN_BUCKET
+        from sdsie.decoding.engine import static_cache_length
 
         for n in lengths:
             if not 2 <= n <= self.limits.context:
@@ -273,7 +272,7 @@ class Engine(Front):
             generate(self.target, prompt, config, scout=self.scout, clutch=clutch, gear=self.gear, on_tokens=stop)
             seconds[n] = time.perf_counter() - t0
             log.info("warm-up: cache length %d (%d positions) in %.1f s", n,
-                     -(-n // STATIC_LEN_BUCKET) * STATIC_LEN_BUCKET, seconds[n])
+                     static_cache_length(n), seconds[n])
         if self.gear is not None:
             self.gear.reset_counters()
         return seconds

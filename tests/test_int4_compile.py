@@ -163,22 +163,29 @@ def test_inductor_compiles_an_int4_llama_on_the_gpu():
 @pytest.mark.gpu
 def test_inductor_compiles_a_norm_fused_int4_llama_at_a_prompts_rows_and_a_steps():
     """On a GPU, inductor with a dynamic length (a compiled prefill's): the epilogues composed in the graph at 12 and
-    20 rows, and carried to the mma kernel at one, give eager's logits."""
+    20 rows, and carried to the kernel at one, give eager's logits: to rounding in fp32; in bf16 within a few bf16
+    steps of the logits' scale, since eager rounds each composed op to bf16 where inductor rounds its fused kernel
+    once (this model's logits reach about 14, where a step is 0.06; an absolute 0.05 failed on an H100 with a
+    largest difference of 0.34, telemetry/raw/gpu_int4_compile_tests_h100.txt)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from sdsie.quant import quantize_for_decode
 
     model = tiny_llama(vocab_size=64, num_layers=1, seed=0)
     quantize_for_decode(model, QuantConfig("minmax", 32))
-    model.to("cuda", torch.bfloat16)
-    compiled = torch.compile(model, fullgraph=True, dynamic=True)
-    for rows in (20, 12, 1):
-        ids = (torch.arange(1, rows + 1).unsqueeze(0) % 64).cuda()
-        with torch.no_grad():
-            eager = model(ids, use_cache=False).logits.float()
-            out = compiled(ids, use_cache=False).logits.float()
-        torch.testing.assert_close(out, eager, atol=0.05, rtol=0.05)  # inductor rounds its fused epilogues in fp32
-    torch._dynamo.reset()
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to("cuda", dtype)
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+        for rows in (20, 12, 1):
+            ids = (torch.arange(1, rows + 1).unsqueeze(0) % 64).cuda()
+            with torch.no_grad():
+                eager = model(ids, use_cache=False).logits.float()
+                out = compiled(ids, use_cache=False).logits.float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+            else:
+                torch.testing.assert_close(out, eager, atol=0.05 * eager.abs().max().item(), rtol=0.05)
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -51,7 +51,9 @@ prompts: 28 ms (bf16) and 52 ms (INT4) for 8 and 13 ms of GPU work at 32 tokens 
 Llama-3.1-8B with fused norms on an H100, 6.0 ms of it busy GPU (telemetry/raw/
 decode_e2e_prefill_composed_llama_p32_h100.json), where bf16's takes 10.3. Each profiled row keeps its one-token
 run's kernels and host calls (`prefill_profile`: launches and busy GPU time by category, the prefill's wall time
-outside them, and the host's time in the INT4 ops, the compiled graphs and the driver's launches). The HF peer
+outside them, and the host's time in the INT4 ops, the compiled graphs and the driver's launches). --prefill-graphs
+replays the engine's prompts as CUDA graphs (DecodeConfig.prefill_graphs), padded to the engine's prefill sizes;
+the record's config says which (`prefill_graphs`). The HF peer
 compiles its own forward (inductor, HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and
 its row says whether HF did (`hf_compiled`).
 
@@ -394,6 +396,7 @@ class Variant:
     read_skip: Callable[[str], bool] = field(default=lambda name: False)
     attention: str = "auto"  # DecodeConfig.attention of the engine's runs (--attention)
     launch_ahead: bool = True  # DecodeConfig.launch_ahead of the engine's runs (--no-launch-ahead)
+    prefill_graphs: bool = False  # DecodeConfig.prefill_graphs of the engine's graphed runs (--prefill-graphs)
 
 
 class Run(NamedTuple):
@@ -412,7 +415,7 @@ def _run_once(v: Variant, prompt: torch.Tensor, new_tokens: int, graphs: bool) -
     if v.hf:
         return _hf_run(v.model, prompt, new_tokens, v.hf_compile)
     cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=graphs, attention=v.attention,
-                       launch_ahead=v.launch_ahead)
+                       launch_ahead=v.launch_ahead, prefill_graphs=graphs and v.prefill_graphs)
     clutch = EntropyClutch(v.clutch) if v.clutch is not None else None
     r = generate(v.model, prompt, cfg, clutch=clutch, gear=v.gear)
     return Run(len(r.tokens), r.stats.prefill_seconds, r.stats.decode_seconds, [int(t) for t in r.tokens], r.stats)
@@ -768,7 +771,7 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "new_tokens": new_tokens, "trials": args.trials, "tiny": args.tiny, "device": str(device),
                    "dtype": str(dtype), "group_size": GROUP_SIZE, "linears": LINEARS, "cuda_graphs": args.graphs,
                    "compile_backend": args.compile_backend or "inductor", "compile_dynamic": False,
-                   "compile_prefill": args.compile_prefill,
+                   "compile_prefill": args.compile_prefill, "prefill_graphs": args.prefill_graphs,
                    "energy_window_s": args.energy_window_s, "copy_rate_gbs": copy_gbs,
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
@@ -829,7 +832,8 @@ def _model_rows(name: str, args: argparse.Namespace, device: torch.device, dtype
                 row: dict[str, Any] = {"model": name, "prompt_len": p, "variant": variant}
                 t0 = time.monotonic()
                 try:
-                    v = dataclasses.replace(make(), attention=args.attention, launch_ahead=args.launch_ahead)
+                    v = dataclasses.replace(make(), attention=args.attention, launch_ahead=args.launch_ahead,
+                                            prefill_graphs=args.prefill_graphs)
                     row.update(measure(v, prompt, new_tokens, args.trials, args.graphs, meter,
                                        args.energy_window_s, copy_gbs, args.profile))
                 except Exception as err:  # a variant that cannot run is reported, the others still run
@@ -917,6 +921,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; CPU: eager)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="compile the compiled variants' prefill too, with a dynamic length (default: eager prefill)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="replay each prompt's forward as a CUDA graph, padded to the engine's prefill sizes "
+                        "(DecodeConfig.prefill_graphs; the warm-up's second run captures it)")
     p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
                    metavar="KEY=VALUE", help="a torch._inductor.config option for every compiled variant (repeat "
                                              "for more), e.g. combo_kernels=true")

@@ -300,12 +300,13 @@ def test_compiled_wrappers_send_one_token_to_the_static_step_and_prompts_to_the_
 
 
 @CPU_ONLY
-@pytest.mark.parametrize(("flag", "expected"), [((), False), (("--compile-prefill",), True)])
-def test_the_record_says_whether_the_prefill_was_compiled(tmp_path: Path, flag: tuple, expected: bool):
+@pytest.mark.parametrize(("flag", "expected"), [((), (False, False)), (("--compile-prefill",), (True, False)),
+                                               (("--prefill-graphs",), (False, True))])
+def test_the_record_says_whether_the_prefill_was_compiled_or_graphed(tmp_path: Path, flag: tuple, expected: tuple):
     assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", "bf16_compiled", "--no-record", "--no-profile",
                       "--no-energy", *flag)) == 0
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())
-    assert doc["config"]["compile_prefill"] is expected
+    assert (doc["config"]["compile_prefill"], doc["config"]["prefill_graphs"]) == expected
     assert all("error" not in r for r in doc["results"]), doc["results"]
 
 
@@ -419,3 +420,20 @@ def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
         {"model": "m", "prompt_len": 32, "variant": "int4_compiled", "j_per_token": 1.0, "j_per_token_decode": 0.6}])
     assert rows[1]["energy_vs_baseline"] == pytest.approx(0.5)
     assert rows[1]["decode_energy_vs_baseline"] == pytest.approx(0.375)
+
+
+@pytest.mark.parametrize(("graphs", "asked", "expected"), [(True, True, True), (True, False, False),
+                                                           (False, True, False)])
+def test_a_variant_graphs_its_prefill_only_when_asked_and_graphed(monkeypatch, graphs: bool, asked: bool,
+                                                                  expected: bool):
+    seen = []
+
+    def fake_generate(model, prompt, cfg, **kw):
+        seen.append(cfg.prefill_graphs)
+        raise StopIteration
+
+    monkeypatch.setattr(e2e, "generate", fake_generate)
+    v = e2e.Variant("bf16", torch.nn.Identity(), prefill_graphs=asked)
+    with pytest.raises(StopIteration):
+        e2e._run_once(v, torch.tensor([1, 2]), 4, graphs)
+    assert seen == [expected]

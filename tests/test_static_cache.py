@@ -359,3 +359,120 @@ def test_the_adaptive_schedule_sizes_the_targets_verify_forwards_for_every_draft
     assert engine._verify_sizes(DecodeConfig(k_schedule="adaptive"), 5) == (1, 2, 3, 4, 5, 6)
     assert engine._verify_sizes(DecodeConfig(k_schedule="adaptive"), 0) == (1,)  # no scout: plain steps only
     assert engine._verify_sizes(DecodeConfig(draft_stop_prob=0.4), 5) == (1, 2, 3, 4, 5, 6)  # stops: any length
+
+
+def test_a_padded_prefill_gives_the_prompts_last_logits_and_keeps_only_its_positions():
+    """A 5-token prompt runs as 8 (ids padded with token 0): it returns that 8-token forward's logits at position 4,
+    the cache keeps 5, the next forward is bit for bit what it is after the same forward cut back by hand, and a
+    reused cache's prompt gives the same logits again. Against an unpadded prompt the logits differ in
+    floating-point order only (another matmul size)."""
+    ids = torch.tensor([1, 5, 9, 4, 7])
+    with torch.inference_mode():
+        kv = StaticKV(TARGET, max_len=32, prefill_sizes=(4, 8, 16))
+        by_hand, unpadded = StaticKV(TARGET, max_len=32), StaticKV(TARGET, max_len=32)
+        assert (kv._prefill_size(5, True), kv._prefill_size(4, True), kv._prefill_size(17, True)) == (8, 4, None)
+        assert kv._prefill_size(5, False) is None  # every position's logits asked for: not a prompt's forward
+        first = forward(TARGET, ids, kv, last_only=True)
+        want = forward(TARGET, torch.cat([ids, torch.zeros(3, dtype=torch.long)]), by_hand, last_only=False)[4:5]
+        crop_cache(by_hand, 5)
+        plain = forward(TARGET, ids, unpadded, last_only=True)
+        assert first.shape == (1, VOCAB) and cache_length(kv) == 5
+        assert kv._prefill_size(1, True) is None  # the cache holds positions: not a prompt
+        after = forward(TARGET, torch.tensor([2]), kv, last_only=True)
+        want_after = forward(TARGET, torch.tensor([2]), by_hand, last_only=True)
+        kv.crop(0)  # a reused cache: its second prompt is padded too
+        again = forward(TARGET, ids, kv, last_only=True)
+    assert torch.equal(after, want_after) and torch.equal(again, first)
+    torch.testing.assert_close(first, want, atol=1e-6, rtol=1e-6)  # the LM head on one row, not on all eight
+    torch.testing.assert_close(first, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefill_is_padded_only_where_a_size_fits_and_bad_sizes_are_refused():
+    with torch.inference_mode():
+        kv = StaticKV(TARGET, max_len=6, prefill_sizes=(4, 8))
+        assert kv._prefill_size(5, True) is None  # 8 > 6 positions: run unpadded
+        forward(TARGET, torch.tensor([1, 2, 3, 4, 5]), kv, last_only=True)
+        assert cache_length(kv) == 5
+    for bad in ([0], [2.5]):
+        with pytest.raises(ValueError, match="prefill_sizes must be integers >= 1"):
+            StaticKV(TARGET, max_len=8, prefill_sizes=bad)
+
+
+def test_a_sliding_window_cache_runs_its_prompts_unpadded():
+    """Padding could push a prompt's real positions out of a sliding window: such a cache keeps no prefill sizes."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    model = MistralForCausalLM(cfg).eval()
+    assert StaticKV(model, max_len=16, prefill_sizes=(8,)).prefill_sizes == ()
+    assert StaticKV(TARGET, max_len=16, prefill_sizes=(8,)).prefill_sizes == (8,)
+
+
+def test_prefill_sizes_fit_every_prompt_up_to_2048_and_keep_the_int4_paths():
+    """Every prompt of up to 2,048 tokens has a prefill size that fits its static cache, and none of the sizes moves
+    an INT4 prefill of up to 48 rows (16-row slices) onto the unpacking path (49 rows or more)."""
+    from sdsie.decoding.engine import PREFILL_SIZES, _prefill_sizes, static_cache_length
+    from sdsie.kernels.int4_gemm import DEQUANT_MIN_M, ROW_SLICE
+
+    for n in range(1, 2049):
+        size = next((s for s in PREFILL_SIZES if s >= n), None)
+        assert size is not None and size <= static_cache_length(n + 1), n
+        if n < DEQUANT_MIN_M:
+            assert size < DEQUANT_MIN_M and size % ROW_SLICE == 0, n
+    assert _prefill_sizes(DecodeConfig(kv_cache="static", cuda_graphs=True, prefill_graphs=True)) == PREFILL_SIZES
+    assert _prefill_sizes(DecodeConfig(kv_cache="static", cuda_graphs=True)) == ()
+    with pytest.raises(ValueError, match="prefill_graphs needs cuda_graphs=True"):
+        DecodeConfig(kv_cache="static", prefill_graphs=True)
+    with pytest.raises(ValueError, match="prefill_graphs must be a bool, got 1"):
+        DecodeConfig(prefill_graphs=1)
+
+
+def test_padded_prefills_decode_as_the_dynamic_cache(monkeypatch):
+    """The engine pads prompts only under CUDA graphs; forced on here (eager, CPU), plain, fixed-K and gated decoding
+    keep the dynamic cache's tokens, decisions and accepted counts (fixed-K twice: the second run on reused caches),
+    and both the target's and the scout's first forwards were padded."""
+    import sdsie.decoding.engine as engine
+
+    sizes = []
+    real = StaticKV._prefill_size
+
+    def spy(self, n, last_only):
+        size = real(self, n, last_only)
+        sizes.append((n, size))
+        return size
+
+    monkeypatch.setattr(engine, "_prefill_sizes", lambda config: engine.PREFILL_SIZES)
+    monkeypatch.setattr(StaticKV, "_prefill_size", spy)
+    for k, clutch in ((None, None), (3, None), (None, MIXED), (3, None)):
+        a, b = _run("dynamic", [1, 5, 9, 4, 2], 40, k, clutch), _run("static", [1, 5, 9, 4, 2], 40, k, clutch)
+        assert a.tokens == b.tokens and a.decisions == b.decisions
+        assert [(c.k, c.accepted) for c in a.cycles] == [(c.k, c.accepted) for c in b.cycles]
+    assert sizes.count((5, 16)) == 4  # the target's prompts
+    assert sizes.count((6, 16)) == 2  # the fixed-K scouts' first forwards: the prompt and the first token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_graphs_decode_as_the_eager_padded_prefill(dtype, monkeypatch):
+    """On a GPU: prompts replayed as graphs (prefill_graphs; a cache's first prompt runs eagerly, later ones replay)
+    give the tokens of the same padded prompts run eagerly, plain and fixed-K, at two prompt lengths; in fp32 both
+    equal unpadded decoding's tokens."""
+    import sdsie.decoding.engine as engine
+
+    target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
+    plain_cfg = DecodeConfig(max_new_tokens=24, kv_cache="static", cuda_graphs=True)
+    graphed_cfg = dataclasses.replace(plain_cfg, prefill_graphs=True)
+    for prompt in ([1, 5, 9, 4, 7], list(range(1, 21))):
+        for kw in ({}, {"scout": scout}):
+            plain = generate(target, prompt, plain_cfg, **kw).tokens
+            graphed = [generate(target, prompt, graphed_cfg, **kw).tokens for _ in range(2)]
+            with monkeypatch.context() as m:  # the same padding, eagerly
+                m.setattr(engine, "_prefill_sizes", lambda config: engine.PREFILL_SIZES)
+                eager = generate(target, prompt, DecodeConfig(max_new_tokens=24, kv_cache="static"), **kw).tokens
+            assert graphed[0] == graphed[1] == eager, (len(prompt), kw.keys())
+            if dtype == torch.float32:
+                assert graphed[1] == plain
+    caches = engine._STATIC[target].values()
+    assert {key[:2] for kv in caches for key in kv._graphs if key[0] == "prefill"} == {("prefill", 16),
+                                                                                    ("prefill", 32)}

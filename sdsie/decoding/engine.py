@@ -97,6 +97,11 @@ class DecodeConfig:
     CycleRecord.gear_int4 stays exact.
     pad_scout_catchup: under cuda_graphs, pad the scout's catch-up forwards to one of SCOUT_PAD_SIZES and replay
     them (False: run them eagerly, as before; for A/B runs).
+    prefill_graphs: under cuda_graphs, pad each prompt to one of PREFILL_SIZES and replay a graph of that size (one
+    per size, captured on its first use), so a prefill launches nothing from the host; a cache's first prompt runs
+    eagerly (it initializes the cache). The padding is compute spent on no token (at most half the forward below
+    256 tokens); a prompt over 2,048 tokens runs eagerly. The prompt's logits are the same computation as an
+    unpadded forward's, up to the kernels' floating-point order for another size.
     k_schedule: "constant" (K drafts every speculate cycle) or "adaptive" (K_SCHEDULES: the draft length moves
     between 1 and K with the previous cycle's acceptance). Under cuda_graphs an adaptive run captures a verify
     graph for every draft length 1..K. Any schedule is lossless: only how many drafts are verified changes.
@@ -132,6 +137,7 @@ class DecodeConfig:
     kv_cache: str = "dynamic"
     cuda_graphs: bool = False
     pad_scout_catchup: bool = True
+    prefill_graphs: bool = False
     k_schedule: str = "constant"
     draft_stop_prob: float | None = None
     tree_widths: tuple[int, ...] | None = None
@@ -151,6 +157,10 @@ class DecodeConfig:
             raise ValueError(f"launch_ahead must be a bool, got {self.launch_ahead!r}")
         if not isinstance(self.pad_scout_catchup, bool):
             raise ValueError(f"pad_scout_catchup must be a bool, got {self.pad_scout_catchup!r}")
+        if not isinstance(self.prefill_graphs, bool):
+            raise ValueError(f"prefill_graphs must be a bool, got {self.prefill_graphs!r}")
+        if self.prefill_graphs and not self.cuda_graphs:
+            raise ValueError("prefill_graphs needs cuda_graphs=True (it replays the prompt's forward as a graph)")
         if self.k_schedule not in K_SCHEDULES:
             raise ValueError(f"k_schedule must be one of {K_SCHEDULES}, got {self.k_schedule!r}")
         if self.draft_stop_prob is not None and (
@@ -723,8 +733,9 @@ def _start(
         generator,
         ids,
         prompt.numel(),
-        _kv(target, "target", config, room, _verify_sizes(config, k)),
-        _kv(scout, "scout", config, room, (1,), _scout_pad_sizes(config)) if scout is not None else None,
+        _kv(target, "target", config, room, _verify_sizes(config, k), prefill_sizes=_prefill_sizes(config)),
+        _kv(scout, "scout", config, room, (1,), _scout_pad_sizes(config), _prefill_sizes(config))
+        if scout is not None else None,
         gear,
         k_next=k,
     )
@@ -754,6 +765,18 @@ def static_cache_length(positions: int) -> int:
 SCOUT_PAD_SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
+# DecodeConfig.prefill_graphs pads a prompt to one of these sizes. Up to 48 in steps of 16: an INT4 prefill of up to
+# 48 rows runs the small-M kernels 16 rows at a time, and 49 or more unpacks the weights (sdsie.kernels.int4_gemm),
+# so 33-48 tokens padded to 64 would change paths. Then about 1.5x apart to 256 and every multiple of 256 to 2,048:
+# a static cache's length is a multiple of 256 (static_cache_length), so every prompt up to 2,048 has a size that
+# fits its cache.
+PREFILL_SIZES = (16, 32, 48, 64, 96, 128, 192, *range(256, 2049, 256))
+
+
+def _prefill_sizes(config: DecodeConfig) -> tuple[int, ...]:
+    return PREFILL_SIZES if config.cuda_graphs and config.prefill_graphs else ()
+
+
 def _verify_sizes(config: DecodeConfig, k: int) -> tuple[int, ...]:
     """The target's forward sizes a run repeats: 1 (plain steps) and K + 1, or every 2..K + 1 when the adaptive
     schedule or draft_stop_prob can draft any length up to K."""
@@ -780,14 +803,14 @@ def run_attention(config: DecodeConfig, device: torch.device) -> str:
 
 
 def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_sizes: tuple[int, ...],
-        pad_sizes: tuple[int, ...] = ()) -> Any:
+        pad_sizes: tuple[int, ...] = (), prefill_sizes: tuple[int, ...] = ()) -> Any:
     """The cache config.kv_cache asks for; a static one holds every position this run can write.
     role keeps the target's and the scout's caches apart even when one module plays both."""
     if config.kv_cache == "dynamic":
         return new_cache(model)
     max_len = static_cache_length(max_len)
     attention = run_attention(config, model_device(model))
-    key = (role, max_len, config.cuda_graphs, graph_sizes, pad_sizes, model_device(model),
+    key = (role, max_len, config.cuda_graphs, graph_sizes, pad_sizes, prefill_sizes, model_device(model),
            next(model.parameters()).dtype, attention)
     fingerprint = module_fingerprint(model)
     if _FINGERPRINTS.get(model) != fingerprint:
@@ -799,7 +822,7 @@ def _kv(model: nn.Module, role: str, config: DecodeConfig, max_len: int, graph_s
     kv = caches.get(key)
     if kv is None:
         kv = caches[key] = StaticKV(model, max_len, cuda_graphs=config.cuda_graphs, graph_sizes=graph_sizes,
-                                    pad_sizes=pad_sizes, attention=attention)
+                                    pad_sizes=pad_sizes, attention=attention, prefill_sizes=prefill_sizes)
     else:
         kv.crop(0)
     return kv

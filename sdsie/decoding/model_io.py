@@ -45,6 +45,7 @@ class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     ids: torch.Tensor  # [1, S] static input
     logits: torch.Tensor  # [S or 1, V] static output, overwritten by each replay
+    keep: torch.Tensor | None = None  # [1] static input: the position whose logits a padded prefill returns
 
 
 class StaticKV:
@@ -61,16 +62,28 @@ class StaticKV:
     cuda_graphs each padded size is one more graph, so a scout catching up on the tokens it skipped while the
     clutch was out replays one graph instead of dispatching an eager forward. The real positions' logits are
     the same computation as an n-token forward's, up to the kernels' floating-point order for another size.
+
+    prefill_sizes: a prompt's forward (into an empty cache, last position's logits) runs as the smallest of these
+    sizes that is >= its length and fits, the ids padded at the end and the logits taken at the prompt's last
+    position; under cuda_graphs, one graph per size, so a prefill launches no kernels from the host. The cache's
+    first forward runs eagerly (padded all the same, so a compiled model traces one form of prompt forward): it
+    initializes HF's layers, which must exist before a graph captures them. A prompt longer than every size that
+    fits runs as it is, and so does every prompt of a cache with other than plain static layers (a sliding
+    window's padding could push real positions out of it).
     """
 
     def __init__(self, model: nn.Module, max_len: int, cuda_graphs: bool = False,
-                 graph_sizes: Sequence[int] = (), pad_sizes: Sequence[int] = (), attention: str = "sdpa") -> None:
+                 graph_sizes: Sequence[int] = (), pad_sizes: Sequence[int] = (), attention: str = "sdpa",
+                 prefill_sizes: Sequence[int] = ()) -> None:
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         if max_len < 1:
             raise ValueError(f"StaticKV: max_len must be >= 1, got {max_len}")
         if any(not isinstance(s, int) or s < 2 for s in pad_sizes):
             raise ValueError(f"StaticKV: pad_sizes must be integers >= 2, got {list(pad_sizes)}")
+        if any(not isinstance(s, int) or s < 1 for s in prefill_sizes):
+            raise ValueError(f"StaticKV: prefill_sizes must be integers >= 1, got {list(prefill_sizes)}")
         if attention not in DECODE_ATTENTIONS:
             raise ValueError(f"StaticKV: attention must be one of {DECODE_ATTENTIONS}, got {attention!r}")
         device = model_device(model)
@@ -83,7 +96,9 @@ class StaticKV:
         self.attention = attention  # a one-token forward's attention (_static_attention)
         self.graph_sizes = frozenset(graph_sizes)
         self.pad_sizes = tuple(sorted(set(pad_sizes)))
-        self._graphs: dict[tuple[int, bool, Hashable], _Graph] = {}
+        plain = all(type(layer) is StaticLayer for layer in self.cache.layers)
+        self.prefill_sizes = tuple(sorted(set(prefill_sizes))) if plain else ()
+        self._graphs: dict[tuple, _Graph] = {}  # (n, last_only, variant), or ("prefill", size, variant)
         self._pool: Any = None
         self.kv: torch.Tensor | None = None  # [L, 2, B, H, S, D] behind every layer's keys and values (_consolidate)
         self.counter: torch.Tensor | None = None  # every layer's position counter, one tensor (_consolidate)
@@ -94,6 +109,9 @@ class StaticKV:
         n = ids.numel()
         if self.length + n > self.max_len:
             raise ValueError(f"StaticKV holds {self.max_len} positions: cannot add {n} to {self.length}")
+        prefill = self._prefill_size(n, last_only)
+        if prefill is not None:
+            return self._padded_prefill(model, ids, prefill, variant)
         padded = self._padded_size(n)
         if padded is None:
             logits = self._run(model, ids, last_only, variant)
@@ -149,6 +167,36 @@ class StaticKV:
             return None
         return next((s for s in self.pad_sizes if s >= n and self.length + s <= self.max_len), None)
 
+    def _prefill_size(self, n: int, last_only: bool) -> int | None:
+        """The size a prompt of n tokens runs as (`prefill_sizes`), or None to run it as it is: not a prompt (the
+        cache holds positions, or every position's logits are asked for), no size that is large enough and fits."""
+        if self.length or not last_only:
+            return None
+        return next((s for s in self.prefill_sizes if s >= n and s <= self.max_len), None)
+
+    def _padded_prefill(self, model: nn.Module, ids: torch.Tensor, size: int, variant: Hashable) -> torch.Tensor:
+        """The prompt ids [n] as a forward of `size` tokens: ids, then token 0; logits [1, V] at position n - 1,
+        the padding's positions left stale (as after a rejected draft). Causal attention keeps the padding out of
+        every real position's keys, values and logits."""
+        n = ids.numel()
+        if self.cuda_graphs and self._consolidated:
+            g = self._graphs.get(("prefill", size, variant)) or self._capture(model, size, True, variant, prefill=True)
+            g.ids[0, :n].copy_(ids)
+            g.ids[0, n:].zero_()
+            g.keep.fill_(n - 1)
+            g.graph.replay()
+            logits = g.logits
+        else:
+            padded = torch.zeros((1, size), dtype=ids.dtype, device=ids.device)  # [1, size]: ids, then token 0
+            padded[0, :n] = ids
+            keep = torch.full((1,), n - 1, dtype=torch.long, device=ids.device)
+            with _static_attention(model, self.attention):
+                logits = self.model_forward(model, padded, True, keep=keep)
+        self.length = size
+        self._consolidate()  # after the cache's first forward (see _consolidate)
+        self.crop(n)
+        return logits
+
     def _run(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable) -> torch.Tensor:
         """One forward of ids [S] at the cache's position: a graph replay for a graphed size, else eager."""
         n = ids.numel()
@@ -162,10 +210,11 @@ class StaticKV:
             return self.model_forward(model, ids[None], last_only)
 
     def model_forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, mask: torch.Tensor | None = None,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`_hf_forward` over this cache (ids [1, S]; mask and positions: a tree forward's), then the shared counter
-        advanced by S once for all layers (device work; the host's `length` is the caller's to move)."""
-        logits = _hf_forward(model, ids, self.cache, last_only, mask, positions)
+                      positions: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`_hf_forward` over this cache (ids [1, S]; mask and positions: a tree forward's; keep: a padded prefill's
+        position), then the shared counter advanced by S once for all layers (device work; the host's `length` is
+        the caller's to move)."""
+        logits = _hf_forward(model, ids, self.cache, last_only, mask, positions, keep)
         if self.counter is not None:
             self.counter.add_(ids.shape[-1])
         return logits
@@ -198,18 +247,22 @@ class StaticKV:
             if length:
                 torch._foreach_add_(counters, length)
 
-    def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable) -> _Graph:
+    def _capture(self, model: nn.Module, n: int, last_only: bool, variant: Hashable, prefill: bool = False) -> _Graph:
         """Capture the n-token forward (capture_graph: the garbage written at positions length..length+n-1 is
-        overwritten by the first replay)."""
-        ids = torch.zeros((1, n), dtype=torch.long, device=model_device(model))
+        overwritten by the first replay); `prefill`: a padded prefill's, its logits at the position in `keep`."""
+        device = model_device(model)
+        ids = torch.zeros((1, n), dtype=torch.long, device=device)
+        keep = torch.full((1,), n - 1, dtype=torch.long, device=device) if prefill else None
 
         def run() -> torch.Tensor:
             with _static_attention(model, self.attention):
-                return self.model_forward(model, ids, last_only)
+                return self.model_forward(model, ids, last_only, keep=keep)
 
-        graph, logits = capture_graph(run, [self], f"a {n}-token forward of {type(model).__name__}")
-        self._graphs[(n, last_only, variant)] = _Graph(graph, ids, logits)
-        return self._graphs[(n, last_only, variant)]
+        what = f"a {n}-token {'prefill' if prefill else 'forward'} of {type(model).__name__}"
+        graph, logits = capture_graph(run, [self], what)
+        key = ("prefill", n, variant) if prefill else (n, last_only, variant)
+        self._graphs[key] = _Graph(graph, ids, logits, keep)
+        return self._graphs[key]
 
 
 def _write_at_counter(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -257,10 +310,12 @@ def capture_graph(fn: Callable[[], T], caches: Sequence[StaticKV], what: str) ->
 
 
 def _hf_forward(model: nn.Module, ids: torch.Tensor, cache: Any, last_only: bool, mask: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-    """ids: [1, S] -> logits [S, V] (or [1, V]). mask [1, 1, S, kv] and positions [1, S]: a tree forward's."""
+                positions: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """ids: [1, S] -> logits [S, V] (or [1, V]). mask [1, 1, S, kv] and positions [1, S]: a tree forward's. keep
+    [1]: the position whose logits a last_only forward returns, where the last is padding."""
     extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0, **extra)
+    to_keep = keep if keep is not None and last_only else (1 if last_only else 0)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=to_keep, **extra)
     return out.logits[0]
 
 

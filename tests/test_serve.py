@@ -333,7 +333,8 @@ def test_models_health_and_metrics(idle_url, client) -> None:
     url = idle_url
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["sdsie"] == {
-        "int4": None, "norms_fused": False, "compile": None, "compile_prefill": False, "gear": [], "scout": True}
+        "int4": None, "norms_fused": False, "compile": None, "compile_prefill": False, "prefill_graphs": False,
+        "gear": [], "scout": True}
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     ok = 'requests_total{outcome="ok"}'
     before = {name: metric(url, name) for name in (ok, *COUNTERS)}
@@ -511,6 +512,29 @@ def test_static_cache_engine_carries_nothing_from_one_request_to_the_next(pair) 
     assert answers[2]["usage"]["sdsie"]["decisions"] == ref.decisions  # the clutch starts afresh
 
 
+def test_with_prefill_graphs_the_warm_up_runs_each_length_twice_and_requests_ask_for_them(monkeypatch) -> None:
+    """A cache's first prompt runs eagerly and its second captures the prompt's graph, so under prefill_graphs the
+    warm-up runs each length twice; served requests' DecodeConfig asks for the graphs. (The graphs need CUDA: the
+    engine's generate is replaced here; DecodeConfig.prefill_graphs has its own tests.)"""
+    from sdsie.serve import worker
+
+    engine = Engine.load(_config(tokenizer=str(PAIR / "tokenizer"), kv_cache="static"))
+    object.__setattr__(engine.config, "prefill_graphs", True)  # what --cuda-graphs --prefill-graphs sets
+    object.__setattr__(engine.config, "cuda_graphs", True)
+    asked: list[tuple[int, bool]] = []
+
+    def fake_generate(target, prompt, config, **kw):
+        asked.append((len(prompt) + config.max_new_tokens, config.prefill_graphs))
+
+    monkeypatch.setattr(worker, "generate", fake_generate)
+    engine.warm_up((40, 256))
+    assert asked == [(40, True), (40, True), (256, True), (256, True)]
+    from sdsie.decoding.sampling import GREEDY
+
+    request = protocol.GenerationRequest(prompt_ids=(1, 2), max_tokens=4, sampling=GREEDY)
+    assert engine.decode_config(request).prefill_graphs
+
+
 def test_warm_up_runs_a_short_request_at_each_cache_length_before_serving(monkeypatch) -> None:
     """Engine.load warms each configured cache length up with a few-token request that fills it to that length
     (prompt plus max_new_tokens), as served requests run (the scout and clutch), and counts none of it; a length
@@ -593,7 +617,7 @@ def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that
                                                    "return_token_ids": True})
             served = http.get("/v1/models").json()["data"][0]["sdsie"]
         assert served == {"int4": "group", "norms_fused": True, "compile": "eager", "compile_prefill": True,
-                          "gear": [], "scout": True}  # what a client can read of the served form
+                          "prefill_graphs": False, "gear": [], "scout": True}  # what a client reads of the served form
         assert r.status_code == 200, r.text
         target = copy.deepcopy(pair.target)
         quantize_for_decode(target)
@@ -650,6 +674,11 @@ def test_int4_and_compile_options_refuse_what_they_cannot_serve(monkeypatch) -> 
     assert (config.fuse_norms, config.compile, config.compile_prefill) == (False, "eager", True)
     with pytest.raises(ValueError, match="compile_prefill compiles the prompt's forward"):
         config_from_args(p.parse_args(["--target", "t", "--compile-prefill", "--kv-cache", "static"]))
+    args = p.parse_args(["--target", "t", "--kv-cache", "static", "--cuda-graphs", "--prefill-graphs"])
+    assert config_from_args(args).prefill_graphs
+    with pytest.raises(ValueError, match="prefill_graphs replays the prompt's forward as a CUDA graph: it needs "
+                                         "cuda_graphs"):
+        config_from_args(p.parse_args(["--target", "t", "--kv-cache", "static", "--prefill-graphs"]))
     with pytest.raises(SystemExit):
         p.parse_args(["--target", "t", "--int4", "awq"])
     with pytest.raises(ValueError, match="--no-fuse-norms is an option of --int4"):

@@ -100,7 +100,8 @@ def create_app(engine: Front) -> FastAPI:
         authorize(request)
         c = engine.config
         served = {"int4": c.int4, "norms_fused": c.int4 is not None and c.fuse_norms, "compile": c.compile,
-                  "compile_prefill": c.compile_prefill, "gear": list(c.gear), "scout": c.scout is not None}
+                  "compile_prefill": c.compile_prefill, "prefill_graphs": c.prefill_graphs, "gear": list(c.gear),
+                  "scout": c.scout is not None}
         return {"object": "list", "data": [{"id": engine.limits.model, "object": "model", "created": started,
                                             "owned_by": "sdsie", "max_model_len": engine.limits.context,
                                             "sdsie": served}]}

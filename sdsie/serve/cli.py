@@ -44,6 +44,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "--kv-cache static; the first request of each length compiles)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="with --compile: compile the prompt's forward too, with a dynamic length (one graph for all)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="with --cuda-graphs: replay each prompt's forward as a CUDA graph, padded to one of the "
+                        "engine's prefill sizes (the first prompt of each cache runs eagerly; each size captures on "
+                        "its first use)")
     p.add_argument("--warm-up", type=int, nargs="+", default=(), metavar="POSITIONS",
                    help="run one short request at each of these cache lengths (a request's prompt plus max_tokens, "
                         "rounded up to 256) before the port opens, so their compilations, graph captures and "
@@ -81,7 +85,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         clutch=clutch if (args.scout is not None or args.gear) else None,
         gear=tuple(g for g in args.gear.split(",") if g), gear_layers=layers, int4=args.int4,
         fuse_norms=not args.no_fuse_norms, compile=args.compile,
-        compile_prefill=args.compile_prefill, warm_up=tuple(args.warm_up), kv_cache=args.kv_cache,
+        compile_prefill=args.compile_prefill, prefill_graphs=args.prefill_graphs, warm_up=tuple(args.warm_up),
+        kv_cache=args.kv_cache,
         cuda_graphs=args.cuda_graphs, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
         api_key=args.api_key, max_tokens=args.max_tokens, context=args.context, queue_size=args.queue_size,
         chat_template=template, energy=not args.no_energy)

@@ -54,8 +54,11 @@ class ServeConfig:
     min-max preset at load, q/k/v and gate/up fused, and with fuse_norms its norms and residual adds in the INT4
     launches (sdsie.quant.quantize_for_decode). compile: a torch.compile backend for the target's decode step
     (sdsie.decoding.DecodeCompiled; needs the static cache); compile_prefill: prompts too, one graph for every
-    length. warm_up: cache lengths (positions: a request's prompt plus max_tokens, rounded up to 256) to run once
-    at load, before the server takes requests, so their compilations and graph captures are not a client's wait.
+    length. prefill_graphs: replay prompts as CUDA graphs, padded to the engine's prefill sizes
+    (DecodeConfig.prefill_graphs; needs cuda_graphs): the prefill launches nothing from the host. warm_up: cache
+    lengths (positions: a request's prompt plus max_tokens, rounded up to 256) to run once at load, before the
+    server takes requests, so their compilations and graph captures are not a client's wait (twice with
+    prefill_graphs: a cache's first prompt runs eagerly, the second captures its size's graph).
     max_tokens: the most a request may ask for.
     context: positions one request may fill, prompt plus max_tokens (None: the target's max_position_embeddings).
     queue_size: requests that may wait behind the running one; one more is answered 503 with Retry-After.
@@ -74,6 +77,7 @@ class ServeConfig:
     fuse_norms: bool = True
     compile: str | None = None
     compile_prefill: bool = False
+    prefill_graphs: bool = False
     warm_up: tuple[int, ...] = ()
     kv_cache: str = "dynamic"
     cuda_graphs: bool = False
@@ -107,6 +111,8 @@ class ServeConfig:
             raise ValueError(f"compile must be a torch.compile backend name, got {self.compile!r}")
         if self.compile_prefill and self.compile is None:
             raise ValueError("compile_prefill compiles the prompt's forward beside the decode step: it needs compile")
+        if self.prefill_graphs and not self.cuda_graphs:
+            raise ValueError("prefill_graphs replays the prompt's forward as a CUDA graph: it needs cuda_graphs")
         if self.compile is not None and self.kv_cache != "static":
             raise ValueError("compile needs kv_cache='static' (a dynamic cache changes shape every token, a "
                              "recompilation a token)")

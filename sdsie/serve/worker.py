@@ -267,9 +267,12 @@ class Engine(Front):
 
             clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
             config = DecodeConfig(max_new_tokens=n - len(prompt), kv_cache=self.config.kv_cache,
-                                  cuda_graphs=self.config.cuda_graphs)
+                                  cuda_graphs=self.config.cuda_graphs, prefill_graphs=self.config.prefill_graphs)
             t0 = time.perf_counter()
-            generate(self.target, prompt, config, scout=self.scout, clutch=clutch, gear=self.gear, on_tokens=stop)
+            for _ in range(2 if self.config.prefill_graphs else 1):  # a cache's first prompt runs eagerly
+                steps = 0
+                generate(self.target, prompt, config, scout=self.scout, clutch=clutch, gear=self.gear,
+                         on_tokens=stop)
             seconds[n] = time.perf_counter() - t0
             log.info("warm-up: cache length %d (%d positions) in %.1f s", n,
                      static_cache_length(n), seconds[n])
@@ -318,7 +321,8 @@ class Engine(Front):
     def decode_config(self, req: GenerationRequest) -> DecodeConfig:
         eos = None if req.ignore_eos or not self.eos else tuple(sorted(self.eos))
         return DecodeConfig(max_new_tokens=req.max_tokens, sampling=req.sampling, eos_token_id=eos,
-                            kv_cache=self.config.kv_cache, cuda_graphs=self.config.cuda_graphs)
+                            kv_cache=self.config.kv_cache, cuda_graphs=self.config.cuda_graphs,
+                            prefill_graphs=self.config.prefill_graphs)
 
     def run(self, job: Job) -> None:
         """Generate for one job on this thread, emitting Deltas, then Done (or Failed)."""

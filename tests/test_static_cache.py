@@ -457,7 +457,7 @@ def test_padded_prefills_decode_as_the_dynamic_cache(monkeypatch):
 def test_prefill_graphs_decode_as_the_eager_padded_prefill(dtype, monkeypatch):
     """On a GPU: prompts replayed as graphs (prefill_graphs; a cache's first prompt runs eagerly, later ones replay)
     give the tokens of the same padded prompts run eagerly, plain and fixed-K, at two prompt lengths; in fp32 both
-    equal unpadded decoding's tokens."""
+    equal unpadded decoding's tokens. A gated target's prompt replays the graph of the gear's precision."""
     import sdsie.decoding.engine as engine
 
     target, scout = copy.deepcopy(TARGET).to("cuda", dtype), copy.deepcopy(SCOUT).to("cuda", dtype)
@@ -476,3 +476,37 @@ def test_prefill_graphs_decode_as_the_eager_padded_prefill(dtype, monkeypatch):
     caches = engine._STATIC[target].values()
     assert {key[:2] for kv in caches for key in kv._graphs if key[0] == "prefill"} == {("prefill", 16),
                                                                                     ("prefill", 32)}
+    gated = copy.deepcopy(TARGET).to("cuda", dtype)
+    gear = gate_model(gated, "mlp.down_proj")
+    for when in (True, False, True):  # the prompt's precision flips with int4_when_engaged: one graph for each
+        kw = {"clutch": EntropyClutch(MIXED), "gear": gear}
+        graphed = generate(gated, [1, 5, 9, 4, 7], dataclasses.replace(graphed_cfg, int4_when_engaged=when), **kw)
+        with monkeypatch.context() as m:
+            m.setattr(engine, "_prefill_sizes", lambda config: engine.PREFILL_SIZES)
+            eager = generate(gated, [1, 5, 9, 4, 7], DecodeConfig(max_new_tokens=24, kv_cache="static",
+                                                                   int4_when_engaged=when),
+                             clutch=EntropyClutch(MIXED), gear=gear)
+        assert graphed.tokens == eager.tokens and graphed.decisions == eager.decisions, when
+
+
+def test_a_gated_prompt_runs_at_the_gears_precision_and_keys_its_graph_by_it(monkeypatch):
+    """A graphed prompt replays the precision it was captured at, so the prefill names the gear's precision (the
+    graph's variant), as the decode steps do: both precisions' prompts (int4_when_engaged either way) pass theirs."""
+    import sdsie.decoding.engine as engine
+
+    seen = []
+    real = StaticKV._padded_prefill
+
+    def spy(self, model, ids, size, variant):
+        seen.append(variant)
+        return real(self, model, ids, size, variant)
+
+    monkeypatch.setattr(engine, "_prefill_sizes", lambda config: engine.PREFILL_SIZES)
+    monkeypatch.setattr(StaticKV, "_padded_prefill", spy)
+    target = copy.deepcopy(TARGET)
+    gear = gate_model(target, "mlp.down_proj")
+    gears = []
+    for when in (True, False):
+        cfg = DecodeConfig(max_new_tokens=8, kv_cache="static", int4_when_engaged=when)
+        gears.append(generate(target, [1, 5, 9, 4], cfg, clutch=EntropyClutch(MIXED), gear=gear).prefill_gear_int4)
+    assert seen == gears and set(gears) == {True, False}

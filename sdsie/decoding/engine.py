@@ -667,7 +667,8 @@ def _wait(run: _Run, read: HostRead) -> tuple[list[int], list[float]]:
 def _prefill(run: _Run, prompt_len: int) -> tuple[int, float]:
     """Target reads the prompt; the first new token is a plain step from its last logits."""
     prompt = run.ids[:prompt_len]
-    logits = forward(run.target, prompt, run.target_cache, last_only=True)  # [1, V]
+    precision = run.gear.int4 if run.gear is not None else None  # a graphed prompt: one graph per precision too
+    logits = forward(run.target, prompt, run.target_cache, True, precision)  # [1, V]
     run.stats.target_forwards += 1
     _, token, bits = _verify(run, logits, prompt[:0], None)
     ints, floats = _wait(run, HostRead(token[None], bits))

@@ -510,3 +510,13 @@ def test_a_gated_prompt_runs_at_the_gears_precision_and_keys_its_graph_by_it(mon
         cfg = DecodeConfig(max_new_tokens=8, kv_cache="static", int4_when_engaged=when)
         gears.append(generate(target, [1, 5, 9, 4], cfg, clutch=EntropyClutch(MIXED), gear=gear).prefill_gear_int4)
     assert seen == gears and set(gears) == {True, False}
+
+
+def test_prefill_graphs_refuse_a_compiled_model():
+    """A compiled model's prompt under a CUDA graph is not proven on a GPU: the engine refuses it by name."""
+    from sdsie.decoding import DecodeCompiled
+
+    cfg = DecodeConfig(max_new_tokens=4, kv_cache="static", cuda_graphs=True, prefill_graphs=True)
+    with pytest.raises(ValueError, match=r"prefill_graphs runs on eager models only: a compiled model's "
+                                         r"\(DecodeCompiled\) prompt"):
+        generate(DecodeCompiled(copy.deepcopy(TARGET), backend="eager"), [1, 5, 9], cfg)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from sdsie.clutch import EntropyClutch
+from sdsie.decoding.compiled import DecodeCompiled
 from sdsie.decoding.model_io import (
     DECODE_ATTENTIONS,
     HostRead,
@@ -839,8 +840,6 @@ def _check_setup(
     device: torch.device,
 ) -> int:
     """Validate the combination of switches; returns K for an engaged (or ungated) speculate cycle."""
-    from sdsie.decoding.compiled import DecodeCompiled
-
     if config.prefill_graphs and any(isinstance(m, DecodeCompiled) for m in (target, scout)):
         # An H100 run of a compiled model with a compiled prefill replayed as a graph gave tokens that differed
         # between identical runs (docs/log.md 2026-12-06 14:45); a compiled decode step beside an eager prompt graph

@@ -12,6 +12,7 @@ once that cycle's work is launched (and at the end).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import queue
@@ -39,6 +40,12 @@ log = logging.getLogger(__name__)
 # most prompts take (`Int4Linear._composed` guards on the row count), then a few decode cycles past the graph capture.
 WARM_UP_PROMPT = 32
 WARM_UP_CYCLES = 4
+
+
+def _stop_after(cycles: int) -> Callable[[list[int]], bool]:
+    """An on_tokens hook that stops a run once it has emitted the prefill's token and `cycles` decode cycles."""
+    calls = itertools.count(1)
+    return lambda tokens: next(calls) > cycles
 
 
 @dataclass(frozen=True)
@@ -258,21 +265,12 @@ class Engine(Front):
         seconds: dict[int, float] = {}
         for n in lengths:
             prompt = [t % self.limits.vocab for t in range(1, min(WARM_UP_PROMPT, n // 2) + 1)]
-            steps = 0
-
-            def stop(tokens: list[int]) -> bool:  # past the prefill's token, a few decode cycles (capture included)
-                nonlocal steps
-                steps += 1
-                return steps > WARM_UP_CYCLES
-
             clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
-            config = DecodeConfig(max_new_tokens=n - len(prompt), kv_cache=self.config.kv_cache,
-                                  cuda_graphs=self.config.cuda_graphs, prefill_graphs=self.config.prefill_graphs)
+            config = self._served_config(n - len(prompt))
             t0 = time.perf_counter()
             for _ in range(2 if self.config.prefill_graphs else 1):  # a cache's first prompt runs eagerly
-                steps = 0
                 generate(self.target, prompt, config, scout=self.scout, clutch=clutch, gear=self.gear,
-                         on_tokens=stop)
+                         on_tokens=_stop_after(WARM_UP_CYCLES))
             seconds[n] = time.perf_counter() - t0
             log.info("warm-up: cache length %d (%d positions) in %.1f s", n,
                      static_cache_length(n), seconds[n])
@@ -320,9 +318,13 @@ class Engine(Front):
     # -- one request -------------------------------------------------------------------------------
     def decode_config(self, req: GenerationRequest) -> DecodeConfig:
         eos = None if req.ignore_eos or not self.eos else tuple(sorted(self.eos))
-        return DecodeConfig(max_new_tokens=req.max_tokens, sampling=req.sampling, eos_token_id=eos,
-                            kv_cache=self.config.kv_cache, cuda_graphs=self.config.cuda_graphs,
-                            prefill_graphs=self.config.prefill_graphs)
+        return self._served_config(req.max_tokens, sampling=req.sampling, eos_token_id=eos)
+
+    def _served_config(self, max_new_tokens: int, **request: Any) -> DecodeConfig:
+        """The DecodeConfig of a served run (a request's, or the warm-up's): the server's cache and graphs, and the
+        request's own fields."""
+        return DecodeConfig(max_new_tokens=max_new_tokens, kv_cache=self.config.kv_cache,
+                            cuda_graphs=self.config.cuda_graphs, prefill_graphs=self.config.prefill_graphs, **request)
 
     def run(self, job: Job) -> None:
         """Generate for one job on this thread, emitting Deltas, then Done (or Failed)."""

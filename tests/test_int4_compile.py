@@ -146,6 +146,28 @@ def test_a_compiled_prompt_takes_the_norm_fused_epilogues_from_torch_ops_and_a_s
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("kwargs", [{"options": {"combo_kernels": True, "triton.enable_pdl": True}},
+                                    {"mode": "max-autotune-no-cudagraphs"}, {"backend": "eager"}, {}])
+def test_the_compiled_prompt_launches_inductors_kernels_plainly(monkeypatch, kwargs: dict):
+    """DecodeCompiled compiles the prompt with inductor's programmatic launch off whatever the step's arguments ask
+    (a mode becomes its options, since torch.compile takes one or the other); the step keeps them as given, and a
+    backend other than inductor gets them unchanged."""
+    from sdsie.decoding import DecodeCompiled
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
+    DecodeCompiled(INT4, True, **kwargs)
+    step, prompt = calls
+    assert step == {**kwargs, "dynamic": False} and prompt["dynamic"] is True
+    if kwargs.get("backend") == "eager":
+        assert prompt == {**kwargs, "dynamic": True}
+        return
+    assert "mode" not in prompt and prompt["options"]["triton.enable_pdl"] is False
+    assert prompt["options"].items() >= {**kwargs.get("options", {}), "triton.enable_pdl": False}.items()
+    if "mode" in kwargs:
+        assert prompt["options"]["max_autotune"] is True
+
+
 @pytest.mark.gpu
 def test_inductor_compiles_an_int4_llama_on_the_gpu():
     if not torch.cuda.is_available():
@@ -204,4 +226,30 @@ def test_a_compiled_fused_int4_model_replays_under_the_engines_graphs():
     compiled = compiled_copy(model)
     graphed = generate(compiled, prompt, DecodeConfig(max_new_tokens=24, kv_cache="static", cuda_graphs=True)).tokens
     assert graphed == eager
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_compiled_int4_prompt_replays_under_prefill_graphs_as_it_runs_without_them(monkeypatch):
+    """On a GPU: a norm-fused INT4 model compiled with its prompt (inductor, programmatic launch asked for) and its
+    prompts replayed as graphs (prefill_graphs) gives, run after run, the tokens of the same compiled model with the
+    same padded prompts run without a prompt graph, at a padded length (20 -> 32) and an exact one (32). fp32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import sdsie.decoding.engine as engine
+    from sdsie.decoding import DecodeCompiled, DecodeConfig, generate
+    from sdsie.decoding.compiled import inductor_options
+    from sdsie.quant import quantize_for_decode
+
+    model = tiny_llama(vocab_size=64, num_layers=2, seed=0)
+    quantize_for_decode(model, QuantConfig("minmax", 32))
+    model.to("cuda")
+    compiled = DecodeCompiled(model, True, options=inductor_options(torch.device("cuda")))
+    graphed_cfg = DecodeConfig(max_new_tokens=24, kv_cache="static", cuda_graphs=True, prefill_graphs=True)
+    for prompt in (list(range(1, 21)), [(7 * i) % 63 + 1 for i in range(32)]):
+        graphed = [generate(compiled, prompt, graphed_cfg).tokens for _ in range(4)]
+        with monkeypatch.context() as m:  # the same padding, the prompt run without a graph
+            m.setattr(engine, "_prefill_sizes", lambda config: engine.PREFILL_SIZES)
+            plain = generate(compiled, prompt, DecodeConfig(max_new_tokens=24, kv_cache="static")).tokens
+        assert all(tokens == plain for tokens in graphed), (len(prompt), graphed, plain)
     torch._dynamo.reset()

@@ -2,7 +2,8 @@
 
 The engine captures the compiled step in its CUDA graphs like any forward, so inductor's fused kernels (norms, RoPE,
 residual adds, SiLU) replay with no host work. Prompts (and speculative verification's multi-token forwards) run
-eagerly unless `compile_prefill`, which compiles them once more with a dynamic length.
+eagerly unless `compile_prefill`, which compiles them once more with a dynamic length, inductor's kernels launched
+plainly there (see `DecodeCompiled`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ def inductor_options(device: torch.device) -> dict[str, bool]:
     return {"combo_kernels": True, **({"triton.enable_pdl": True} if pdl_on(device) else {})}
 
 
+def _prompt_kwargs(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The prompt's torch.compile arguments: the step's with a dynamic length and, where inductor compiles,
+    `triton.enable_pdl` off (see DecodeCompiled). torch.compile takes a mode or options, not both, so a mode becomes
+    its options."""
+    kwargs = {**compile_kwargs, "dynamic": True}
+    if kwargs.get("backend", "inductor") != "inductor":
+        return kwargs
+    mode = kwargs.pop("mode", None)
+    options = torch._inductor.list_mode_options(mode, True) if mode is not None else kwargs.get("options") or {}
+    kwargs["options"] = {**options, "triton.enable_pdl": False}
+    return kwargs
+
+
 class DecodeCompiled(nn.Module):
     """`model` whose one-token forwards (the decode step) run through torch.compile with static shapes, and whose
     longer forwards run through a second compilation with a dynamic length (one graph for every prompt length) where
@@ -34,14 +48,19 @@ class DecodeCompiled(nn.Module):
     defaults to False for the step: a graph per shape, never a dynamic-shape one.
 
     Each new shape (a static cache's length) compiles on its first call; under CUDA graphs those calls are the
-    capture's warm-up runs."""
+    capture's warm-up runs.
+
+    The prompt's compilation never launches inductor's kernels as programmatic dependents (`triton.enable_pdl` off
+    whatever compile_kwargs say): an INT4 Llama-3.1-8B prompt compiled with them and replayed as a CUDA graph gave
+    five different token lists in five identical H100 runs, and one without them (docs/log.md 2026-12-06 17:00).
+    The INT4 kernels keep theirs, as beside an eager model's kernels, where they wait for whatever ran before."""
 
     def __init__(self, model: nn.Module, compile_prefill: bool = False, **compile_kwargs: Any) -> None:
         super().__init__()
         self.model = model
         compile_kwargs.setdefault("dynamic", False)
         self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
-        self._prefill = (torch.compile(model, **{**compile_kwargs, "dynamic": True}),) if compile_prefill else None
+        self._prefill = (torch.compile(model, **_prompt_kwargs(compile_kwargs)),) if compile_prefill else None
 
     @property
     def config(self) -> Any:

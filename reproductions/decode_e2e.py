@@ -52,7 +52,7 @@ Llama-3.1-8B with fused norms on an H100, 6.0 ms of it busy GPU (telemetry/raw/
 decode_e2e_prefill_composed_llama_p32_h100.json), where bf16's takes 10.3. Each profiled row keeps its one-token
 run's kernels and host calls (`prefill_profile`: launches and busy GPU time by category, the prefill's wall time
 outside them, and the host's time in the INT4 ops, the compiled graphs and the driver's launches). --prefill-graphs
-replays the engine's prompts as CUDA graphs (DecodeConfig.prefill_graphs, eager variants only), padded to the
+replays the engine's prompts as CUDA graphs (DecodeConfig.prefill_graphs), padded to the
 engine's prefill sizes; the record's config says which (`prefill_graphs`). The INT4 prefill at 32 tokens then takes
 10.3 ms on an H100, 9.4 ms of it busy GPU (telemetry/raw/decode_e2e_prefill_graphs_llama_p32_h100.json). The HF peer
 compiles its own forward (inductor, HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and
@@ -924,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile the compiled variants' prefill too, with a dynamic length (default: eager prefill)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="replay each prompt's forward as a CUDA graph, padded to the engine's prefill sizes "
-                        "(DecodeConfig.prefill_graphs; eager variants only; the warm-up's second run captures it)")
+                        "(DecodeConfig.prefill_graphs; the warm-up's second run captures it)")
     p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
                    metavar="KEY=VALUE", help="a torch._inductor.config option for every compiled variant (repeat "
                                              "for more), e.g. combo_kernels=true")
@@ -944,9 +944,6 @@ def main(argv: list[str] | None = None) -> int:
                 "--gated-layout unfused")
     if args.gated_layout == "unfused" and GATED_NORMS & set(args.variants):
         p.error("the gated_norms variants need the MLP fused (fuse_norms): drop --gated-layout unfused")
-    compiled = [v for v in args.variants if v.endswith("_compiled")]
-    if args.prefill_graphs and compiled:
-        p.error(f"--prefill-graphs runs eager models only (DecodeConfig.prefill_graphs); drop {', '.join(compiled)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("decode_e2e needs a CUDA GPU (or --device cpu --tiny for a dry run)")

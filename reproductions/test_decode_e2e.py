@@ -302,7 +302,9 @@ def test_compiled_wrappers_send_one_token_to_the_static_step_and_prompts_to_the_
 @CPU_ONLY
 @pytest.mark.parametrize(("flag", "variant", "expected"), [((), "bf16_compiled", (False, False)),
                                                           (("--compile-prefill",), "bf16_compiled", (True, False)),
-                                                          (("--prefill-graphs",), "bf16", (False, True))])
+                                                          (("--prefill-graphs",), "bf16", (False, True)),
+                                                          (("--compile-prefill", "--prefill-graphs"), "bf16_compiled",
+                                                           (True, True))])
 def test_the_record_says_whether_the_prefill_was_compiled_or_graphed(tmp_path: Path, flag: tuple, variant: str,
                                                                      expected: tuple):
     assert main(_argv(tmp_path, "--prompt-lens", "6", "--variants", variant, "--no-record", "--no-profile",
@@ -439,10 +441,3 @@ def test_a_variant_graphs_its_prefill_only_when_asked_and_graphed(monkeypatch, g
     with pytest.raises(StopIteration):
         e2e._run_once(v, torch.tensor([1, 2]), 4, graphs)
     assert seen == [expected]
-
-
-def test_prefill_graphs_refuse_the_compiled_variants(tmp_path: Path, capsys):
-    with pytest.raises(SystemExit):
-        main(_argv(tmp_path, "--variants", "bf16", "int4_compiled", "--prefill-graphs"))
-    assert "--prefill-graphs runs eager models only (DecodeConfig.prefill_graphs); drop int4_compiled" in \
-        capsys.readouterr().err

@@ -679,9 +679,9 @@ def test_int4_and_compile_options_refuse_what_they_cannot_serve(monkeypatch) -> 
     with pytest.raises(ValueError, match="prefill_graphs replays the prompt's forward as a CUDA graph: it needs "
                                          "cuda_graphs"):
         config_from_args(p.parse_args(["--target", "t", "--kv-cache", "static", "--prefill-graphs"]))
-    with pytest.raises(ValueError, match="prefill_graphs runs on eager models only"):
-        config_from_args(p.parse_args(["--target", "t", "--kv-cache", "static", "--cuda-graphs", "--prefill-graphs",
-                                       "--compile"]))
+    config = config_from_args(p.parse_args(["--target", "t", "--kv-cache", "static", "--cuda-graphs",
+                                            "--prefill-graphs", "--compile", "--compile-prefill"]))
+    assert (config.prefill_graphs, config.compile, config.compile_prefill) == (True, "inductor", True)
     with pytest.raises(SystemExit):
         p.parse_args(["--target", "t", "--int4", "awq"])
     with pytest.raises(ValueError, match="--no-fuse-norms is an option of --int4"):

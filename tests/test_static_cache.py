@@ -512,11 +512,18 @@ def test_a_gated_prompt_runs_at_the_gears_precision_and_keys_its_graph_by_it(mon
     assert seen == gears and set(gears) == {True, False}
 
 
-def test_prefill_graphs_refuse_a_compiled_model():
-    """A compiled model's prompt under a CUDA graph is not proven on a GPU: the engine refuses it by name."""
+def test_a_compiled_models_padded_prompt_decodes_as_the_eager_model(monkeypatch):
+    """prefill_graphs takes a compiled model (DecodeCompiled, prompt compiled with a dynamic length): the engine's
+    checks pass it, and its prompts padded as under graphs (forced on here, CPU) give the eager model's tokens."""
+    import sdsie.decoding.engine as engine
     from sdsie.decoding import DecodeCompiled
 
-    cfg = DecodeConfig(max_new_tokens=4, kv_cache="static", cuda_graphs=True, prefill_graphs=True)
-    with pytest.raises(ValueError, match=r"prefill_graphs runs on eager models only: a compiled model's "
-                                         r"\(DecodeCompiled\) prompt"):
-        generate(DecodeCompiled(copy.deepcopy(TARGET), backend="eager"), [1, 5, 9], cfg)
+    cfg = DecodeConfig(max_new_tokens=12, kv_cache="static", cuda_graphs=True, prefill_graphs=True)
+    compiled = DecodeCompiled(copy.deepcopy(TARGET), True, backend="eager")
+    assert engine._check_setup(compiled, None, None, None, cfg, torch.device("cuda")) == 0
+    eager = generate(TARGET, [1, 5, 9, 4, 2], DecodeConfig(max_new_tokens=12, kv_cache="static")).tokens
+    monkeypatch.setattr(engine, "_prefill_sizes", lambda config: engine.PREFILL_SIZES)
+    padded = [generate(compiled, [1, 5, 9, 4, 2], DecodeConfig(max_new_tokens=12, kv_cache="static")).tokens
+              for _ in range(2)]
+    assert padded == [eager, eager]
+    torch._dynamo.reset()

@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from sdsie.clutch import EntropyClutch
-from sdsie.decoding.compiled import DecodeCompiled
 from sdsie.decoding.model_io import (
     DECODE_ATTENTIONS,
     HostRead,
@@ -100,10 +99,10 @@ class DecodeConfig:
     them (False: run them eagerly, as before; for A/B runs).
     prefill_graphs: under cuda_graphs, pad each prompt to one of PREFILL_SIZES and replay a graph of that size (one
     per size, captured on its first use), so a prefill launches nothing from the host; a cache's first prompt runs
-    eagerly (it initializes the cache). Eager models only: a DecodeCompiled target or scout is refused. The
-    padding is compute spent on no token (at most half the forward below 256 tokens); a prompt over 2,048 tokens
-    runs eagerly. The prompt's logits are the same computation as an unpadded forward's, up to the kernels'
-    floating-point order for another size.
+    eagerly (it initializes the cache). A DecodeCompiled model's compiled prompt replays inductor's kernels as
+    plain launches (DecodeCompiled). The padding is compute spent on no token (at most half the forward below 256
+    tokens); a prompt over 2,048 tokens runs eagerly. The prompt's logits are the same computation as an unpadded
+    forward's, up to the kernels' floating-point order for another size.
     k_schedule: "constant" (K drafts every speculate cycle) or "adaptive" (K_SCHEDULES: the draft length moves
     between 1 and K with the previous cycle's acceptance). Under cuda_graphs an adaptive run captures a verify
     graph for every draft length 1..K. Any schedule is lossless: only how many drafts are verified changes.
@@ -840,12 +839,6 @@ def _check_setup(
     device: torch.device,
 ) -> int:
     """Validate the combination of switches; returns K for an engaged (or ungated) speculate cycle."""
-    if config.prefill_graphs and any(isinstance(m, DecodeCompiled) for m in (target, scout)):
-        # An H100 run of a compiled model with a compiled prefill replayed as a graph gave tokens that differed
-        # between identical runs (docs/log.md 2026-12-06 14:45); a compiled decode step beside an eager prompt graph
-        # has not run on a GPU. Eager models' prompt graphs are GPU-tested.
-        raise ValueError("prefill_graphs runs on eager models only: a compiled model's (DecodeCompiled) prompt under "
-                         "a CUDA graph is not proven on a GPU; drop prefill_graphs or the compilation")
     if gear is not None and clutch is None:
         raise ValueError("a gear needs a clutch to drive it: pass clutch=EntropyClutch(...)")
     if gear is not None and not isinstance(getattr(gear, "int4", None), bool):

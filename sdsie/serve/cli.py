@@ -45,7 +45,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-prefill", action="store_true",
                    help="with --compile: compile the prompt's forward too, with a dynamic length (one graph for all)")
     p.add_argument("--prefill-graphs", action="store_true",
-                   help="with --cuda-graphs, without --compile: replay each prompt's forward as a CUDA graph, "
+                   help="with --cuda-graphs: replay each prompt's forward as a CUDA graph, "
                         "padded to one of the engine's prefill sizes (the first prompt of each cache runs eagerly; "
                         "each size captures on its first use)")
     p.add_argument("--warm-up", type=int, nargs="+", default=(), metavar="POSITIONS",

@@ -55,7 +55,7 @@ class ServeConfig:
     launches (sdsie.quant.quantize_for_decode). compile: a torch.compile backend for the target's decode step
     (sdsie.decoding.DecodeCompiled; needs the static cache); compile_prefill: prompts too, one graph for every
     length. prefill_graphs: replay prompts as CUDA graphs, padded to the engine's prefill sizes
-    (DecodeConfig.prefill_graphs; needs cuda_graphs, not compile): the prefill launches nothing from the host.
+    (DecodeConfig.prefill_graphs; needs cuda_graphs): the prefill launches nothing from the host.
     warm_up: cache lengths (positions: a request's prompt plus max_tokens, rounded up to 256) to run once at load,
     before the server takes requests, so their compilations and graph captures are not a client's wait (twice
     with prefill_graphs: a cache's first prompt runs eagerly, the second captures its size's graph).
@@ -113,9 +113,6 @@ class ServeConfig:
             raise ValueError("compile_prefill compiles the prompt's forward beside the decode step: it needs compile")
         if self.prefill_graphs and not self.cuda_graphs:
             raise ValueError("prefill_graphs replays the prompt's forward as a CUDA graph: it needs cuda_graphs")
-        if self.prefill_graphs and self.compile is not None:
-            raise ValueError("prefill_graphs runs on eager models only (DecodeConfig.prefill_graphs): drop compile "
-                             "or prefill_graphs")
         if self.compile is not None and self.kv_cache != "static":
             raise ValueError("compile needs kv_cache='static' (a dynamic cache changes shape every token, a "
                              "recompilation a token)")

@@ -52,9 +52,10 @@ Llama-3.1-8B with fused norms on an H100, 6.0 ms of it busy GPU (telemetry/raw/
 decode_e2e_prefill_composed_llama_p32_h100.json), where bf16's takes 10.3. Each profiled row keeps its one-token
 run's kernels and host calls (`prefill_profile`: launches and busy GPU time by category, the prefill's wall time
 outside them, and the host's time in the INT4 ops, the compiled graphs and the driver's launches). --prefill-graphs
-replays the engine's prompts as CUDA graphs (DecodeConfig.prefill_graphs), padded to the
-engine's prefill sizes; the record's config says which (`prefill_graphs`). The INT4 prefill at 32 tokens then takes
-10.3 ms on an H100, 9.4 ms of it busy GPU (telemetry/raw/decode_e2e_prefill_graphs_llama_p32_h100.json). The HF peer
+replays the engine's prompts as CUDA graphs (DecodeConfig.prefill_graphs), padded to the engine's prefill sizes;
+the record's config says which (`prefill_graphs`). The INT4 prefill at 32 tokens then takes 10.3 ms on an H100, 9.4 ms
+of it busy GPU (telemetry/raw/decode_e2e_prefill_graphs_llama_p32_h100.json), and 6.5 ms compiled with
+--compile-prefill (telemetry/raw/decode_e2e_compiled_prompt_graphs_llama_p32_h100.json). The HF peer
 compiles its own forward (inductor, HF's defaults) on CUDA; off CUDA it is told to compile with --compile-backend, and
 its row says whether HF did (`hf_compiled`).
 

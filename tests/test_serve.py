@@ -629,18 +629,22 @@ def test_int4_target_is_quantized_fused_compiled_and_answers_as_generate_on_that
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_int4_compiled_graphed_serving_answers_as_generate_on_the_served_model() -> None:
+@pytest.mark.parametrize("prompt_graphs", [False, True])
+def test_on_the_gpu_int4_compiled_graphed_serving_answers_as_generate_on_the_served_model(prompt_graphs: bool) -> None:
     """The GPU form of the test above: the INT4 kernels (the mma GEMV with its norm epilogues at M = 1), inductor and
-    CUDA graphs; the served tokens and decisions are generate()'s on the engine's own (compiled) target."""
+    CUDA graphs, and with `prompt_graphs` the prompt compiled too and replayed as a graph (--compile-prefill
+    --prefill-graphs); the served tokens and decisions are generate()'s on the engine's own (compiled) target."""
     config = _config(tokenizer=str(PAIR / "tokenizer"), int4="group", compile="inductor", kv_cache="static",
-                     cuda_graphs=True, device="cuda", dtype="bfloat16")
+                     cuda_graphs=True, device="cuda", dtype="bfloat16", compile_prefill=prompt_graphs,
+                     prefill_graphs=prompt_graphs)
     engine = Engine.load(config)
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
     with TestClient(create_app(engine)) as http:
         answers = [http.post("/v1/completions", json=body).json() for _ in range(2)]
     ids = engine.tokenizer.encode(PROMPT)
     ref = generate(engine.target, ids, DecodeConfig(max_new_tokens=24, eos_token_id=EOS, kv_cache="static",
-                                                    cuda_graphs=True), scout=engine.scout, clutch=EntropyClutch(MIXED))
+                                                    cuda_graphs=True, prefill_graphs=prompt_graphs),
+                   scout=engine.scout, clutch=EntropyClutch(MIXED))
     assert answers[0]["choices"][0]["token_ids"] == answers[1]["choices"][0]["token_ids"] == ref.tokens
     assert answers[0]["usage"]["sdsie"]["decisions"] == ref.decisions
 

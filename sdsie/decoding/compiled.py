@@ -52,7 +52,7 @@ class DecodeCompiled(nn.Module):
 
     The prompt's compilation never launches inductor's kernels as programmatic dependents (`triton.enable_pdl` off
     whatever compile_kwargs say): an INT4 Llama-3.1-8B prompt compiled with them and replayed as a CUDA graph gave
-    five different token lists in five identical H100 runs, and one without them (docs/log.md 2026-12-06 17:00).
+    five different token lists in five identical H100 runs, and one without them (docs/log.md 2026-12-06 16:15).
     The INT4 kernels keep theirs, as beside an eager model's kernels, where they wait for whatever ran before."""
 
     def __init__(self, model: nn.Module, compile_prefill: bool = False, **compile_kwargs: Any) -> None:

@@ -1,20 +1,21 @@
 """Why a compiled model's prompt replayed as a CUDA graph gave tokens that differ between identical runs (H100,
-docs/log.md 2026-12-06 14:45), where the eager model's prompt graph does not. Two suspects: kernels launched as
-programmatic dependents (inductor's `triton.enable_pdl` and the INT4 kernels' own) starting before what they read
-is written, and the compiled prompt traced before the cache's first consolidation (HF's layers initialized inside
-the first compiled call, then replaced by views of one tensor and a shared counter).
+docs/log.md 2026-12-06 14:45), where the eager model's prompt graph does not. The answer (16:15): inductor's kernels
+launched as programmatic dependents (`triton.enable_pdl`) in the compiled prompt; `DecodeCompiled` now compiles the
+prompt without them. The probe keeps the failing form as an arm (the prompt recompiled with them on), so the kernel
+at fault can be looked for.
 
 Per arm, one INT4 model (every linear quantized, norms fused: `quantize_for_decode`), `runs` identical decodes under
 CUDA graphs after two warm-up runs (the first initializes the cache, the second captures the prompt's graph). A
-graphed arm pads its prompt as `DecodeConfig.prefill_graphs` pads it (that option refuses compiled models, so the
-probe turns the padding on beneath it); its `_ungraphed` twin runs the same model's prompt as it is, which is the
-reference: at a prompt length that is a prefill size the two run the same kernels, so a correct graph gives the
-twin's tokens. Arms:
+graphed arm pads its prompt as `DecodeConfig.prefill_graphs` pads it (the probe turns the padding on beneath the
+option); its `_ungraphed` twin runs the same model's prompt as it is, which is the reference: at a prompt length
+that is a prefill size the two run the same kernels, so a correct graph gives the twin's tokens. Arms:
 
-    eager                              eager model, prompt graphed (GPU-tested)
-    compiled_prompt[_ungraphed]        compiled step and compiled prompt (PDL on)
-    compiled_prompt_no_pdl             the same, programmatic launch off (inductor's option and the INT4 kernels')
+    compiled_prompt                    compiled step and prompt, programmatic launch on everywhere (the fault)
+    compiled_prompt_ungraphed          the same, the prompt run without a graph
+    compiled_prompt_no_pdl             programmatic launch off everywhere (inductor's and the INT4 kernels')
+    compiled_prompt_plain              DecodeCompiled as it is: the prompt's inductor kernels launched plainly
     compiled_step[_ungraphed]          compiled step, eager prompt
+    eager                              eager model, prompt graphed (GPU-tested)
 
 Every run's tokens are kept, and each arm says how many distinct token lists it gave and which arms' first run
 it equals. The answer goes to docs/log.md, the raw file to telemetry/raw/.
@@ -38,14 +39,15 @@ from sdsie.kernels.device import set_programmatic_launch
 from sdsie.quant import quantize_for_decode
 from sdsie.telemetry.records import capture_environment
 
-# name: (compiled step, compiled prompt, prompt graphed, programmatic launch)
-ARMS: dict[str, tuple[bool, bool, bool, bool]] = {
-    "compiled_prompt": (True, True, True, True),
-    "compiled_prompt_ungraphed": (True, True, False, True),
-    "compiled_prompt_no_pdl": (True, True, True, False),
-    "compiled_step": (True, False, True, True),
-    "compiled_step_ungraphed": (True, False, False, True),
-    "eager": (False, False, True, True),
+# name: (compiled step, compiled prompt, prompt graphed, programmatic launch, the prompt's inductor kernels with it)
+ARMS: dict[str, tuple[bool, bool, bool, bool, bool]] = {
+    "compiled_prompt": (True, True, True, True, True),
+    "compiled_prompt_ungraphed": (True, True, False, True, True),
+    "compiled_prompt_no_pdl": (True, True, True, False, False),
+    "compiled_prompt_plain": (True, True, True, True, False),
+    "compiled_step": (True, False, True, True, False),
+    "compiled_step_ungraphed": (True, False, False, True, False),
+    "eager": (False, False, True, True, False),
 }
 
 
@@ -64,12 +66,14 @@ def build(name: str, device: torch.device) -> torch.nn.Module:
 
 def arm_tokens(model: torch.nn.Module, arm: str, prompt: list[int], new_tokens: int, runs: int) -> list[list[int]]:
     """`runs` decodes of the arm after two warm-up runs."""
-    step, prompt_compiled, graphed, pdl = ARMS[arm]
+    step, prompt_compiled, graphed, pdl, prompt_pdl = ARMS[arm]
     set_programmatic_launch(pdl)
     torch._dynamo.reset()
     engine._prefill_sizes = lambda config: engine.PREFILL_SIZES if config.cuda_graphs and graphed else ()
     options = {"combo_kernels": True, "triton.enable_pdl": pdl}
     target = DecodeCompiled(model, prompt_compiled, options=options) if step else model
+    if prompt_pdl:  # DecodeCompiled compiles the prompt with them off: the failing form, compiled again
+        target._prefill = (torch.compile(model, dynamic=True, options=options),)
     cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=True)
     return [generate(target, prompt, cfg).tokens for _ in range(2 + runs)][2:]
 

@@ -106,7 +106,7 @@ import sdsie.kernels
 import sdsie.kernels.ops
 from reproductions.kernels.int4_bench import tuned_table_provenance
 from sdsie.clutch import ClutchConfig, EntropyClutch
-from sdsie.decoding import DecodeCompiled, DecodeConfig, DecodeStats, generate, run_attention
+from sdsie.decoding import DecodeCompiled, DecodeConfig, DecodeStats, generate, prompt_compile_kwargs, run_attention
 from sdsie.decoding.model_io import DECODE_ATTENTIONS, sync_device
 from sdsie.kernels import int4_matmul_reference
 from sdsie.kernels.device import set_programmatic_launch
@@ -609,13 +609,19 @@ def int4_kernel(device: torch.device) -> Iterator[str]:
          sdsie.kernels.ops.int4_silu_mul) = saved
 
 
+def _compile_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """torch.compile's arguments for the compiled variants' decode step (DecodeCompiled derives the prompt's)."""
+    kwargs: dict[str, Any] = {"backend": args.compile_backend} if args.compile_backend else {}
+    if args.inductor_options:
+        kwargs["options"] = dict(args.inductor_options)
+    return kwargs
+
+
 def model_variants(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Yield (variant name, Variant factory) in order, transforming one model between them; a stage no requested
     variant needs is skipped."""
     wanted = set(args.variants)
-    compile_kwargs: dict[str, Any] = {"backend": args.compile_backend} if args.compile_backend else {}
-    if args.inductor_options:
-        compile_kwargs["options"] = dict(args.inductor_options)
+    compile_kwargs = _compile_kwargs(args)
 
     def compiled(m: nn.Module) -> DecodeCompiled:
         return DecodeCompiled(m, args.compile_prefill, **compile_kwargs)
@@ -778,6 +784,8 @@ def run_suite(args: argparse.Namespace, stop: SigtermStop | None = None) -> dict
                    "energy": energy_reason or "nvml", "max_seconds": args.max_seconds,
                    "attention": args.attention, "launch_ahead": args.launch_ahead,
                    "inductor_options": dict(args.inductor_options), "pdl": args.pdl,
+                   "prefill_inductor_options": prompt_compile_kwargs(_compile_kwargs(args)).get("options")
+                   if args.compile_prefill else None,
                    "gated_layout": args.gated_layout,
                    "attention_run": run_attention(DecodeConfig(kv_cache="static", cuda_graphs=args.graphs,
                                                                attention=args.attention), device)},

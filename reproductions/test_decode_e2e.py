@@ -6,6 +6,7 @@ the kernel has its own tests) and torch's CPU tinygemm: the dry run checks the s
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import torch
 
 import reproductions.decode_e2e as e2e
 from reproductions.decode_e2e import Budget, build_model, kernel_category, main
-from sdsie.decoding import DecodeCompiled
+from sdsie.decoding import DecodeCompiled, prompt_compile_kwargs
 from sdsie.telemetry.records import load_record
 
 # every stage of the model's transformations, each compiled kind once (dynamo's eager backend: seconds on CPU)
@@ -311,7 +312,18 @@ def test_the_record_says_whether_the_prefill_was_compiled_or_graphed(tmp_path: P
                       "--no-energy", *flag)) == 0
     doc = json.loads((tmp_path / "decode_e2e.json").read_text())
     assert (doc["config"]["compile_prefill"], doc["config"]["prefill_graphs"]) == expected
+    assert doc["config"]["prefill_inductor_options"] is None  # the CPU dry run compiles with the eager backend
     assert all("error" not in r for r in doc["results"]), doc["results"]
+
+
+def test_the_record_gives_the_compiled_prompts_inductor_options():
+    """On a GPU the record's `prefill_inductor_options` are the step's with programmatic launch off, as DecodeCompiled
+    compiles the prompt."""
+    args = argparse.Namespace(compile_backend=None, inductor_options=[("combo_kernels", True),
+                                                                      ("triton.enable_pdl", True)])
+    assert e2e._compile_kwargs(args) == {"options": {"combo_kernels": True, "triton.enable_pdl": True}}
+    assert prompt_compile_kwargs(e2e._compile_kwargs(args))["options"] == {"combo_kernels": True,
+                                                                           "triton.enable_pdl": False}
 
 
 @pytest.mark.parametrize(("name", "category"), [

@@ -1,6 +1,6 @@
 """Decoding: one engine for the plain loop, fixed-K speculation, and entropy-gated speculation and precision."""
 
-from sdsie.decoding.compiled import DecodeCompiled, inductor_options
+from sdsie.decoding.compiled import DecodeCompiled, inductor_options, prompt_compile_kwargs
 from sdsie.decoding.engine import (
     CycleRecord,
     DecodeConfig,
@@ -37,6 +37,7 @@ __all__ = [
     "generate",
     "greedy_verify",
     "inductor_options",
+    "prompt_compile_kwargs",
     "logits_to_probs",
     "make_generator",
     "rejection_verify",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DecodeCompiled", "inductor_options"]
+__all__ = ["DecodeCompiled", "inductor_options", "prompt_compile_kwargs"]
 
 
 def inductor_options(device: torch.device) -> dict[str, bool]:
@@ -28,7 +28,7 @@ def inductor_options(device: torch.device) -> dict[str, bool]:
     return {"combo_kernels": True, **({"triton.enable_pdl": True} if pdl_on(device) else {})}
 
 
-def _prompt_kwargs(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+def prompt_compile_kwargs(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The prompt's torch.compile arguments: the step's with a dynamic length and, where inductor compiles,
     `triton.enable_pdl` off (see DecodeCompiled). torch.compile takes a mode or options, not both, so a mode becomes
     its options."""
@@ -60,7 +60,7 @@ class DecodeCompiled(nn.Module):
         self.model = model
         compile_kwargs.setdefault("dynamic", False)
         self._step = (torch.compile(model, **compile_kwargs),)  # a tuple: the module is registered once, above
-        self._prefill = (torch.compile(model, **_prompt_kwargs(compile_kwargs)),) if compile_prefill else None
+        self._prefill = (torch.compile(model, **prompt_compile_kwargs(compile_kwargs)),) if compile_prefill else None
 
     @property
     def config(self) -> Any:

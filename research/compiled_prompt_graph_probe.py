@@ -14,6 +14,8 @@ that is a prefill size the two run the same kernels, so a correct graph gives th
     compiled_prompt_ungraphed          the same, the prompt run without a graph
     compiled_prompt_no_pdl             programmatic launch off everywhere (inductor's and the INT4 kernels')
     compiled_prompt_plain              DecodeCompiled as it is: the prompt's inductor kernels launched plainly
+    compiled_prompt_pointwise          the failing form, programmatic launch only for the prompt's pointwise kernels
+    compiled_prompt_reduction          the same, only for its reductions (with the other, a bisection)
     compiled_step[_ungraphed]          compiled step, eager prompt
     eager                              eager model, prompt graphed (GPU-tested)
 
@@ -26,6 +28,7 @@ it equals. The answer goes to docs/log.md, the raw file to telemetry/raw/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -34,20 +37,24 @@ from typing import Any
 import torch
 
 import sdsie.decoding.engine as engine
+from research.inductor_pdl_code import programmatic_launch_only_for
 from sdsie.decoding import DecodeCompiled, DecodeConfig, generate
 from sdsie.kernels.device import set_programmatic_launch
 from sdsie.quant import quantize_for_decode
 from sdsie.telemetry.records import capture_environment
 
-# name: (compiled step, compiled prompt, prompt graphed, programmatic launch, the prompt's inductor kernels with it)
-ARMS: dict[str, tuple[bool, bool, bool, bool, bool]] = {
-    "compiled_prompt": (True, True, True, True, True),
-    "compiled_prompt_ungraphed": (True, True, False, True, True),
-    "compiled_prompt_no_pdl": (True, True, True, False, False),
-    "compiled_prompt_plain": (True, True, True, True, False),
-    "compiled_step": (True, False, True, True, False),
-    "compiled_step_ungraphed": (True, False, False, True, False),
-    "eager": (False, False, True, True, False),
+# name: (compiled step, compiled prompt, prompt graphed, programmatic launch, which of the prompt's inductor kernels
+# launch as programmatic dependents: None, or a kind of research.inductor_pdl_code.KINDS)
+ARMS: dict[str, tuple[bool, bool, bool, bool, str | None]] = {
+    "compiled_prompt": (True, True, True, True, "all"),
+    "compiled_prompt_ungraphed": (True, True, False, True, "all"),
+    "compiled_prompt_no_pdl": (True, True, True, False, None),
+    "compiled_prompt_plain": (True, True, True, True, None),
+    "compiled_prompt_pointwise": (True, True, True, True, "pointwise"),
+    "compiled_prompt_reduction": (True, True, True, True, "reduction"),
+    "compiled_step": (True, False, True, True, None),
+    "compiled_step_ungraphed": (True, False, False, True, None),
+    "eager": (False, False, True, True, None),
 }
 
 
@@ -66,16 +73,18 @@ def build(name: str, device: torch.device) -> torch.nn.Module:
 
 def arm_tokens(model: torch.nn.Module, arm: str, prompt: list[int], new_tokens: int, runs: int) -> list[list[int]]:
     """`runs` decodes of the arm after two warm-up runs."""
-    step, prompt_compiled, graphed, pdl, prompt_pdl = ARMS[arm]
+    step, prompt_compiled, graphed, pdl, prompt_kind = ARMS[arm]
     set_programmatic_launch(pdl)
     torch._dynamo.reset()
     engine._prefill_sizes = lambda config: engine.PREFILL_SIZES if config.cuda_graphs and graphed else ()
     options = {"combo_kernels": True, "triton.enable_pdl": pdl}
     target = DecodeCompiled(model, prompt_compiled, options=options) if step else model
-    if prompt_pdl:  # DecodeCompiled compiles the prompt with them off: the failing form, compiled again
+    if prompt_kind is not None:  # DecodeCompiled compiles the prompt with them off: the failing form, compiled again
         target._prefill = (torch.compile(model, dynamic=True, options=options),)
     cfg = DecodeConfig(max_new_tokens=new_tokens, kv_cache="static", cuda_graphs=True)
-    return [generate(target, prompt, cfg).tokens for _ in range(2 + runs)][2:]
+    restricted = prompt_kind in ("pointwise", "reduction")  # compiles happen in the first two runs
+    with programmatic_launch_only_for(prompt_kind) if restricted else contextlib.nullcontext():
+        return [generate(target, prompt, cfg).tokens for _ in range(2 + runs)][2:]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -12,8 +12,11 @@ shows the form of inductor's waits, not the GPU's exact kernels (docs/log.md 202
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+from collections.abc import Iterator
 
+import sympy
 import torch
 import torch._inductor.config as inductor_config
 import torch.utils._triton as torch_triton
@@ -24,6 +27,38 @@ from sdsie.decoding.model_io import StaticKV
 from sdsie.quant import quantize_for_decode
 
 MARKS = re.compile(r"gdc_wait|gdc_launch_dependents|tl\.load|tl\.store|^\s*def |for r0")
+KINDS = ("all", "pointwise", "reduction")
+
+
+def kernel_kind(kernel: object) -> str:
+    """"reduction" where the kernel (or any kernel of a combo kernel) reduces, else "pointwise"."""
+    kernels = getattr(kernel, "sub_kernels", None) or [kernel]
+    return "reduction" if any(k.features.is_reduction() for k in kernels) else "pointwise"
+
+
+@contextlib.contextmanager
+def programmatic_launch_only_for(kind: str, on_gpu: bool = True) -> Iterator[None]:
+    """Inside, inductor generates programmatic launch (where `triton.enable_pdl` asks for it) only for kernels of
+    `kind` in graphs with a dynamic length (a compiled prompt's); a static graph's kernels (a decode step's) and, for
+    "all", every kernel keep inductor's own rule. Inductor's caches are off inside: a cached graph would carry
+    another kind's code. on_gpu=False: as on an sm_90 GPU, on any device (to read code)."""
+    from torch._inductor.virtualized import V
+
+    own = triton_codegen.TritonKernel.__dict__["_enable_pdl_codegen"]
+
+    def enabled() -> bool:
+        if not (own.__func__() if on_gpu else inductor_config.triton.enable_pdl):
+            return False
+        if kind == "all" or not any(isinstance(v, sympy.Expr) for v in V.graph.graph_inputs.values()):
+            return True  # no size taken as an input: a static graph
+        return kernel_kind(V.kernel) == kind
+
+    triton_codegen.TritonKernel._enable_pdl_codegen = staticmethod(enabled)
+    try:
+        with inductor_config.patch(force_disable_caches=True):
+            yield
+    finally:
+        triton_codegen.TritonKernel._enable_pdl_codegen = own
 
 
 def build(widths: str) -> torch.nn.Module:
@@ -39,15 +74,15 @@ def build(widths: str) -> torch.nn.Module:
                                         tie_word_embeddings=False)).eval()
 
 
-def kernel_sources(model: torch.nn.Module, form: str) -> dict[str, str]:
+def kernel_sources(model: torch.nn.Module, form: str, kind: str = "all") -> dict[str, str]:
     """Each Triton kernel inductor generates for one compiled forward of `form` ("prompt": 32 tokens, a dynamic
-    length, logits at one position; "step": one token), on a cache already set up as the engine sets it up."""
+    length, logits at one position; "step": one token), on a cache already set up as the engine sets it up; `kind`:
+    the prompt's kernels that get programmatic launch (programmatic_launch_only_for)."""
     sources: dict[str, str] = {}
     inductor_config.cpu_backend = "triton"
     inductor_config.combo_kernels = True
     inductor_config.triton.enable_pdl = True
     inductor_config.compile_threads = 1
-    triton_codegen.TritonKernel._enable_pdl_codegen = staticmethod(lambda: True)  # as on an sm_90 GPU
     torch_triton.triton_hash_with_backend = lambda: "0" * 64  # no Triton driver on a CPU
     async_compile.AsyncCompile.triton = lambda self, name, source, device_str="cuda": sources.setdefault(name, source)
     kv = StaticKV(model, 256)
@@ -56,7 +91,7 @@ def kernel_sources(model: torch.nn.Module, form: str) -> dict[str, str]:
     quantize_for_decode(model)
     n = 1 if form == "step" else 32
     compiled = torch.compile(model, dynamic=form == "prompt")
-    with torch.no_grad():
+    with torch.no_grad(), programmatic_launch_only_for(kind, on_gpu=False):
         try:
             kv.model_forward(compiled, torch.arange(1, n + 1)[None], True,
                              keep=None if form == "step" else torch.tensor([n - 1]))
@@ -69,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--form", choices=("prompt", "step"), default="prompt")
     p.add_argument("--widths", choices=("tiny", "llama"), default="tiny")
+    p.add_argument("--kind", choices=KINDS, default="all", help="the prompt's kernels that get programmatic launch")
     args = p.parse_args(argv)
-    for name, source in kernel_sources(build(args.widths), args.form).items():
+    for name, source in kernel_sources(build(args.widths), args.form, args.kind).items():
         print(f"== {name}")
         print("\n".join(line[:150] for line in source.splitlines() if MARKS.search(line)))
 

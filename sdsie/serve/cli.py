@@ -86,10 +86,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         gear=tuple(g for g in args.gear.split(",") if g), gear_layers=layers, int4=args.int4,
         fuse_norms=not args.no_fuse_norms, compile=args.compile,
         compile_prefill=args.compile_prefill, prefill_graphs=args.prefill_graphs, warm_up=tuple(args.warm_up),
-        kv_cache=args.kv_cache,
-        cuda_graphs=args.cuda_graphs, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
-        api_key=args.api_key, max_tokens=args.max_tokens, context=args.context, queue_size=args.queue_size,
-        chat_template=template, energy=not args.no_energy)
+        kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, device=args.device, dtype=args.dtype, host=args.host,
+        port=args.port, api_key=args.api_key, max_tokens=args.max_tokens, context=args.context,
+        queue_size=args.queue_size, chat_template=template, energy=not args.no_energy)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ is HTTP, queueing and streaming (http overhead). The ratio server / direct is pa
 --model NAME serves, instead of the pair, the end-to-end suite's random-weight configuration of that model (saved to
 a temporary folder with a word-level tokenizer, no scout, --clutch off), the prompts being the stand-in tokenizer's
 ids of the same texts. --int4 PRESET, --compile [BACKEND] and --compile-prefill give both sides the server's form
-(`sdsie.serve.worker.prepare_target`, the function the server applies to its copy).
+(`sdsie.serve.worker.prepare_target`, the function the server applies to its copy); --prefill-graphs replays the
+prompts as CUDA graphs on both sides (DecodeConfig.prefill_graphs), so the time to first token is the graphed one.
 
 --max-seconds bounds the whole run from its start, pair build included: a warm-up or timed pair that would end past
 it (less a reserve for stopping the server and writing) is not started, and the record keeps what completed,
@@ -153,9 +154,11 @@ class Measured:
             self.mismatches.append(what)
 
 
-def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget) -> Measured:
-    """Warm every prompt up on both sides, then `trials` interleaved timed pairs per prompt, while the budget lasts.
-    KeyboardInterrupt (SIGINT, and SIGTERM under main) ends it like the budget: what completed is kept."""
+def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, warm_rounds: int = 1) -> Measured:
+    """Warm every prompt up on both sides (`warm_rounds` times each: 2 with prompt graphs, whose first prompt of a
+    cache runs eagerly and whose second captures the size's graph), then `trials` interleaved timed pairs per
+    prompt, while the budget lasts. KeyboardInterrupt (SIGINT, and SIGTERM under main) ends it like the budget: what
+    completed is kept."""
     m = Measured(list(prompts))
     reference: dict[str, tuple[DirectRun, WholeAnswer]] = {}
     warmups: list[float] = []
@@ -167,11 +170,18 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget) -
                 m.cut = f"budget: warm-up stopped before {pid} ({budget.left():.0f} s left, {estimate:.0f} s needed)"
                 break
             t0 = budget.clock()
-            ref, whole = sides.direct(pid), sides.whole(pid)
+            first: list[int] | None = None
+            for r in range(warm_rounds):
+                ref, whole = sides.direct(pid), sides.whole(pid)
+                m.check(whole.token_ids == ref.tokens, f"{pid} warm-up: server token ids differ from direct "
+                        f"generate() from position {_first_difference(whole.token_ids, ref.tokens)}")
+                if first is None:
+                    first = ref.tokens
+                else:  # a later round replays what the first captured (prompt graphs): the same tokens
+                    m.check(ref.tokens == first, f"{pid} warm-up round {r + 1}: direct tokens differ from round 1's "
+                            f"from position {_first_difference(ref.tokens, first)}")
             warmups.append(budget.clock() - t0)
             m.add("warmup_s", warmups[-1])
-            m.check(whole.token_ids == ref.tokens, f"{pid} warm-up: server token ids differ from direct generate() "
-                    f"from position {_first_difference(whole.token_ids, ref.tokens)}")
             reference[pid] = (ref, whole)
             m.warmed.append(pid)
             budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {warmups[-1]:.1f} s (both sides)")
@@ -280,8 +290,8 @@ def build_record(a: argparse.Namespace, m: Measured, environment: dict[str, Any]
     samples, metrics = summarize(m)
     done = max((len(samples.get(f"direct|{p}|tokens_per_s", [])) for p in m.warmed), default=0)
     config = {k: getattr(a, k) for k in ("preset", "model", "tiny", "int4", "compile", "compile_prefill", "device",
-                                         "dtype", "kv_cache", "cuda_graphs", "clutch", "max_tokens", "one_per_family",
-                                         "threads", "max_seconds")}
+                                         "dtype", "kv_cache", "cuda_graphs", "prefill_graphs", "clutch", "max_tokens",
+                                         "one_per_family", "threads", "max_seconds")}
     config.update(
         trials_requested=a.trials, prompts=m.prompts, timed_prompts=m.warmed, pairs=m.pairs, cut=m.cut,
         failed=m.failed, mismatched=m.mismatches, runs_compared=m.checked, target_ratio=TARGET_RATIO,
@@ -314,23 +324,36 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
+def server_command(pair: Path, a: argparse.Namespace, port: int) -> list[str]:
+    """`sdsie serve`'s command line for the pair's folders in the decoding form `a` asks of both sides."""
+    cmd = [sys.executable, "-m", "sdsie.cli", "serve", "--target", str(pair / "target"), "--tokenizer",
+           str(pair / "tokenizer"), "--clutch", a.clutch, "--device", a.device, "--dtype", a.dtype, "--kv-cache",
+           a.kv_cache, "--port", str(port), "--model-name", "standin", "--max-tokens", str(a.max_tokens)]
+    cmd += ["--scout", str(pair / "scout")] if (pair / "scout").is_dir() else []
+    cmd += ["--int4", a.int4] if a.int4 else []
+    cmd += ["--compile", a.compile] if a.compile else []
+    cmd += ["--compile-prefill"] if a.compile_prefill else []
+    cmd += ["--cuda-graphs"] if a.cuda_graphs else []
+    cmd += ["--prefill-graphs"] if a.prefill_graphs else []
+    cmd += ["--threads", str(a.threads)] if a.threads else []
+    cmd += ["--no-energy"] if a.no_energy else []
+    cmd += ["--engine-process"] if a.engine_process else []
+    return cmd
+
+
+def direct_config(a: argparse.Namespace) -> DecodeConfig:
+    """The direct side's decoding configuration: the one `server_command` gives the server."""
+    return DecodeConfig(max_new_tokens=a.max_tokens, kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs,
+                        prefill_graphs=a.prefill_graphs)
+
+
 class Server:
     """`sdsie serve` in a child process, on a free port of 127.0.0.1; stopped on exit."""
 
     def __init__(self, pair: Path, a: argparse.Namespace, log: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sdsie.cli", "serve", "--target", str(pair / "target"), "--tokenizer",
-               str(pair / "tokenizer"), "--clutch", a.clutch, "--device", a.device, "--dtype", a.dtype, "--kv-cache",
-               a.kv_cache, "--port", str(self.port), "--model-name", "standin", "--max-tokens", str(a.max_tokens)]
-        cmd += ["--scout", str(pair / "scout")] if (pair / "scout").is_dir() else []
-        cmd += ["--int4", a.int4] if a.int4 else []
-        cmd += ["--compile", a.compile] if a.compile else []
-        cmd += ["--compile-prefill"] if a.compile_prefill else []
-        cmd += ["--cuda-graphs"] if a.cuda_graphs else []
-        cmd += ["--threads", str(a.threads)] if a.threads else []
-        cmd += ["--no-energy"] if a.no_energy else []
-        cmd += ["--engine-process"] if a.engine_process else []
+        cmd = server_command(pair, a, self.port)
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -456,7 +479,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
         vocab = pair.target.config.vocab_size
         ids = {p.id: [i % vocab for i in words.encode(p.text)] for p in prompts}
         clutch = parse_clutch(a.clutch)
-        config = DecodeConfig(max_new_tokens=a.max_tokens, kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs)
+        config = direct_config(a)
 
         def direct(pid: str) -> DirectRun:
             sync_device(device)
@@ -476,7 +499,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
             if server.wait_ready(http, max(0.0, min(HEALTH_TIMEOUT_S, budget.left()))):
                 budget.say("server ready; warm-up")
                 measured = measure(list(ids), Sides(direct, whole, lambda pid: _streamed(
-                    http, server.url, ids[pid], a.max_tokens)), a.trials, budget)
+                    http, server.url, ids[pid], a.max_tokens)), a.trials, budget, 2 if a.prefill_graphs else 1)
             else:
                 measured = Measured(list(ids), cut=f"budget: the server was not ready after {budget.elapsed():.0f} s")
                 budget.say(f"cut: {measured.cut}")
@@ -492,6 +515,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
         model = f"sdsie stand-in pair ({a.preset} preset, build {pair_build_id(env['models'])}), {a.dtype}"
     forms = ([f"INT4 {a.int4}"] if a.int4 else []) + ([f"decode step compiled ({a.compile})"] if a.compile else [])
     forms += ["prefill compiled"] if a.compile_prefill else []
+    forms += ["prompts graphed"] if a.prefill_graphs else []
     model += "".join(f", {form}" for form in forms)
     return build_record(a, measured, env, model, hardware)
 
@@ -516,6 +540,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="dynamic")
     p.add_argument("--cuda-graphs", action="store_true", help="on both sides")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="with --cuda-graphs, on both sides: each prompt replayed as a CUDA graph, padded to the "
+                        "engine's prefill sizes (sdsie serve --prefill-graphs)")
     p.add_argument("--clutch", default="production", help="production, tuned, off or LOW,HIGH[,ALPHA]")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (eos ignored)")
     p.add_argument("--trials", type=positive_int, default=5)
@@ -549,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--compile-prefill is an option of --compile")
     if a.cuda_graphs and (a.kv_cache != "static" or not a.device.startswith("cuda")):
         raise SystemExit("--cuda-graphs needs --kv-cache static and --device cuda")
+    if a.prefill_graphs and not a.cuda_graphs:
+        raise SystemExit("--prefill-graphs is an option of --cuda-graphs")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("serve_bench: --device cuda but torch.cuda.is_available() is False")
         return 2

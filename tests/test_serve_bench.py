@@ -4,6 +4,7 @@ direct generate() writing one record (timings are recorded, never asserted)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -25,10 +26,13 @@ from reproductions.serve_bench import (
     WholeAnswer,
     build_record,
     child_env,
+    direct_config,
     main,
     measure,
     parser,
+    server_command,
 )
+from sdsie.serve.cli import config_from_args, configure
 from sdsie.stats import paired_speedup
 
 TOKENS = [5, 6, 7, 8]
@@ -112,6 +116,40 @@ def test_pairs_interleave_alternating_and_the_record_pairs_them_by_prompt_and_tr
     assert mt["serve.tokens_identical"] is True and "serve.server_j_per_token_median" not in mt  # no reading, no 0
     assert record.config["graphs"] == {"direct": False, "server": False} and record.config["pairs"] == 6
     assert "trial 3/3 done (6 pairs)" in capsys.readouterr().out  # progress, for a log cut short
+
+
+def test_prompt_graphs_warm_each_prompt_twice_so_no_timed_pair_captures_a_graph() -> None:
+    """With prompt graphs a cache's first prompt runs eagerly and its second captures the size's graph: each
+    prompt's warm-up runs both sides twice, and both rounds' tokens are compared."""
+    fake = FakeSides()
+    m = measure(["a", "b"], fake.sides(), 1, Budget(None, fake.clock), warm_rounds=2)
+    assert fake.calls[:8] == [("direct", "a"), ("whole", "a")] * 2 + [("direct", "b"), ("whole", "b")] * 2
+    assert m.warmed == ["a", "b"] and m.pairs == 2 and m.checked == 2 * 3 + 2 * 2 and m.mismatches == []
+    assert [c for c in fake.calls[8:] if c[0] != "whole"] == [("direct", "a"), ("streamed", "a"), ("direct", "b"),
+                                                              ("streamed", "b")]
+    fake = FakeSides(bad_direct_at=2)  # the second round's direct run (the graphed prompt) gives other tokens
+    m = measure(["a"], fake.sides(), 1, Budget(None, fake.clock), warm_rounds=2)
+    assert m.mismatches[:2] == ["a warm-up: server token ids differ from direct generate() from position 2",
+                                "a warm-up round 2: direct tokens differ from round 1's from position 2"]
+
+
+def test_both_sides_get_the_same_decoding_form_and_prompt_graphs_need_cuda_graphs(tmp_path: Path) -> None:
+    """The server's command, read by `sdsie serve`'s own parser, and the direct side's DecodeConfig agree on every
+    option the bench passes: kv cache, CUDA graphs, prompt graphs, INT4, compilation."""
+    p = argparse.ArgumentParser()
+    configure(p)
+    for extra in ([], ["--cuda-graphs"], ["--cuda-graphs", "--prefill-graphs", "--int4", "group", "--compile",
+                                         "--compile-prefill"]):
+        a = parser().parse_args(["--device", "cuda", "--kv-cache", "static", "--clutch", "off", *extra])
+        cmd = server_command(tmp_path, a, 8123)
+        assert cmd[1:4] == ["-m", "sdsie.cli", "serve"]
+        served, direct = config_from_args(p.parse_args(cmd[4:])), direct_config(a)
+        assert (served.kv_cache, served.cuda_graphs, served.prefill_graphs) == (
+            direct.kv_cache, direct.cuda_graphs, direct.prefill_graphs) == (
+            "static", "--cuda-graphs" in extra, "--prefill-graphs" in extra)
+        assert (served.int4, served.compile, served.compile_prefill) == (a.int4, a.compile, a.compile_prefill)
+    with pytest.raises(SystemExit, match="--prefill-graphs is an option of --cuda-graphs"):
+        main(["--device", "cpu", "--kv-cache", "static", "--prefill-graphs"])
 
 
 def test_budget_stops_before_a_pair_that_would_overrun_and_the_record_keeps_what_completed(monkeypatch) -> None:

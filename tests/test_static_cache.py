@@ -527,3 +527,23 @@ def test_a_compiled_models_padded_prompt_decodes_as_the_eager_model(monkeypatch)
               for _ in range(2)]
     assert padded == [eager, eager]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("draft", [{"k_draft": 4}, {"tree_widths": (3, 2)}])
+def test_a_compiled_prompts_function_verifies_drafts_losslessly(draft):
+    """With compile_prefill every forward of more than one token (the prompt, a chain's K + 1 verification, a
+    tree's) runs through the prompt's dynamic-length compilation: speculation on such a target keeps greedy
+    decoding's tokens, and the verifications do go through it."""
+    from sdsie.decoding import DecodeCompiled
+
+    prompt = [1, 5, 9, 4, 2]
+    plain = generate(TARGET, prompt, DecodeConfig(max_new_tokens=16, kv_cache="static")).tokens
+    compiled = DecodeCompiled(copy.deepcopy(TARGET), True, backend="eager")
+    lengths = []
+    prefill = compiled._prefill[0]
+    compiled._prefill = (lambda input_ids, **kw: lengths.append(input_ids.shape[-1]) or prefill(input_ids=input_ids,
+                                                                                                   **kw),)
+    result = generate(compiled, prompt, DecodeConfig(max_new_tokens=16, kv_cache="static", **draft), scout=SCOUT)
+    assert result.tokens == plain
+    assert lengths[0] == len(prompt) and len(lengths) > 1 and all(n > 1 for n in lengths)
+    torch._dynamo.reset()

@@ -164,6 +164,33 @@ def test_e2e_rows_read_each_model_and_prompt_from_its_newest_compiled_record():
     assert e2e_rows(older) == []
 
 
+def test_e2e_rows_show_the_shipped_decode_form_where_the_newest_record_ran_it():
+    """A record that ran the fused-norm INT4 variant (the default of quantize_for_decode and sdsie serve --int4) shows
+    it, named; the unfused form shows where the newest record did not run it, even beside an older fused one."""
+    import dataclasses
+
+    from reproductions.readme_results import e2e_rows
+    from sdsie.telemetry.records import load_records
+
+    records = load_records(TELEMETRY)
+    newest = next(r for r in records if r.source.name.split("-", 1)[1].startswith("db79b573"))
+    base = "llama3.1-8b.p32.int4_norms_compiled"
+    fused = {f"{base}.speedup_vs_baseline": 2.8512, f"{base}.decode_tok_s_median": 571.4,
+             f"{base}.energy_vs_baseline": 0.4301, f"{base}.decode_energy_vs_baseline": 0.4102}
+    with_fused = [dataclasses.replace(r, metrics={**r.metrics, **fused}) if r is newest else r for r in records]
+    (row,) = [r for r in e2e_rows(with_fused) if "llama3.1-8b" in r and "prompt 32," in r]
+    assert ("all linears INT4 with the norms and residual adds in their launches against bf16" in row
+            and "2.85x tok/s (571 tok/s), 0.431x J/token (0.411x decode alone); target 2.5x met, J/token target "
+            "0.40x (decode alone) not met" in row and "`db79b573`" in row)
+    assert sum("with the norms" in r for r in e2e_rows(with_fused)) == 1  # the other points' records lack it
+    # a newer record that ran only the unfused form takes the point back, with its own figure
+    name = "20990101T000000000000Z-0badcafe_decode_e2e.json"
+    later = dataclasses.replace(newest, created="2099-01-01T00:00:00Z", source=newest.source.with_name(name),
+                                metrics={k: v for k, v in newest.metrics.items() if ".p32." in k})
+    (row,) = [r for r in e2e_rows([*with_fused, later]) if "llama3.1-8b" in r and "prompt 32," in r]
+    assert "all linears INT4 against bf16" in row and "`0badcafe`" in row and "2.70x tok/s (542 tok/s)" in row
+
+
 def test_e2e_section_lists_every_variant_from_its_newest_default_attention_record():
     from reproductions.readme_results import e2e_section
     from sdsie.telemetry.records import load_records

@@ -159,6 +159,9 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
     cache runs eagerly and whose second captures the size's graph), then `trials` interleaved timed pairs per
     prompt, while the budget lasts. KeyboardInterrupt (SIGINT, and SIGTERM under main) ends it like the budget: what
     completed is kept."""
+    if warm_rounds < 1:
+        raise ValueError(f"warm_rounds must be >= 1 (each prompt's tokens are compared in its warm-up), got "
+                         f"{warm_rounds}")
     m = Measured(list(prompts))
     reference: dict[str, tuple[DirectRun, WholeAnswer]] = {}
     warmups: list[float] = []

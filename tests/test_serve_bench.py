@@ -131,6 +131,8 @@ def test_prompt_graphs_warm_each_prompt_twice_so_no_timed_pair_captures_a_graph(
     m = measure(["a"], fake.sides(), 1, Budget(None, fake.clock), warm_rounds=2)
     assert m.mismatches[:2] == ["a warm-up: server token ids differ from direct generate() from position 2",
                                 "a warm-up round 2: direct tokens differ from round 1's from position 2"]
+    with pytest.raises(ValueError, match="warm_rounds must be >= 1"):
+        measure(["a"], fake.sides(), 1, Budget(None, fake.clock), warm_rounds=0)
 
 
 def test_both_sides_get_the_same_decoding_form_and_prompt_graphs_need_cuda_graphs(tmp_path: Path) -> None:

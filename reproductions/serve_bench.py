@@ -60,7 +60,7 @@ import torch
 from reproductions.args import positive_float, positive_int
 from reproductions.decode_e2e import MODELS
 from sdsie.clutch import EntropyClutch
-from sdsie.decoding import DecodeConfig, generate
+from sdsie.decoding import generate, warm_up_runs
 from sdsie.decoding.model_io import sync_device
 from sdsie.serve.config import DTYPES, INT4_PRESETS, KV_CACHES, ServeConfig, parse_clutch
 from sdsie.stats import paired_ratios, paired_speedup
@@ -155,10 +155,9 @@ class Measured:
 
 
 def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, warm_rounds: int = 1) -> Measured:
-    """Warm every prompt up on both sides (`warm_rounds` times each: 2 with prompt graphs, whose first prompt of a
-    cache runs eagerly and whose second captures the size's graph), then `trials` interleaved timed pairs per
-    prompt, while the budget lasts. KeyboardInterrupt (SIGINT, and SIGTERM under main) ends it like the budget: what
-    completed is kept."""
+    """Warm every prompt up on both sides (`warm_rounds` times each: `sdsie.decoding.warm_up_runs`, 2 with prompt
+    graphs), then `trials` interleaved timed pairs per prompt, while the budget lasts. KeyboardInterrupt (SIGINT, and
+    SIGTERM under main) ends it like the budget: what completed is kept."""
     if warm_rounds < 1:
         raise ValueError(f"warm_rounds must be >= 1 (each prompt's tokens are compared in its warm-up), got "
                          f"{warm_rounds}")
@@ -344,10 +343,12 @@ def server_command(pair: Path, a: argparse.Namespace, port: int) -> list[str]:
     return cmd
 
 
-def direct_config(a: argparse.Namespace) -> DecodeConfig:
-    """The direct side's decoding configuration: the one `server_command` gives the server."""
-    return DecodeConfig(max_new_tokens=a.max_tokens, kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs,
-                        prefill_graphs=a.prefill_graphs)
+def serve_config(pair: Path, a: argparse.Namespace) -> ServeConfig:
+    """The server's settings that the direct side shares: the target's form (`prepare_target`) and its runs'
+    DecodeConfig (`ServeConfig.decode_config`), as `server_command` passes them to `sdsie serve`."""
+    return ServeConfig(target=str(pair / "target"), int4=a.int4, compile=a.compile, compile_prefill=a.compile_prefill,
+                       kv_cache=a.kv_cache, cuda_graphs=a.cuda_graphs, prefill_graphs=a.prefill_graphs,
+                       device=a.device, dtype=a.dtype)
 
 
 class Server:
@@ -459,8 +460,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
     else:
         budget.say(f"stand-in pair ({a.preset} preset): loading, or building on a cache miss")
         pair_dir = _pair_dir(a.preset, a.device)
-    serving = ServeConfig(target=str(pair_dir / "target"), int4=a.int4, compile=a.compile,
-                          compile_prefill=a.compile_prefill, kv_cache=a.kv_cache, device=a.device, dtype=a.dtype)
+    serving = serve_config(pair_dir, a)
     if a.model:  # prepared before the server starts: two 7-8B models quantizing at once do not fit one GPU
         target = prepare_target(pair.target, serving)  # what the server does to its copy
     if device.type == "cuda":
@@ -482,7 +482,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
         vocab = pair.target.config.vocab_size
         ids = {p.id: [i % vocab for i in words.encode(p.text)] for p in prompts}
         clutch = parse_clutch(a.clutch)
-        config = direct_config(a)
+        config = serving.decode_config(a.max_tokens)
 
         def direct(pid: str) -> DirectRun:
             sync_device(device)
@@ -502,7 +502,7 @@ def run(a: argparse.Namespace, budget: Budget) -> RunRecord:
             if server.wait_ready(http, max(0.0, min(HEALTH_TIMEOUT_S, budget.left()))):
                 budget.say("server ready; warm-up")
                 measured = measure(list(ids), Sides(direct, whole, lambda pid: _streamed(
-                    http, server.url, ids[pid], a.max_tokens)), a.trials, budget, 2 if a.prefill_graphs else 1)
+                    http, server.url, ids[pid], a.max_tokens)), a.trials, budget, warm_up_runs(config))
             else:
                 measured = Measured(list(ids), cut=f"budget: the server was not ready after {budget.elapsed():.0f} s")
                 budget.say(f"cut: {measured.cut}")

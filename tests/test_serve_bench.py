@@ -26,10 +26,10 @@ from reproductions.serve_bench import (
     WholeAnswer,
     build_record,
     child_env,
-    direct_config,
     main,
     measure,
     parser,
+    serve_config,
     server_command,
 )
 from sdsie.serve.cli import config_from_args, configure
@@ -136,8 +136,8 @@ def test_prompt_graphs_warm_each_prompt_twice_so_no_timed_pair_captures_a_graph(
 
 
 def test_both_sides_get_the_same_decoding_form_and_prompt_graphs_need_cuda_graphs(tmp_path: Path) -> None:
-    """The server's command, read by `sdsie serve`'s own parser, and the direct side's DecodeConfig agree on every
-    option the bench passes: kv cache, CUDA graphs, prompt graphs, INT4, compilation."""
+    """The server's command, read by `sdsie serve`'s own parser, gives the ServeConfig the direct side builds: the
+    same target form and the same DecodeConfig for its runs (kv cache, CUDA graphs, prompt graphs)."""
     p = argparse.ArgumentParser()
     configure(p)
     for extra in ([], ["--cuda-graphs"], ["--cuda-graphs", "--prefill-graphs", "--int4", "group", "--compile",
@@ -145,11 +145,13 @@ def test_both_sides_get_the_same_decoding_form_and_prompt_graphs_need_cuda_graph
         a = parser().parse_args(["--device", "cuda", "--kv-cache", "static", "--clutch", "off", *extra])
         cmd = server_command(tmp_path, a, 8123)
         assert cmd[1:4] == ["-m", "sdsie.cli", "serve"]
-        served, direct = config_from_args(p.parse_args(cmd[4:])), direct_config(a)
-        assert (served.kv_cache, served.cuda_graphs, served.prefill_graphs) == (
-            direct.kv_cache, direct.cuda_graphs, direct.prefill_graphs) == (
+        served, direct = config_from_args(p.parse_args(cmd[4:])), serve_config(tmp_path, a)
+        assert served.decode_config(7) == direct.decode_config(7)
+        runs = direct.decode_config(7)
+        assert (runs.kv_cache, runs.cuda_graphs, runs.prefill_graphs) == (
             "static", "--cuda-graphs" in extra, "--prefill-graphs" in extra)
-        assert (served.int4, served.compile, served.compile_prefill) == (a.int4, a.compile, a.compile_prefill)
+        assert (served.target, served.int4, served.compile, served.compile_prefill, served.device, served.dtype) == (
+            direct.target, direct.int4, direct.compile, direct.compile_prefill, direct.device, direct.dtype)
     with pytest.raises(SystemExit, match="--prefill-graphs is an option of --cuda-graphs"):
         main(["--device", "cpu", "--kv-cache", "static", "--prefill-graphs"])
 

@@ -547,3 +547,12 @@ def test_a_compiled_prompts_function_verifies_drafts_losslessly(draft):
     assert result.tokens == plain
     assert lengths[0] == len(prompt) and len(lengths) > 1 and all(n > 1 for n in lengths)
     torch._dynamo.reset()
+
+
+def test_warm_up_runs_are_two_only_where_prompts_replay_graphs():
+    """A cache's first prompt runs eagerly; with prefill_graphs the second captures its size's graph."""
+    from sdsie.decoding import warm_up_runs
+
+    assert warm_up_runs(DecodeConfig(kv_cache="static", cuda_graphs=True, prefill_graphs=True)) == 2
+    assert warm_up_runs(DecodeConfig(kv_cache="static", cuda_graphs=True)) == 1
+    assert warm_up_runs(DecodeConfig()) == 1

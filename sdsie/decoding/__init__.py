@@ -9,6 +9,7 @@ from sdsie.decoding.engine import (
     GenerationResult,
     generate,
     run_attention,
+    warm_up_runs,
 )
 from sdsie.decoding.near_tie import Mismatch, NearTieReport, compare_logits, decode_logits, near_tie_report
 from sdsie.decoding.sampling import GREEDY, SamplingConfig, logits_to_probs, make_generator, sample, select_token
@@ -41,6 +42,7 @@ __all__ = [
     "logits_to_probs",
     "make_generator",
     "rejection_verify",
+    "warm_up_runs",
     "run_attention",
     "sample",
     "select_token",

@@ -66,7 +66,7 @@ from sdsie.kernels.device import kernel_runs_on
 from sdsie.models import check_vocab, vocab_size
 
 __all__ = ["K_SCHEDULES", "CycleRecord", "DecodeConfig", "DecodeStats", "Gear", "GenerationResult", "generate",
-           "next_draft_length", "run_attention"]
+           "next_draft_length", "run_attention", "warm_up_runs"]
 
 DEFAULT_K = 5
 # "constant": K drafts in every speculate cycle. "adaptive": HF assisted generation's "heuristic" schedule, bounded
@@ -777,6 +777,12 @@ PREFILL_SIZES = (16, 32, 48, 64, 96, 128, 192, *range(256, 2049, 256))
 
 def _prefill_sizes(config: DecodeConfig) -> tuple[int, ...]:
     return PREFILL_SIZES if config.cuda_graphs and config.prefill_graphs else ()
+
+
+def warm_up_runs(config: DecodeConfig) -> int:
+    """Runs of one prompt on a fresh cache before a run of it launches nothing new: 2 with prefill graphs (a cache's
+    first prompt runs eagerly to set the cache up, the second captures its size's graph), else 1."""
+    return 2 if _prefill_sizes(config) else 1
 
 
 def _verify_sizes(config: DecodeConfig, k: int) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdsie.clutch import SEED_CLUTCHES, ClutchConfig
+from sdsie.decoding import DecodeConfig
 
 __all__ = ["ServeConfig", "log_to_stderr", "parse_clutch"]
 
@@ -130,6 +131,12 @@ class ServeConfig:
             raise ValueError(f"context must be an integer >= 2, got {self.context!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
+
+    def decode_config(self, max_new_tokens: int, **request: Any) -> DecodeConfig:
+        """The DecodeConfig of a run this server makes (a request's, or the warm-up's): its cache and graphs, and
+        the request's own fields (sampling, eos_token_id)."""
+        return DecodeConfig(max_new_tokens=max_new_tokens, kv_cache=self.kv_cache, cuda_graphs=self.cuda_graphs,
+                            prefill_graphs=self.prefill_graphs, **request)
 
     def context_of(self, target: Any) -> int:
         """Positions one request may fill on `target`: `context`, else its config's max_position_embeddings (0 where

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from sdsie.clutch import EntropyClutch
-from sdsie.decoding import DecodeConfig, GenerationResult, generate
+from sdsie.decoding import DecodeConfig, GenerationResult, generate, warm_up_runs
 from sdsie.models import eos_ids, render_chat, vocab_size
 from sdsie.serve.config import ServeConfig
 from sdsie.serve.metrics import Metrics, RequestStats
@@ -266,9 +266,9 @@ class Engine(Front):
         for n in lengths:
             prompt = [t % self.limits.vocab for t in range(1, min(WARM_UP_PROMPT, n // 2) + 1)]
             clutch = EntropyClutch(self.config.clutch) if self.config.clutch is not None else None
-            config = self._served_config(n - len(prompt))
+            config = self.config.decode_config(n - len(prompt))
             t0 = time.perf_counter()
-            for _ in range(2 if self.config.prefill_graphs else 1):  # a cache's first prompt runs eagerly
+            for _ in range(warm_up_runs(config)):
                 generate(self.target, prompt, config, scout=self.scout, clutch=clutch, gear=self.gear,
                          on_tokens=_stop_after(WARM_UP_CYCLES))
             seconds[n] = time.perf_counter() - t0
@@ -318,13 +318,7 @@ class Engine(Front):
     # -- one request -------------------------------------------------------------------------------
     def decode_config(self, req: GenerationRequest) -> DecodeConfig:
         eos = None if req.ignore_eos or not self.eos else tuple(sorted(self.eos))
-        return self._served_config(req.max_tokens, sampling=req.sampling, eos_token_id=eos)
-
-    def _served_config(self, max_new_tokens: int, **request: Any) -> DecodeConfig:
-        """The DecodeConfig of a served run (a request's, or the warm-up's): the server's cache and graphs, and the
-        request's own fields."""
-        return DecodeConfig(max_new_tokens=max_new_tokens, kv_cache=self.config.kv_cache,
-                            cuda_graphs=self.config.cuda_graphs, prefill_graphs=self.config.prefill_graphs, **request)
+        return self.config.decode_config(req.max_tokens, sampling=req.sampling, eos_token_id=eos)
 
     def run(self, job: Job) -> None:
         """Generate for one job on this thread, emitting Deltas, then Done (or Failed)."""

@@ -1050,12 +1050,15 @@ def serve_layout(rec: RunRecord) -> str:
 
 
 def serve_rows(records: list[RunRecord]) -> list[str]:
-    """The server against direct generate() as `sdsie serve` runs by default (its engine on a thread): the newest
-    complete GPU record with the server's energy windows (the default) and the newest without them."""
+    """The server against direct generate() as `sdsie serve` runs by default (its engine on a thread), on the
+    stand-in pair and the reference GPU (the rows say so): the newest complete record with the server's energy
+    windows (the default) and the newest without them. A record of another card or of a random-weight model
+    (serve_bench --model) is not one of these rows."""
     rows = []
     for energy in (True, False):
         rec = newest(records, "serve_overhead", lambda r, e=energy: r.config.get("device") == "cuda" and r.complete
-                     and serve_layout(r) == "thread" and bool(r.config.get("server_energy")) == e)
+                     and on_reference(r) and not r.config.get("model") and serve_layout(r) == "thread"
+                     and bool(r.config.get("server_energy")) == e)
         if rec is None:
             continue
         m, target = rec.metrics, rec.config.get("target_ratio", 0.95)

@@ -253,6 +253,15 @@ def test_serve_rows_read_the_newest_complete_thread_layout_gpu_records_and_judge
     (_, without) = serve_rows([*(r for r in records if r is not by_id["464f3684"]), cut])
     assert "`bd0400fc`" in without and "0.970x tok/s" in without
     assert serve_rows([r for r in records if r.suite != "serve_overhead"]) == []
+    # a newer record of another card, or of a random-weight model on the reference card, is not a stand-in row
+    from sdsie.telemetry.records import load_record
+
+    tiny = load_record(TELEMETRY / "raw" / "serve_prefill_graphs_tiny_h100.json")  # an H100, serve_bench --model
+    newer = dataclasses.replace(tiny, created="2099-01-01T00:00:00Z")
+    on_h200 = dataclasses.replace(newer, conditions={**newer.conditions, "hardware": "NVIDIA H200"})
+    assert newer.config["model"] and newer.config["server_energy"] and newer.complete
+    for other in (newer, on_h200):
+        assert serve_rows([*records, other]) == serve_rows(records)
 
 
 

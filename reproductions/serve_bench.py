@@ -22,8 +22,10 @@ prompts as CUDA graphs on both sides (DecodeConfig.prefill_graphs), so the time 
 
 --max-seconds bounds the whole run from its start, pair build included: a warm-up or timed pair that would end past
 it (less a reserve for stopping the server and writing) is not started, and the record keeps what completed,
-marked incomplete (`complete: false`, config.cut saying where). SIGTERM and SIGINT end it the same way; so does an
-error while measuring (config.failed, exit status 1), with the server's log at --server-log.
+marked incomplete (`complete: false`, config.cut saying where). A warm-up cut so leaves the prompts warmed before
+it to their timed pairs, the first of which is estimated from the longest last warm-up round (with prompt graphs, a
+replay that captures nothing). SIGTERM and SIGINT end a run the same way; so does an error while measuring
+(config.failed, exit status 1), with the server's log at --server-log.
 
     python -u -m reproductions.serve_bench --preset gpu --device cuda --dtype bfloat16 --kv-cache static \\
         --cuda-graphs --max-tokens 128 --trials 10 --max-seconds 450 --out telemetry
@@ -156,24 +158,33 @@ class Measured:
 
 def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, warm_rounds: int = 1) -> Measured:
     """Warm every prompt up on both sides (`warm_rounds` times each: `sdsie.decoding.warm_up_runs`, 2 with prompt
-    graphs), then `trials` interleaved timed pairs per prompt, while the budget lasts. KeyboardInterrupt (SIGINT, and
-    SIGTERM under main) ends it like the budget: what completed is kept."""
+    graphs), then `trials` interleaved timed pairs per prompt, while the budget lasts. A warm-up the budget cuts
+    leaves the prompts warmed before it to be timed: their warm-up (minutes where it compiles) is the run's dearest
+    part. KeyboardInterrupt (SIGINT, and SIGTERM under main) ends it like the budget: what completed is kept."""
     if warm_rounds < 1:
         raise ValueError(f"warm_rounds must be >= 1 (each prompt's tokens are compared in its warm-up), got "
                          f"{warm_rounds}")
     m = Measured(list(prompts))
     reference: dict[str, tuple[DirectRun, WholeAnswer]] = {}
     warmups: list[float] = []
+    last_rounds: list[float] = []  # each prompt's last warm-up round: with 2 rounds, a replay that captures nothing
     pairs: list[float] = []
+    warm_cut: str | None = None
+
+    def after_warm_cut(cut: str) -> str:
+        return cut if warm_cut is None else f"{warm_cut}; {cut}"
+
     try:
         for pid in prompts:  # untimed: graphs captured on both sides, tokens compared
             estimate = ESTIMATE_MARGIN * max(warmups) if warmups else FIRST_WARMUP_GUESS_S
             if not budget.fits(estimate):
-                m.cut = f"budget: warm-up stopped before {pid} ({budget.left():.0f} s left, {estimate:.0f} s needed)"
+                warm_cut = f"budget: warm-up stopped before {pid} ({budget.left():.0f} s left, {estimate:.0f} s needed)"
+                m.cut = warm_cut
                 break
             t0 = budget.clock()
             first: list[int] | None = None
             for r in range(warm_rounds):
+                t_round = budget.clock()
                 ref, whole = sides.direct(pid), sides.whole(pid)
                 m.check(whole.token_ids == ref.tokens, f"{pid} warm-up: server token ids differ from direct "
                         f"generate() from position {_first_difference(whole.token_ids, ref.tokens)}")
@@ -182,17 +193,20 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
                 else:  # a later round replays what the first captured (prompt graphs): the same tokens
                     m.check(ref.tokens == first, f"{pid} warm-up round {r + 1}: direct tokens differ from round 1's "
                             f"from position {_first_difference(ref.tokens, first)}")
+            last_rounds.append(budget.clock() - t_round)
             warmups.append(budget.clock() - t0)
             m.add("warmup_s", warmups[-1])
             reference[pid] = (ref, whole)
             m.warmed.append(pid)
             budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {warmups[-1]:.1f} s (both sides)")
-        for trial in range(trials if m.cut is None else 0):
+        stopped = False
+        for trial in range(trials if m.warmed else 0):
             for pid in m.warmed:
-                estimate = ESTIMATE_MARGIN * max(pairs) if pairs else ESTIMATE_MARGIN * max(warmups)
+                estimate = ESTIMATE_MARGIN * max(pairs or last_rounds)
                 if not budget.fits(estimate):
-                    m.cut = (f"budget: trial {trial + 1} stopped before {pid} ({budget.left():.0f} s left, "
-                             f"{estimate:.1f} s needed)")
+                    cut = (f"budget: trial {trial + 1} stopped before {pid} ({budget.left():.0f} s left, "
+                           f"{estimate:.1f} s needed)")
+                    m.cut, stopped = after_warm_cut(cut), True
                     break
                 t0 = budget.clock()
                 if trial % 2 == 0:
@@ -201,15 +215,15 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
                     streamed, direct = sides.streamed(pid), sides.direct(pid)
                 pairs.append(budget.clock() - t0)
                 _add_pair(m, pid, trial, direct, streamed, reference[pid])
-            if m.cut is not None:
+            if stopped:
                 break
             budget.say(f"trial {trial + 1}/{trials} done ({m.pairs} pairs)")
     except KeyboardInterrupt as stop:
-        m.cut = f"interrupted ({stop or 'SIGINT'}) after {m.pairs} pairs"
+        m.cut = after_warm_cut(f"interrupted ({stop or 'SIGINT'}) after {m.pairs} pairs")
     except Exception as err:  # e.g. a request the server failed: keep what completed, and say what broke
         traceback.print_exc()
         m.failed = True
-        m.cut = f"failed after {m.pairs} pairs: {type(err).__name__}: {err}"
+        m.cut = after_warm_cut(f"failed after {m.pairs} pairs: {type(err).__name__}: {err}")
     if m.cut is not None:
         budget.say(f"cut: {m.cut}")
     return m

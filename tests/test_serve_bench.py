@@ -171,6 +171,23 @@ def test_budget_stops_before_a_pair_that_would_overrun_and_the_record_keeps_what
     assert len(record.samples["tok_s_ratio"]) == 3 and record.metrics["serve.tokens_identical"] is True
 
 
+def test_a_warm_up_the_budget_cuts_leaves_the_prompts_warmed_before_it_to_be_timed(monkeypatch) -> None:
+    """Prompt graphs: a's warm-up is 2 rounds of 2 s, so b's is estimated at 1.5 x 4 = 6 s and 5 are left at 4 s;
+    a's pairs are estimated from its last round (a replay), 1.5 x 2 = 3 s: one pair (3 s) runs, the next does not."""
+    monkeypatch.setattr(serve_bench, "FIRST_WARMUP_GUESS_S", 3.0)
+    fake = FakeSides()
+    m = measure(["a", "b"], fake.sides(), 3, Budget(9, fake.clock, reserve=0), warm_rounds=2)
+    assert m.warmed == ["a"] and m.pairs == 1 and ("direct", "b") not in fake.calls
+    assert m.cut == ("budget: warm-up stopped before b (5 s left, 6 s needed); "
+                     "budget: trial 2 stopped before a (2 s left, 4.5 s needed)")
+    record = _record(fake, m, "--trials", "3", "--max-seconds", "9")
+    assert not record.complete and record.config["timed_prompts"] == ["a"] and record.config["pairs"] == 1
+    assert record.samples["server|a|tokens_per_s"] and record.metrics["serve.tokens_identical"] is True
+    fake = FakeSides(interrupt_at=1)  # an interrupt after the cut keeps both reasons
+    m = measure(["a", "b"], fake.sides(), 3, Budget(9, fake.clock, reserve=0), warm_rounds=2)
+    assert m.cut == "budget: warm-up stopped before b (5 s left, 6 s needed); interrupted (SIGTERM) after 0 pairs"
+
+
 def test_budget_too_short_for_a_warm_up_writes_a_record_with_nothing_measured() -> None:
     fake = FakeSides()
     m = measure(["a"], fake.sides(), 2, Budget(FIRST_WARMUP_GUESS_S - 1, fake.clock, reserve=0))

@@ -699,9 +699,9 @@ def render(records_dir: Path = Path("telemetry")) -> str:
         lines = fn(rec) if rec else [f"No `{suite}` record yet: run `nox -s gpu_repro` on a GPU."]
         if lines:  # a section with nothing to show for this record (no energy windows in it) is left out
             out += [*lines, ""]
-    e2e = e2e_section(records)
-    if e2e:
-        out += [*e2e, ""]
+    for lines in (e2e_verdicts(records), e2e_section(records)):
+        if lines:
+            out += [*lines, ""]
     swept = swept_shapes(records)
     for shape_set in SHAPE_SETS:
         for hardware in (REFERENCE_GPU, *other_gpus(records, "kernel_shapes")):
@@ -731,25 +731,36 @@ E2E_INT4_VARIANTS = {"int4_norms_compiled": "all linears INT4 with the norms and
                      "int4_compiled": "all linears INT4"}
 
 
-def e2e_rows(records: list[RunRecord]) -> list[str]:
-    """INT4 end to end: per model and prompt length, from the newest decode_e2e record that compiled both (runs split
-    by model or prompt each keep their rows), INT4 against bf16 with the same engine, compilation and graphs, in
-    tok/s and J/token; the INT4 form is the first of E2E_INT4_VARIANTS the record ran. Only records whose one-token
-    attention is the one the engine's default (DecodeConfig.attention) runs under graphs on CUDA count (a record
-    without `attention_run` ran the `attention` it names). The speedup is shown rounded down, so a figure never reads
-    as meeting a target its verdict says it misses."""
+def _e2e_points(records: list[RunRecord]) -> dict[str, tuple[RunRecord, str]]:
+    """Per model and prompt length ("llama3.1-8b.p32"), the newest reference-GPU decode_e2e record that compiled INT4
+    and bf16 (runs split by model or prompt each keep their points), and the INT4 form it shows: the first of
+    E2E_INT4_VARIANTS the record ran. Only records whose one-token attention is the one the engine's default
+    (DecodeConfig.attention) runs under graphs on CUDA count (a record without `attention_run` ran the `attention`
+    it names)."""
     suffixes = tuple(f".{v}.speedup_vs_baseline" for v in E2E_INT4_VARIANTS)
-    newest_of: dict[str, RunRecord] = {}  # "model.pPROMPT" -> record
+    newest_of: dict[str, RunRecord] = {}
     for rec in _default_attention_e2e([r for r in records if on_reference(r)]):
         for key in rec.metrics:
             for suffix in suffixes:
                 if key.endswith(suffix):  # model names hold dots: qwen2.5-7b.p32.int4_compiled
                     newest_of[key.removesuffix(suffix)] = rec
+    return {point: (rec, next(v for v in E2E_INT4_VARIANTS if f"{point}.{v}.speedup_vs_baseline" in rec.metrics))
+            for point, rec in sorted(newest_of.items(), key=lambda item: _model_and_prompt(item[0]))}
+
+
+def _model_and_prompt(point: str) -> tuple[str, int]:
+    """("llama3.1-8b", 32) of "llama3.1-8b.p32": points in order of model, then prompt length."""
+    model, prompt = point.rsplit(".", 1)
+    return model, int(prompt[1:])
+
+
+def e2e_rows(records: list[RunRecord]) -> list[str]:
+    """INT4 end to end, per model and prompt length (`_e2e_points`): INT4 against bf16 with the same engine,
+    compilation and graphs, in tok/s and J/token. The speedup is shown rounded down, so a figure never reads as
+    meeting a target its verdict says it misses."""
     rows = []
-    for point in sorted(newest_of):
-        rec = newest_of[point]
+    for point, (rec, variant) in _e2e_points(records).items():
         mt = rec.metrics
-        variant = next(v for v in E2E_INT4_VARIANTS if f"{point}.{v}.speedup_vs_baseline" in mt)
         base = f"{point}.{variant}"
         key = f"{base}.speedup_vs_baseline"
         model, prompt = point.rsplit(".", 1)
@@ -763,6 +774,50 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
                     f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'}, {_energy_verdict(mt, base)} | "
                     f"`{_rid(rec)}` |")
     return rows
+
+
+# The end-to-end bars on tok/s: INT4 over bf16 and over torch's tinygemm INT4 through the same path, and the share of
+# INT4's bytes-per-token bound (weights and KV cache read a token, at the measured copy rate)
+E2E_SPEEDUP_TARGET, E2E_TINYGEMM_TARGET, E2E_BOUND_TARGET = 2.5, 1.5, 0.50
+
+
+def e2e_verdicts(records: list[RunRecord]) -> list[str]:
+    """The end-to-end bars judged per model and prompt length on the reference GPU, from the records `e2e_rows` reads:
+    INT4 over bf16, over tinygemm (its variant with the same compilation, from the same record), share of the bytes
+    bound, and decode J/token against bf16's. Every figure is rounded toward missing its bar (speedups and shares
+    down, energy ratios up), so none reads as meeting a bar its verdict says it misses."""
+    points = _e2e_points(records)
+    if not points:
+        return []
+    lines = [f"INT4 end to end against its bars on the {REFERENCE_GPU} (newest record of each model and prompt; INT4 "
+             f"in its shipped form where the record ran it; the peers in the same record, with the same compilation "
+             f"and graphs): at least {E2E_SPEEDUP_TARGET}x bf16's tok/s, {E2E_TINYGEMM_TARGET}x tinygemm's, "
+             f"{E2E_BOUND_TARGET:.0%} of the bytes-per-token bound, and decode J/token at most "
+             f"{E2E_ENERGY_TARGET:.2f}x bf16's:", "",
+             "| model | prompt | INT4 form | over bf16 | over tinygemm | share of bound | J/token against bf16 | "
+             "record |", "|---" * 8 + "|"]
+
+    def judged(text: str, met: bool) -> str:
+        return f"{text}: {'met' if met else 'not met'}"
+
+    for point, (rec, variant) in points.items():
+        mt = rec.metrics
+        base = f"{point}.{variant}"
+        model, prompt = point.rsplit(".", 1)
+        speedup = mt[f"{base}.speedup_vs_baseline"]
+        same_compilation = variant.removeprefix("int4_norms").removeprefix("int4")  # "_compiled"
+        peer = f"{point}.tinygemm{same_compilation}.decode_tok_s_median"
+        tinygemm = "not run" if peer not in mt else judged(
+            _down(mt[f"{base}.decode_tok_s_median"] / mt[peer]),
+            mt[f"{base}.decode_tok_s_median"] / mt[peer] >= E2E_TINYGEMM_TARGET)
+        share = mt.get(f"{base}.share_of_bound")
+        bound = "-" if share is None else judged(_share_down(share), share >= E2E_BOUND_TARGET)
+        decode = mt.get(f"{base}.decode_energy_vs_baseline")
+        energy, which = (decode, "decode") if decode is not None else (mt[f"{base}.energy_vs_baseline"], "whole runs")
+        lines.append(f"| {model} | {prompt[1:]} | {variant} | "
+                     f"{judged(_down(speedup), speedup >= E2E_SPEEDUP_TARGET)} | {tinygemm} | {bound} | "
+                     f"{judged(f'{_up(energy)} ({which})', energy <= E2E_ENERGY_TARGET)} | `{_rid(rec)}` |")
+    return lines
 
 
 E2E_ENERGY_TARGET = 0.40  # the end-to-end issue's bar: J/token at least 60% lower than bf16's
@@ -780,6 +835,11 @@ def _decode_energy(mt: dict, base: str) -> str:
     """The decode steps' J/token ratio, as " (0.400x decode alone)", where the record priced the prefill apart."""
     v = mt.get(base + ".decode_energy_vs_baseline")
     return "" if v is None else f" ({_up(v)} decode alone)"
+
+
+def _share_down(v: float) -> str:
+    """A share as a percentage to one decimal rounded down (0.4996 as 49.9%, never as a met 50%)."""
+    return f"{math.floor(v * 1000) / 10:.1f}%"
 
 
 def _up(v: float) -> str:
@@ -839,6 +899,7 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
             v = mt.get(f"{row}.{name}")
             return "-" if v is None else format(v * scale, fmt) + unit
 
+        share = mt.get(f"{row}.share_of_bound")
         gpu = "-"
         for time_kind, mark in (("busy_us", ""), ("us", " summed")):
             if f"{row}.per_token.gemv_gemm.{time_kind}" in mt:
@@ -851,7 +912,7 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
                      f"{cell('j_per_token_decode', '.2f')} | {cell('per_token.kernels', '.0f')} | {gpu} | "
                      f"{cell('per_token.outside_us', '.0f')} | "
-                     f"{cell('share_of_bound', '.0f', 100, '%')} | {'yes' if rec.config.get('pdl') else 'no'} | "
+                     f"{'-' if share is None else _share_down(share)} | {'yes' if rec.config.get('pdl') else 'no'} | "
                      f"`{_rid(rec)}` |")
     return lines
 

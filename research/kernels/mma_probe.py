@@ -14,6 +14,13 @@ empty or whose warps get few pairs of K each, faster?
 --x-broadcast times each warps count again with x's M rows one row in memory (row stride 0): the same mma work,
 but each load of x is one broadcast, as at M = 1. The gap to the plain time is what x's row-by-row fragment loads
 cost (docs/kernel-log.md, 2026-12-05 22:50).
+
+--epilogues times, at M <= 8 with the shipped choice, what the decoder's fused norms add to a launch
+(docs/kernel-log.md, 2026-12-06 20:40: 1.1-1.2 us a normed launch in the H200 decode, 0-0.5 on the H100): the plain
+launch on x read from the [h, h * g] stream as the decode reads it (`strided`), the same with the norm's pre-pass
+over h (`norm`), and the residual-and-gained-copy epilogue of o_proj and down_proj (`residual_gain`); with --silu,
+`int4_silu_mul` with the norm too (`silu_norm`). Each fused result is checked against the plain product composed
+in torch (`compose_epilogue`), relative to its largest magnitude.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from reproductions.kernels.int4_bench import (
     tinygemm_pack,
     weight_rotation,
 )
-from sdsie.kernels import int4_matmul, int4_matmul_reference, int4_silu_mul
+from sdsie.kernels import compose_epilogue, int4_matmul, int4_matmul_reference, int4_silu_mul, silu_mul_halves
 from sdsie.kernels.int4_config import MMA_CONFIGS, mma_blocks
 
 SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
@@ -60,7 +67,7 @@ def check(n: int, k: int, group: int | None, m: int, warps: int, gen: torch.Gene
 
 def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generator, silu: bool = False,
               caps: tuple[int, ...] = (), blocks: tuple[int, ...] = (), stages: tuple[int, ...] = (),
-              x_broadcast: bool = False) -> dict:
+              x_broadcast: bool = False, epilogues: bool = False) -> dict:
     case = Case(f"{n}x{k}", n, k, m, 128)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     ws, wb = weight_rotation(case, gen, "cuda")
@@ -84,6 +91,8 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
             out[f"mma_w{warps}_xbcast"] = timed(MMA_CONFIGS[warps], x[:1].expand(m, k))
     if silu:
         out["silu_mul"] = graph_us(lambda i: (lambda: int4_silu_mul(x, ws[i % len(ws)])), n * k // 2, "cuda")
+    if epilogues:
+        out.update(time_epilogues(n, k, m, ws, gen, silu))
     out["bf16"] = graph_us(lambda i: (lambda: F.linear(x, wb[i % len(wb)])), 2 * n * k, "cuda")
     out["copy"] = copy_graph_us(bytes_moved_int4(ws[0], m), "cuda")
     try:
@@ -97,6 +106,41 @@ def time_case(n: int, k: int, m: int, warps_list: list[int], gen: torch.Generato
     out["mma_best"] = best
     out["speedup_mma"] = out["bf16"] / best
     out["speedup_int4"] = out["bf16"] / out["int4"]
+    return out
+
+
+EPS = 1e-5
+
+
+def time_epilogues(n: int, k: int, m: int, ws: list, gen: torch.Generator, silu: bool) -> dict:
+    """The fused norm's and residual's launches beside the plain one on x read from the [h, h * g] stream [M, 2K]
+    (the decode's layout), graphed over the rotated weights, with each fused result's error against the plain
+    product composed in torch (relative to its largest magnitude)."""
+    stream = torch.randn(m, 2 * k, generator=gen).to(torch.bfloat16).cuda()
+    h, x = stream[:, :k], stream[:, k:]  # [M, K] each, row stride 2K
+    r = torch.randn(m, n, generator=gen).to(torch.bfloat16).cuda()
+    g = torch.rand(n, generator=gen).to(torch.bfloat16).cuda()
+    w0 = ws[0]
+
+    def timed(call):
+        return graph_us(lambda i: (lambda: call(ws[i % len(ws)])), n * k // 2, "cuda")
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+    out = {"strided": timed(lambda w: int4_matmul(x, w)),
+           "norm": timed(lambda w: int4_matmul(x, w, norm_eps=EPS, norm_source=h)),
+           "residual_gain": timed(lambda w: int4_matmul(x, w, residual=r, out_gain=g))}
+    plain = int4_matmul(x, w0)
+    out["norm_err"] = error(int4_matmul(x, w0, norm_eps=EPS, norm_source=h),
+                            compose_epilogue(plain, x, EPS, norm_source=h))
+    out["residual_gain_err"] = error(int4_matmul(x, w0, residual=r, out_gain=g),
+                                     compose_epilogue(plain, x, residual=r, out_gain=g))
+    if silu and n % 32 == 0:  # [gate; up] in the silu kernel's row order: its own reference is int4_silu_mul
+        out["silu_strided"] = timed(lambda w: int4_silu_mul(x, w))
+        out["silu_norm"] = timed(lambda w: int4_silu_mul(x, w, norm_eps=EPS, norm_source=h))
+        out["silu_norm_err"] = error(int4_silu_mul(x, w0, norm_eps=EPS, norm_source=h),
+                                     silu_mul_halves(compose_epilogue(int4_matmul(x, w0), x, EPS, norm_source=h)))
     return out
 
 
@@ -116,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time each warps count with x's rows one row in memory (row stride 0)")
     ap.add_argument("--max-registers", nargs="*", type=int, default=[],
                     help="also time each warps count under these register caps (multiples of 8)")
+    ap.add_argument("--epilogues", action="store_true",
+                    help="also time the fused norm's and residual's launches (M <= 8), checked against torch's")
     args = ap.parse_args(argv)
+    if args.epilogues and max(args.m) > 8:  # the norm's epilogue runs in the mma GEMV at M <= 8 only
+        ap.error(f"--epilogues times the norm's launch, which the mma GEMV takes at M <= 8: got --m {max(args.m)}")
     for cap in args.max_registers:  # refused before anything runs, not in the middle of the timings
         try:
             dataclasses.replace(MMA_CONFIGS[4], max_registers=cap)
@@ -138,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.shapes:
             n, k = (int(v) for v in spec.split("x"))
             r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks),
-                          tuple(args.stages), args.x_broadcast)
+                          tuple(args.stages), args.x_broadcast, args.epilogues)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)
             rows.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -807,9 +807,8 @@ def e2e_verdicts(records: list[RunRecord]) -> list[str]:
         speedup = mt[f"{base}.speedup_vs_baseline"]
         same_compilation = variant.removeprefix("int4_norms").removeprefix("int4")  # "_compiled"
         peer = f"{point}.tinygemm{same_compilation}.decode_tok_s_median"
-        tinygemm = "not run" if peer not in mt else judged(
-            _down(mt[f"{base}.decode_tok_s_median"] / mt[peer]),
-            mt[f"{base}.decode_tok_s_median"] / mt[peer] >= E2E_TINYGEMM_TARGET)
+        over_peer = mt[f"{base}.decode_tok_s_median"] / mt[peer] if peer in mt else None
+        tinygemm = "not run" if over_peer is None else judged(_down(over_peer), over_peer >= E2E_TINYGEMM_TARGET)
         share = mt.get(f"{base}.share_of_bound")
         bound = "-" if share is None else judged(_share_down(share), share >= E2E_BOUND_TARGET)
         decode = mt.get(f"{base}.decode_energy_vs_baseline")

@@ -144,7 +144,7 @@ class Measured:
     mismatches: list[str] = field(default_factory=list)
     checked: int = 0  # runs whose tokens were compared
     pairs: int = 0  # timed pairs completed
-    cut: str | None = None  # why the run stopped early; None: it completed
+    cut: str | None = None  # why the run stopped early, each stop's reason in order; None: it completed
     failed: bool = False  # it stopped on an error (the command exits 1), not on the budget or a signal
 
     def add(self, key: str, value: float) -> None:
@@ -154,6 +154,10 @@ class Measured:
         self.checked += 1
         if not ok:
             self.mismatches.append(what)
+
+    def stop(self, reason: str) -> None:
+        """Record why a part of the run stopped early, after any earlier reason (a cut warm-up, then its trials)."""
+        self.cut = reason if self.cut is None else f"{self.cut}; {reason}"
 
 
 def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, warm_rounds: int = 1) -> Measured:
@@ -169,17 +173,11 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
     warmups: list[float] = []
     last_rounds: list[float] = []  # each prompt's last warm-up round: with 2 rounds, a replay that captures nothing
     pairs: list[float] = []
-    warm_cut: str | None = None
-
-    def after_warm_cut(cut: str) -> str:
-        return cut if warm_cut is None else f"{warm_cut}; {cut}"
-
     try:
         for pid in prompts:  # untimed: graphs captured on both sides, tokens compared
             estimate = ESTIMATE_MARGIN * max(warmups) if warmups else FIRST_WARMUP_GUESS_S
             if not budget.fits(estimate):
-                warm_cut = f"budget: warm-up stopped before {pid} ({budget.left():.0f} s left, {estimate:.0f} s needed)"
-                m.cut = warm_cut
+                m.stop(f"budget: warm-up stopped before {pid} ({budget.left():.0f} s left, {estimate:.0f} s needed)")
                 break
             t0 = budget.clock()
             first: list[int] | None = None
@@ -204,9 +202,9 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
             for pid in m.warmed:
                 estimate = ESTIMATE_MARGIN * max(pairs or last_rounds)
                 if not budget.fits(estimate):
-                    cut = (f"budget: trial {trial + 1} stopped before {pid} ({budget.left():.0f} s left, "
+                    m.stop(f"budget: trial {trial + 1} stopped before {pid} ({budget.left():.0f} s left, "
                            f"{estimate:.1f} s needed)")
-                    m.cut, stopped = after_warm_cut(cut), True
+                    stopped = True
                     break
                 t0 = budget.clock()
                 if trial % 2 == 0:
@@ -219,11 +217,11 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
                 break
             budget.say(f"trial {trial + 1}/{trials} done ({m.pairs} pairs)")
     except KeyboardInterrupt as stop:
-        m.cut = after_warm_cut(f"interrupted ({stop or 'SIGINT'}) after {m.pairs} pairs")
+        m.stop(f"interrupted ({stop or 'SIGINT'}) after {m.pairs} pairs")
     except Exception as err:  # e.g. a request the server failed: keep what completed, and say what broke
         traceback.print_exc()
         m.failed = True
-        m.cut = after_warm_cut(f"failed after {m.pairs} pairs: {type(err).__name__}: {err}")
+        m.stop(f"failed after {m.pairs} pairs: {type(err).__name__}: {err}")
     if m.cut is not None:
         budget.say(f"cut: {m.cut}")
     return m

@@ -103,14 +103,14 @@ def _counter_adds(fn) -> int:
 
 
 def test_static_kv_layers_share_one_counter_advanced_once_per_forward():
-    """HF's StaticLayer advances its own counter in each layer's update (one kernel per layer and forward); after
-    the first forward every layer holds the cache's one counter and a forward advances it once, by its token count."""
+    """HF's StaticLayer advances its own counter in each layer's update (one kernel per layer and forward); from
+    the cache's construction every layer holds the cache's one counter and a forward advances it once, by its token
+    count, the first forward included."""
     assert TARGET.config.num_hidden_layers > 1
     kv = StaticKV(TARGET, max_len=16)
+    assert kv.counter is not None and all(layer.cumulative_length is kv.counter for layer in kv.cache.layers)
     with torch.inference_mode():
-        assert _counter_adds(lambda: forward(TARGET, torch.tensor([1, 5, 9]), kv, last_only=True)) == len(
-            kv.cache.layers)  # the first forward: HF's own updates, which initialize the layers
-        assert kv.counter is not None and all(layer.cumulative_length is kv.counter for layer in kv.cache.layers)
+        assert _counter_adds(lambda: forward(TARGET, torch.tensor([1, 5, 9]), kv, last_only=True)) == 1
         assert _counter_adds(lambda: forward(TARGET, torch.tensor([4, 7]), kv, last_only=True)) == 1
         assert int(kv.counter) == cache_length(kv) == 5
         crop_cache(kv, 4)
@@ -529,6 +529,29 @@ def test_a_compiled_models_padded_prompt_decodes_as_the_eager_model(monkeypatch)
     torch._dynamo.reset()
 
 
+def test_a_compiled_prompt_compiles_once_across_runs():
+    """A static cache's layers exist in their final, consolidated form before its first forward, so the prompt's
+    compilation traced in the first run holds for the next: a second run of the prompt compiles nothing (a cache
+    consolidated after its first forward cost the prompt a second compilation, minutes at 7-8B sizes)."""
+    from sdsie.decoding import DecodeCompiled
+
+    compiles = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        compiles.append(gm)
+        return gm.forward
+
+    compiled = DecodeCompiled(copy.deepcopy(TARGET), True, backend=backend)
+    cfg = DecodeConfig(max_new_tokens=6, kv_cache="static")
+    eager = generate(TARGET, [1, 5, 9, 4, 2], cfg).tokens
+    counts = []
+    for _ in range(3):
+        assert generate(compiled, [1, 5, 9, 4, 2], cfg).tokens == eager
+        counts.append(len(compiles))
+    assert counts[0] >= 2 and counts == [counts[0]] * 3  # the prompt's and the step's, in the first run only
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("draft", [{"k_draft": 4}, {"tree_widths": (3, 2)}])
 def test_a_compiled_prompts_function_verifies_drafts_losslessly(draft):
     """With compile_prefill every forward of more than one token (the prompt, a chain's K + 1 verification, a
@@ -550,7 +573,8 @@ def test_a_compiled_prompts_function_verifies_drafts_losslessly(draft):
 
 
 def test_warm_up_runs_are_two_only_where_prompts_replay_graphs():
-    """A cache's first prompt runs eagerly; with prefill_graphs the second captures its size's graph."""
+    """With prefill_graphs, two: a cache whose layers its configuration cannot set up runs its first prompt
+    eagerly and captures on the second; elsewhere the first captures and the second replays."""
     from sdsie.decoding import warm_up_runs
 
     assert warm_up_runs(DecodeConfig(kv_cache="static", cuda_graphs=True, prefill_graphs=True)) == 2

@@ -66,6 +66,9 @@ class DecodeCompiled(nn.Module):
     def config(self) -> Any:
         return self.model.config
 
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
     def get_output_embeddings(self) -> nn.Module:
         return self.model.get_output_embeddings()
 

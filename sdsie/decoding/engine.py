@@ -780,8 +780,9 @@ def _prefill_sizes(config: DecodeConfig) -> tuple[int, ...]:
 
 
 def warm_up_runs(config: DecodeConfig) -> int:
-    """Runs of one prompt on a fresh cache before a run of it launches nothing new: 2 with prefill graphs (a cache's
-    first prompt runs eagerly to set the cache up, the second captures its size's graph), else 1."""
+    """Runs of one prompt on a fresh cache before a run of it launches nothing new: 2 with prefill graphs (where a
+    cache's layers cannot be set up from the configuration, its first prompt runs eagerly to set them up and the
+    second captures its size's graph; elsewhere the first captures and the second replays), else 1."""
     return 2 if _prefill_sizes(config) else 1
 
 

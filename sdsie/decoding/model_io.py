@@ -65,11 +65,12 @@ class StaticKV:
 
     prefill_sizes: a prompt's forward (into an empty cache, last position's logits) runs as the smallest of these
     sizes that is >= its length and fits, the ids padded at the end and the logits taken at the prompt's last
-    position; under cuda_graphs, one graph per size, so a prefill launches no kernels from the host. The cache's
-    first forward runs eagerly (padded all the same, so a compiled model traces one form of prompt forward): it
-    initializes HF's layers, which must exist before a graph captures them. A prompt longer than every size that
-    fits runs as it is, and so does every prompt of a cache with other than plain static layers (a sliding
-    window's padding could push real positions out of it).
+    position; under cuda_graphs, one graph per size, so a prefill launches no kernels from the host. HF's layers
+    must exist before a graph captures them: they are set up at construction (`_initialize_layers`), and where the
+    configuration cannot say their shape, by the cache's first forward, which then runs eagerly (padded all the
+    same, so a compiled model traces one form of prompt forward). A prompt longer than every size that fits runs as
+    it is, and so does every prompt of a cache with other than plain static layers (a sliding window's padding
+    could push real positions out of it).
     """
 
     def __init__(self, model: nn.Module, max_len: int, cuda_graphs: bool = False,
@@ -103,6 +104,8 @@ class StaticKV:
         self.kv: torch.Tensor | None = None  # [L, 2, B, H, S, D] behind every layer's keys and values (_consolidate)
         self.counter: torch.Tensor | None = None  # every layer's position counter, one tensor (_consolidate)
         self._consolidated = False
+        if plain and _initialize_layers(self.cache, model):
+            self._consolidate()  # before any forward: a compiled prompt traces the cache's one and only form
 
     def forward(self, model: nn.Module, ids: torch.Tensor, last_only: bool, variant: Hashable = None) -> torch.Tensor:
         """ids: [S] -> logits [S, V] (or [1, V] with last_only), written at positions length..length+S-1."""
@@ -130,8 +133,8 @@ class StaticKV:
         """Put every layer's keys and values into one [L, 2, B, H, S, D] tensor (`kv`) and make them its views, so a
         tree cycle's compaction (compact_cache) moves a position of all layers in one index_select and one index_copy,
         not two of each per layer (on the H200 a cycle of the gpu stand-in pair spent 64 small kernels there). Done
-        once, after the first forward (HF initializes its layers lazily) and before any graph captures the layers'
-        tensors; left as is when the layers' shapes differ."""
+        once, as soon as HF's layers exist (at construction, or after the first forward where they are built
+        lazily) and before any graph captures the layers' tensors; left as is when the layers' shapes differ."""
         layers = self.cache.layers
         if self._consolidated or not all(getattr(layer, "is_initialized", False) for layer in layers):
             return
@@ -263,6 +266,27 @@ class StaticKV:
         key = ("prefill", n, variant) if prefill else (n, last_only, variant)
         self._graphs[key] = _Graph(graph, ids, logits, keep)
         return self._graphs[key]
+
+
+def _initialize_layers(cache: Any, model: nn.Module) -> bool:
+    """Allocate a static cache's layers from the model's configuration (HF's `early_initialization`: batch 1, the
+    key/value heads and head size, the embeddings' dtype) rather than in its first forward, so the cache has its
+    final form (`_consolidate`) before anything is traced: a prompt compiled with `DecodeCompiled(compile_prefill)`
+    against the lazily built layers compiles once more on the next prompt, which sees the consolidated ones (a
+    second inductor compilation at 7-8B sizes). False, layers left to the first forward, where the configuration
+    does not give one head shape for keys and values (no head count, or separate key and value sizes)."""
+    config = model.config
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    if not hasattr(cache, "early_initialization") or not heads or any(
+            getattr(config, name, None) is not None for name in ("qk_head_dim", "v_head_dim")):
+        return False
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = model.get_input_embeddings().weight.dtype
+    cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                               device=model_device(model))
+    return True
 
 
 def _write_at_counter(layer: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,

@@ -513,9 +513,10 @@ def test_static_cache_engine_carries_nothing_from_one_request_to_the_next(pair) 
 
 
 def test_with_prefill_graphs_the_warm_up_runs_each_length_twice_and_requests_ask_for_them(monkeypatch) -> None:
-    """A cache's first prompt runs eagerly and its second captures the prompt's graph, so under prefill_graphs the
-    warm-up runs each length twice; served requests' DecodeConfig asks for the graphs. (The graphs need CUDA: the
-    engine's generate is replaced here; DecodeConfig.prefill_graphs has its own tests.)"""
+    """Under prefill_graphs the warm-up runs each length twice (`warm_up_runs`: where a cache's layers must wait
+    for its first prompt, that prompt runs eagerly and the second captures); served requests' DecodeConfig asks
+    for the graphs. (The graphs need CUDA: the engine's generate is replaced here; DecodeConfig.prefill_graphs has
+    its own tests.)"""
     from sdsie.serve import worker
 
     engine = Engine.load(_config(tokenizer=str(PAIR / "tokenizer"), kv_cache="static"))

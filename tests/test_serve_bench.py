@@ -119,8 +119,8 @@ def test_pairs_interleave_alternating_and_the_record_pairs_them_by_prompt_and_tr
 
 
 def test_prompt_graphs_warm_each_prompt_twice_so_no_timed_pair_captures_a_graph() -> None:
-    """With prompt graphs a cache's first prompt runs eagerly and its second captures the size's graph: each
-    prompt's warm-up runs both sides twice, and both rounds' tokens are compared."""
+    """With prompt graphs each prompt's warm-up runs both sides twice (`warm_up_runs`: the second is the capture
+    where a cache's first prompt runs eagerly, else a replay), and both rounds' tokens are compared."""
     fake = FakeSides()
     m = measure(["a", "b"], fake.sides(), 1, Budget(None, fake.clock), warm_rounds=2)
     assert fake.calls[:8] == [("direct", "a"), ("whole", "a")] * 2 + [("direct", "b"), ("whole", "b")] * 2

@@ -455,7 +455,7 @@ def test_padded_prefills_decode_as_the_dynamic_cache(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_graphs_decode_as_the_eager_padded_prefill(dtype, monkeypatch):
-    """On a GPU: prompts replayed as graphs (prefill_graphs; a cache's first prompt runs eagerly, later ones replay)
+    """On a GPU: prompts replayed as graphs (prefill_graphs; a cache's first prompt captures, later ones replay)
     give the tokens of the same padded prompts run eagerly, plain and fixed-K, at two prompt lengths; in fp32 both
     equal unpadded decoding's tokens. A gated target's prompt replays the graph of the gear's precision."""
     import sdsie.decoding.engine as engine

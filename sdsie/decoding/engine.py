@@ -98,11 +98,12 @@ class DecodeConfig:
     pad_scout_catchup: under cuda_graphs, pad the scout's catch-up forwards to one of SCOUT_PAD_SIZES and replay
     them (False: run them eagerly, as before; for A/B runs).
     prefill_graphs: under cuda_graphs, pad each prompt to one of PREFILL_SIZES and replay a graph of that size (one
-    per size, captured on its first use), so a prefill launches nothing from the host; a cache's first prompt runs
-    eagerly (it initializes the cache). A DecodeCompiled model's compiled prompt replays inductor's kernels as
-    plain launches (DecodeCompiled). The padding is compute spent on no token (at most half the forward below 256
-    tokens); a prompt over 2,048 tokens runs eagerly. The prompt's logits are the same computation as an unpadded
-    forward's, up to the kernels' floating-point order for another size.
+    per size, captured on its first use), so a prefill launches nothing from the host (a cache whose layers its
+    configuration cannot describe runs its first prompt eagerly, to build them: StaticKV). A DecodeCompiled model's
+    compiled prompt replays inductor's kernels as plain launches (DecodeCompiled). The padding is compute spent on
+    no token (at most half the forward below 256 tokens); a prompt over 2,048 tokens runs eagerly. The prompt's
+    logits are the same computation as an unpadded forward's, up to the kernels' floating-point order for another
+    size.
     k_schedule: "constant" (K drafts every speculate cycle) or "adaptive" (K_SCHEDULES: the draft length moves
     between 1 and K with the previous cycle's acceptance). Under cuda_graphs an adaptive run captures a verify
     graph for every draft length 1..K. Any schedule is lossless: only how many drafts are verified changes.

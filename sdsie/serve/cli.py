@@ -46,8 +46,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="with --compile: compile the prompt's forward too, with a dynamic length (one graph for all)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="with --cuda-graphs: replay each prompt's forward as a CUDA graph, "
-                        "padded to one of the engine's prefill sizes (the first prompt of each cache runs eagerly; "
-                        "each size captures on its first use)")
+                        "padded to one of the engine's prefill sizes (each size captures on its first use)")
     p.add_argument("--warm-up", type=int, nargs="+", default=(), metavar="POSITIONS",
                    help="run one short request at each of these cache lengths (a request's prompt plus max_tokens, "
                         "rounded up to 256) before the port opens, so their compilations, graph captures and "

@@ -59,7 +59,7 @@ class ServeConfig:
     (DecodeConfig.prefill_graphs; needs cuda_graphs): the prefill launches nothing from the host.
     warm_up: cache lengths (positions: a request's prompt plus max_tokens, rounded up to 256) to run once at load,
     before the server takes requests, so their compilations and graph captures are not a client's wait (twice
-    with prefill_graphs: a cache's first prompt runs eagerly, the second captures its size's graph).
+    with prefill_graphs: `sdsie.decoding.warm_up_runs`).
     max_tokens: the most a request may ask for.
     context: positions one request may fill, prompt plus max_tokens (None: the target's max_position_embeddings).
     queue_size: requests that may wait behind the running one; one more is answered 503 with Retry-After.

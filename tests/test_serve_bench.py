@@ -43,16 +43,17 @@ class FakeSides:
     n-th streamed request reports a total of 1 + n/10 s, 0.5 s of it outside the engine."""
 
     def __init__(self, bad_decisions_at: int | None = None, interrupt_at: int | None = None,
-                 bad_direct_at: int | None = None, bad_whole_for: str | None = None) -> None:
+                 bad_direct_at: int | None = None, bad_whole_for: str | None = None, compile_s: float = 0.0) -> None:
         self.t, self.calls, self.streams = 0.0, [], 0
         self.bad_decisions_at, self.interrupt_at = bad_decisions_at, interrupt_at
         self.bad_direct_at, self.bad_whole_for = bad_direct_at, bad_whole_for
+        self.compile_s = compile_s  # added to the first direct run: the run's compilations
 
     def clock(self) -> float:
         return self.t
 
     def direct(self, pid: str) -> DirectRun:
-        self.t += 1.0
+        self.t += 1.0 + (self.compile_s if not self.calls else 0.0)
         self.calls.append(("direct", pid))
         bad = len([c for c in self.calls if c[0] == "direct"]) == self.bad_direct_at
         return DirectRun([*TOKENS[:2], 0, *TOKENS[3:]] if bad else list(TOKENS), "FSF", 0.5, 0.01)
@@ -186,6 +187,20 @@ def test_a_warm_up_the_budget_cuts_leaves_the_prompts_warmed_before_it_to_be_tim
     fake = FakeSides(interrupt_at=1)  # an interrupt after the cut keeps both reasons
     m = measure(["a", "b"], fake.sides(), 3, Budget(9, fake.clock, reserve=0), warm_rounds=2)
     assert m.cut == "budget: warm-up stopped before b (5 s left, 6 s needed); interrupted (SIGTERM) after 0 pairs"
+
+
+def test_later_warm_ups_are_estimated_without_the_first_ones_compilation() -> None:
+    """The first warm-up (2 rounds of 2 s, and 100 s of compilation) is not the next one's estimate: b's is 1.5 x 2
+    rounds x a's last round = 6 s, and c's 1.5 x b's 4 s = 6 s, so with 125 s all three are warmed (at 112 s) and
+    timed (1.5 x 104 s would have stopped the warm-up after a). With one round, a round is the whole warm-up,
+    compilation included."""
+    fake = FakeSides(compile_s=100.0)
+    m = measure(["a", "b", "c"], fake.sides(), 1, Budget(125, fake.clock, reserve=0), warm_rounds=2)
+    assert m.cut is None and m.warmed == ["a", "b", "c"] and m.pairs == 3
+    assert serve_bench._warm_up_estimate([104.0, 4.0], [2.0, 2.0], 2) == 6.0
+    assert serve_bench._warm_up_estimate([104.0], [2.0], 2) == 6.0
+    assert serve_bench._warm_up_estimate([102.0], [102.0], 1) == 153.0
+    assert serve_bench._warm_up_estimate([], [], 2) == FIRST_WARMUP_GUESS_S
 
 
 def test_budget_too_short_for_a_warm_up_writes_a_record_with_nothing_measured() -> None:

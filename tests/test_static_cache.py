@@ -119,6 +119,32 @@ def test_static_kv_layers_share_one_counter_advanced_once_per_forward():
     assert int(kv.counter) == cache_length(kv) == 5
 
 
+def test_a_cache_builds_its_layers_from_the_configuration_or_else_in_its_first_forward(monkeypatch):
+    """The layers are allocated at construction with the configuration's key/value heads and head size; a
+    configuration that does not say them (or says separate key and value sizes) leaves them to the first forward,
+    after which the cache is consolidated all the same and decodes the same tokens."""
+    import types
+
+    import sdsie.decoding.model_io as model_io
+
+    kv = StaticKV(TARGET, max_len=16)
+    cfg = TARGET.config
+    keys = kv.cache.layers[0].keys
+    assert keys.shape == (1, cfg.num_key_value_heads, 16, cfg.hidden_size // cfg.num_attention_heads)
+    assert keys.dtype == TARGET.get_input_embeddings().weight.dtype and kv.kv is not None
+    bare = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64), get_input_embeddings=None)
+    assert not model_io._initialize_layers(kv.cache, bare)  # no head count
+    mla = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=4, hidden_size=64, qk_head_dim=24))
+    assert not model_io._initialize_layers(kv.cache, mla)  # separate key and value sizes
+    monkeypatch.setattr(model_io, "_initialize_layers", lambda cache, model: False)
+    lazy = StaticKV(TARGET, max_len=16)
+    assert lazy.kv is None and not getattr(lazy.cache.layers[0], "is_initialized", False)
+    ids = torch.tensor([1, 5, 9, 4])
+    with torch.inference_mode():
+        early_logits, lazy_logits = (forward(TARGET, ids, c, last_only=True) for c in (kv, lazy))
+    assert lazy.kv is not None and torch.equal(early_logits, lazy_logits)
+
+
 def test_static_kv_refuses_overflow_and_bad_crops():
     kv = StaticKV(TARGET, max_len=4)
     with torch.inference_mode():

@@ -274,15 +274,16 @@ def _initialize_layers(cache: Any, model: nn.Module) -> bool:
     final form (`_consolidate`) before anything is traced: a prompt compiled with `DecodeCompiled(compile_prefill)`
     against the lazily built layers compiles once more on the next prompt, which sees the consolidated ones (a
     second inductor compilation at 7-8B sizes). False, layers left to the first forward, where the configuration
-    does not give one head shape for keys and values (no head count, or separate key and value sizes)."""
+    does not give one head shape for keys and values (no head count or head size, or separate key and value sizes)
+    or the model no input embeddings to take the dtype from."""
     config = model.config
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None)
-    if not hasattr(cache, "early_initialization") or not heads or any(
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else None)
+    if not hasattr(cache, "early_initialization") or not hasattr(model, "get_input_embeddings") or not head_dim or any(
             getattr(config, name, None) is not None for name in ("qk_head_dim", "v_head_dim")):
         return False
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = model.get_input_embeddings().weight.dtype
     cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                                device=model_device(model))

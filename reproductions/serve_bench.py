@@ -231,10 +231,11 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
 def _warm_up_estimate(warmups: list[float], last_rounds: list[float], warm_rounds: int) -> float:
     """The next prompt's warm-up, times ESTIMATE_MARGIN. Before any, FIRST_WARMUP_GUESS_S. The first prompt's
     warm-up pays the compilations and graph captures every prompt at its cache length shares (minutes at 7-8B
-    sizes: 270 s of the served Llama-3.1-8B's, where a later prompt's took under a second at the tiny size), so
-    after it alone the next is `warm_rounds` of its last round (with prompt graphs, a replay; with one round, the
-    whole warm-up); after more, the longest later warm-up. A later prompt that compiles (a new cache length) runs
-    past the estimate, and the outer limit's SIGTERM ends the run, keeping what completed."""
+    sizes: 270 s for the served Llama-3.1-8B's first prompt on an H100; at the tiny size 25 s, later prompts 0.1 s
+    and 0.2 s, docs/log.md), so after it alone the next is `warm_rounds` of its last round (with prompt graphs, a
+    replay; with one round, the whole warm-up); after more, the longest later warm-up. A later prompt that compiles
+    (a new cache length) runs past the estimate, and the outer limit's SIGTERM ends the run, keeping what
+    completed."""
     if not warmups:
         return FIRST_WARMUP_GUESS_S
     later = warmups[1:] or [warm_rounds * last_rounds[0]]

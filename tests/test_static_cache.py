@@ -134,7 +134,8 @@ def test_a_cache_builds_its_layers_from_the_configuration_or_else_in_its_first_f
     assert keys.dtype == TARGET.get_input_embeddings().weight.dtype and kv.kv is not None
     bare = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64), get_input_embeddings=None)
     assert not model_io._initialize_layers(kv.cache, bare)  # no head count
-    mla = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=4, hidden_size=64, qk_head_dim=24))
+    mla = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=4, hidden_size=64, qk_head_dim=24),
+                                get_input_embeddings=None)
     assert not model_io._initialize_layers(kv.cache, mla)  # separate key and value sizes
     monkeypatch.setattr(model_io, "_initialize_layers", lambda cache, model: False)
     lazy = StaticKV(TARGET, max_len=16)

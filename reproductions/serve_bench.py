@@ -184,7 +184,11 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
             first: list[int] | None = None
             for r in range(warm_rounds):
                 t_round = budget.clock()
-                ref, whole = sides.direct(pid), sides.whole(pid)
+                ref = sides.direct(pid)
+                t_direct = budget.clock()
+                whole = sides.whole(pid)
+                m.add("warmup_direct_s", t_direct - t_round)  # each round's, per side: where a compilation lands
+                m.add("warmup_server_s", budget.clock() - t_direct)
                 m.check(whole.token_ids == ref.tokens, f"{pid} warm-up: server token ids differ from direct "
                         f"generate() from position {_first_difference(whole.token_ids, ref.tokens)}")
                 if first is None:
@@ -197,7 +201,10 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
             m.add("warmup_s", warmups[-1])
             reference[pid] = (ref, whole)
             m.warmed.append(pid)
-            budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {warmups[-1]:.1f} s (both sides)")
+            rounds = {side: " + ".join(f"{t:.1f}" for t in m.samples[f"warmup_{side}_s"][-warm_rounds:])
+                      for side in ("direct", "server")}
+            budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {warmups[-1]:.1f} s (direct {rounds['direct']} s, "
+                       f"server {rounds['server']} s)")
         stopped = False
         for trial in range(trials if m.warmed else 0):
             for pid in m.warmed:

@@ -189,7 +189,7 @@ def test_a_warm_up_the_budget_cuts_leaves_the_prompts_warmed_before_it_to_be_tim
     assert m.cut == "budget: warm-up stopped before b (5 s left, 6 s needed); interrupted (SIGTERM) after 0 pairs"
 
 
-def test_later_warm_ups_are_estimated_without_the_first_ones_compilation() -> None:
+def test_later_warm_ups_are_estimated_without_the_first_ones_compilation(capsys) -> None:
     """The first warm-up (2 rounds of 2 s, and 100 s of compilation) is not the next one's estimate: b's is 1.5 x 2
     rounds x a's last round = 6 s, and c's 1.5 x b's 4 s = 6 s, so with 125 s all three are warmed (at 112 s) and
     timed (1.5 x 104 s would have stopped the warm-up after a). With one round, a round is the whole warm-up,
@@ -197,6 +197,9 @@ def test_later_warm_ups_are_estimated_without_the_first_ones_compilation() -> No
     fake = FakeSides(compile_s=100.0)
     m = measure(["a", "b", "c"], fake.sides(), 1, Budget(125, fake.clock, reserve=0), warm_rounds=2)
     assert m.cut is None and m.warmed == ["a", "b", "c"] and m.pairs == 3
+    assert m.samples["warmup_s"] == [104.0, 4.0, 4.0]  # each round's seconds per side say where the 100 s went
+    assert m.samples["warmup_direct_s"] == [101.0] + [1.0] * 5 and m.samples["warmup_server_s"] == [1.0] * 6
+    assert "warm-up a: 4 tokens, 104.0 s (direct 101.0 + 1.0 s, server 1.0 + 1.0 s)" in capsys.readouterr().out
     assert serve_bench._warm_up_estimate([104.0, 4.0], [2.0, 2.0], 2) == 6.0
     assert serve_bench._warm_up_estimate([104.0], [2.0], 2) == 6.0
     assert serve_bench._warm_up_estimate([102.0], [102.0], 1) == 153.0

@@ -754,6 +754,11 @@ def _model_and_prompt(point: str) -> tuple[str, int]:
     return model, int(prompt[1:])
 
 
+# The end-to-end bars on tok/s: INT4 over bf16 and over torch's tinygemm INT4 through the same path, and the share of
+# INT4's bytes-per-token bound (weights and KV cache read a token, at the measured copy rate)
+E2E_SPEEDUP_TARGET, E2E_TINYGEMM_TARGET, E2E_BOUND_TARGET = 2.5, 1.5, 0.50
+
+
 def e2e_rows(records: list[RunRecord]) -> list[str]:
     """INT4 end to end, per model and prompt length (`_e2e_points`): INT4 against bf16 with the same engine,
     compilation and graphs, in tok/s and J/token. The speedup is shown rounded down, so a figure never reads as
@@ -763,22 +768,18 @@ def e2e_rows(records: list[RunRecord]) -> list[str]:
         mt = rec.metrics
         base = f"{point}.{variant}"
         key = f"{base}.speedup_vs_baseline"
-        model, prompt = point.rsplit(".", 1)
+        model, prompt = _model_and_prompt(point)
         options = rec.config.get("inductor_options") or {}
         compiled = "compiled" + (f" ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
         launch = ", sdsie kernels as programmatic dependents" if rec.config.get("pdl") else ""
-        rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt[1:]}, 128 new tokens): "
+        rows.append(f"| INT4 end to end, {model} shape (random weights, batch 1, prompt {prompt}, 128 new tokens): "
                     f"{E2E_INT4_VARIANTS[variant]} against bf16, both {compiled} and graphed{launch} | "
                     f"{_down(mt[key])} tok/s ({mt[base + '.decode_tok_s_median']:.0f} tok/s), "
                     f"{_up(mt[base + '.energy_vs_baseline'])} J/token{_decode_energy(mt, base)}; "
-                    f"target 2.5x {'met' if mt[key] >= 2.5 else 'not met'}, {_energy_verdict(mt, base)} | "
+                    f"target {E2E_SPEEDUP_TARGET}x {'met' if mt[key] >= E2E_SPEEDUP_TARGET else 'not met'}, "
+                    f"{_energy_verdict(mt, base)} | "
                     f"`{_rid(rec)}` |")
     return rows
-
-
-# The end-to-end bars on tok/s: INT4 over bf16 and over torch's tinygemm INT4 through the same path, and the share of
-# INT4's bytes-per-token bound (weights and KV cache read a token, at the measured copy rate)
-E2E_SPEEDUP_TARGET, E2E_TINYGEMM_TARGET, E2E_BOUND_TARGET = 2.5, 1.5, 0.50
 
 
 def e2e_verdicts(records: list[RunRecord]) -> list[str]:
@@ -803,7 +804,7 @@ def e2e_verdicts(records: list[RunRecord]) -> list[str]:
     for point, (rec, variant) in points.items():
         mt = rec.metrics
         base = f"{point}.{variant}"
-        model, prompt = point.rsplit(".", 1)
+        model, prompt = _model_and_prompt(point)
         speedup = mt[f"{base}.speedup_vs_baseline"]
         same_compilation = variant.removeprefix("int4_norms").removeprefix("int4")  # "_compiled"
         peer = f"{point}.tinygemm{same_compilation}.decode_tok_s_median"
@@ -813,7 +814,7 @@ def e2e_verdicts(records: list[RunRecord]) -> list[str]:
         bound = "-" if share is None else judged(_share_down(share), share >= E2E_BOUND_TARGET)
         decode = mt.get(f"{base}.decode_energy_vs_baseline")
         energy, which = (decode, "decode") if decode is not None else (mt[f"{base}.energy_vs_baseline"], "whole runs")
-        lines.append(f"| {model} | {prompt[1:]} | {variant} | "
+        lines.append(f"| {model} | {prompt} | {variant} | "
                      f"{judged(_down(speedup), speedup >= E2E_SPEEDUP_TARGET)} | {tinygemm} | {bound} | "
                      f"{judged(f'{_up(energy)} ({which})', energy <= E2E_ENERGY_TARGET)} | `{_rid(rec)}` |")
     return lines

@@ -171,12 +171,11 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
                          f"{warm_rounds}")
     m = Measured(list(prompts))
     reference: dict[str, tuple[DirectRun, WholeAnswer]] = {}
-    warmups: list[float] = []
     last_rounds: list[float] = []  # each prompt's last warm-up round: with 2 rounds, a replay that captures nothing
     pairs: list[float] = []
     try:
         for pid in prompts:  # untimed: graphs captured on both sides, tokens compared
-            estimate = _warm_up_estimate(warmups, last_rounds, warm_rounds)
+            estimate = _warm_up_estimate(m.samples.get("warmup_s", []), last_rounds, warm_rounds)
             if not budget.fits(estimate):
                 m.stop(f"budget: warm-up stopped before {pid} ({budget.left():.0f} s left, {estimate:.0f} s needed)")
                 break
@@ -197,14 +196,13 @@ def measure(prompts: Sequence[str], sides: Sides, trials: int, budget: Budget, w
                     m.check(ref.tokens == first, f"{pid} warm-up round {r + 1}: direct tokens differ from round 1's "
                             f"from position {_first_difference(ref.tokens, first)}")
             last_rounds.append(budget.clock() - t_round)
-            warmups.append(budget.clock() - t0)
-            m.add("warmup_s", warmups[-1])
+            m.add("warmup_s", budget.clock() - t0)
             reference[pid] = (ref, whole)
             m.warmed.append(pid)
             rounds = {side: " + ".join(f"{t:.1f}" for t in m.samples[f"warmup_{side}_s"][-warm_rounds:])
                       for side in ("direct", "server")}
-            budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {warmups[-1]:.1f} s (direct {rounds['direct']} s, "
-                       f"server {rounds['server']} s)")
+            budget.say(f"warm-up {pid}: {len(ref.tokens)} tokens, {m.samples['warmup_s'][-1]:.1f} s "
+                       f"(direct {rounds['direct']} s, server {rounds['server']} s)")
         stopped = False
         for trial in range(trials if m.warmed else 0):
             for pid in m.warmed:

@@ -307,21 +307,25 @@ def _row_factor(rs, om, NORM_ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(y_ptr, r_ptr, g_ptr, y, om, orow, N, stride_ym, stride_rm, mask, rs, NORM_ROWS: gl.constexpr,
-                RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr):
+def _store_rows(y_ptr, r_ptr, g_ptr, y, om, orow, N, stride_ym, stride_rm, mask, rs, r, g, NORM_ROWS: gl.constexpr,
+                RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr, PRELOADED: gl.constexpr):
     """y [B, 32, 4] fp32 sums of x's rows om at output rows orow: scaled by the row's rs (NORM_ROWS > 0), rounded to
-    y's dtype, plus r's element (RESIDUAL; the sum in fp32, rounded once more), stored; with OUT_GAIN, also
-    y * g[orow] rounded, N columns further on (the next norm's gain applied to the stream it reads)."""
+    y's dtype, plus the residual's element r (RESIDUAL; the sum in fp32, rounded once more), stored; with OUT_GAIN,
+    also y * g rounded, N columns further on (g: the next norm's gain at orow, applied to the stream it reads).
+    PRELOADED: r and g were loaded before the main loop (see the kernel), else they are read here."""
     if NORM_ROWS > 0:
         y = y * _row_factor(rs, om, NORM_ROWS)
     y = y.to(y_ptr.dtype.element_ty)
     if RESIDUAL:
-        y = (y.to(gl.float32) + gl.load(r_ptr + om * stride_rm + orow, mask=mask, other=0.0).to(gl.float32)).to(
-            y_ptr.dtype.element_ty)
+        if not PRELOADED:
+            r = gl.load(r_ptr + om * stride_rm + orow, mask=mask, other=0.0)
+        y = (y.to(gl.float32) + r.to(gl.float32)).to(y_ptr.dtype.element_ty)
     gl.store(y_ptr + om * stride_ym + orow, y, mask=mask)
     if OUT_GAIN:
-        g = gl.load(g_ptr + orow, mask=mask, other=0.0).to(gl.float32)
-        gl.store(y_ptr + om * stride_ym + N + orow, (y.to(gl.float32) * g).to(y_ptr.dtype.element_ty), mask=mask)
+        if not PRELOADED:
+            g = gl.load(g_ptr + orow, mask=mask, other=0.0)
+        gl.store(y_ptr + om * stride_ym + N + orow, (y.to(gl.float32) * g.to(gl.float32)).to(y_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @gluon.jit
@@ -386,8 +390,30 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     if PER_CHANNEL:  # one scale a row, applied once at the end
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 3),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 3))
+    # The output's indices, and the residual's and the gain's elements for the epilogue, before the loop: loaded
+    # after it, their two latencies came one after the other at every program's end (a standalone o_proj or
+    # down_proj launch 0.2-0.9 us slower on an H100, docs/kernel-log.md). A thread holds B x 4 of each through it.
+    # With HALVES 2 (M 9-16) both are read at the end: held through the loop, they take that kernel from 128
+    # registers to 138-156 (offline sm_90 compile), a program fewer an SM.
+    LO: gl.constexpr = gl.SliceLayout(1, L4)  # [B, 32, 4]
+    ob = gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LO))), 1),
+                        2)  # [B, 1, 1]
+    ol = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LO))), 0),
+                        2)  # [1, 32, 1]
+    oc = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LO))), 0),
+                        1)  # [1, 1, 4]
+    onb = nb0 + ob  # [B, 1, 1]
+    live = onb < row_blocks
+    om = 2 * (ol % 4) + oc % 2  # [1, 32, 4] x's row (B's column) of each accumulator
+    orow = onb * 16 + ol // 4 + 8 * (oc // 2)  # [B, 32, 4] output row of each accumulator
+    g_out = 0.0
+    if OUT_GAIN and HALVES == 1:  # the next norm's gain, a weight: asked for before the wait
+        g_out = gl.load(g_ptr + orow, mask=(orow < N) & live, other=0.0)
     if PDL:
         _wait_for_producer()
+    r = 0.0
+    if RESIDUAL and HALVES == 1:  # the residual, the producer's output: after the wait
+        r = gl.load(r_ptr + om * stride_rm + orow, mask=(om < M) & live, other=0.0)
     a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
     b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
     if STAGES >= 3:
@@ -418,16 +444,6 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     if PER_CHANNEL:
         tot = tot * s_end
         tot_h = tot_h * s_end
-    LO: gl.constexpr = gl.SliceLayout(1, L4)  # [B, 32, 4]
-    ob = gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LO))), 1),
-                        2)  # [B, 1, 1]
-    ol = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LO))), 0),
-                        2)  # [1, 32, 1]
-    oc = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LO))), 0),
-                        1)  # [1, 1, 4]
-    onb = nb0 + ob  # [B, 1, 1]
-    live = onb < row_blocks
-    om = 2 * (ol % 4) + oc % 2  # [1, 32, 4] x's row (B's column) of each accumulator
     rs = eps  # unused without NORM_ROWS
     if NORM_ROWS > 0:
         rs = 1.0 / gl.sqrt(gl.sum(squares, axis=1) / K + eps)  # [NORM_ROWS]
@@ -447,13 +463,11 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
             out = gate / (1.0 + gl.exp(-gate)) * up
             gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=(me < M) & live)
     else:
-        orow = onb * 16 + ol // 4 + 8 * (oc // 2)  # [B, 32, 4]
-        _store_rows(y_ptr, r_ptr, g_ptr, gl.sum(tot, axis=1), om, orow, N, stride_ym, stride_rm, (om < M) & live, rs,
-                    NORM_ROWS, RESIDUAL, OUT_GAIN)
+        _store_rows(y_ptr, r_ptr, g_ptr, gl.sum(tot, axis=1), om, orow, N, stride_ym, stride_rm, (om < M) & live,
+                    rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, HALVES == 1)
     if HALVES == 2:
-        orow = onb * 16 + ol // 4 + 8 * (oc // 2)
         _store_rows(y_ptr, r_ptr, g_ptr, gl.sum(tot_h, axis=1), om + 8, orow, N, stride_ym, stride_rm,
-                    (om + 8 < M) & live, rs, NORM_ROWS, RESIDUAL, OUT_GAIN)
+                    (om + 8 < M) & live, rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, False)
 
 
 def norm_layout(k: int, warps: int) -> tuple[int, int]:

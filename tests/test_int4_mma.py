@@ -347,6 +347,27 @@ def test_the_norm_and_residual_epilogues_leave_the_loop_and_the_cap_keeps_the_re
     assert capped["sass_loop_per_code"] < 2.2 and residual["registers"] == free["registers"]
 
 
+def test_the_residual_and_gain_are_read_before_the_loop_at_m_8_or_less():
+    """Offline sm_90 SASS of the residual and gained-copy epilogue, launched as a programmatic dependent: at M <= 8
+    the gain's loads come before griddepcontrol.wait (ACQBULK), the residual's after it and before the loop, and no
+    load follows the first store, so a program's end waits for no load; the registers stay those of the launch
+    without the epilogue. At M 9-16 (two halves) they are read at the end, where holding them would cost registers."""
+    plain, epilogue, plain16, epilogue16 = compiled_offline(
+        "from reproductions.kernels.inspect_ptx import inspect_mma",
+        "[inspect_mma(pdl=True), inspect_mma(pdl=True, residual=True, out_gain=True), inspect_mma(pdl=True, halves=2), "
+        "inspect_mma(pdl=True, halves=2, residual=True, out_gain=True)]", "the mma GEMV")
+    order = epilogue["memory_order"]
+    first_store = next(i for i, op in enumerate(order) if op.startswith("STG"))
+    assert not any(op.startswith("LDG") for op in order[first_store:]), order
+    wait = order.index("ACQBULK")
+    assert order[:wait].count("LDG.E.U16") > plain["memory_order"][:plain["memory_order"].index("ACQBULK")].count(
+        "LDG.E.U16")  # the gain's
+    assert epilogue["registers"] == plain["registers"] and epilogue["spill_instructions"] == 0
+    order16 = epilogue16["memory_order"]
+    assert any(op.startswith("LDG") for op in order16[next(i for i, op in enumerate(order16) if op.startswith("STG")):])
+    assert epilogue16["registers"] == plain16["registers"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_SM90, reason="the mma kernel needs an sm_90+ GPU")
 @pytest.mark.parametrize("m, cap", [(1, 80), (4, 80), (8, 72), (16, 128)])

@@ -208,6 +208,7 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     order = [op for op in ops if op in ("LDG.E.128", "ACQBULK", "PREEXIT")]
     return {"sass_ops": dict(collections.Counter(op.split()[0] for op in sass)),
             "sass_loop_per_code": len(sass) / (64 * stages), "load_order": order,
+            "memory_order": global_memory_order(kernel.asm["cubin"]),
             "spill_instructions": sum(op.startswith(("STL", "LDL")) for op in ops),
             "local_mem": len(re.findall(r"(?:ld|st)\.local", kernel.asm["ptx"])),
             "registers": registers(kernel.asm["cubin"])}

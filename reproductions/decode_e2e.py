@@ -592,7 +592,8 @@ def int4_kernel(device: torch.device) -> Iterator[str]:
         return
 
     def reference(x: torch.Tensor, w: Any, config: Any = None, out: Any = None, **epilogue: Any) -> torch.Tensor:
-        # epilogue: int4_matmul's norm_eps, norm_source, residual and out_gain, composed as off the mma kernel
+        # epilogue: int4_matmul's norm_eps, norm_source, residual, out_gain and norm_squares, composed as off the mma
+        # kernel
         return sdsie.kernels.compose_epilogue(int4_matmul_reference(x, w).to(x.dtype), x, **epilogue)
 
     def silu_reference(x: torch.Tensor, w: Any, config: Any = None, **epilogue: Any) -> torch.Tensor:
@@ -655,7 +656,7 @@ def model_variants(name: str, args: argparse.Namespace, device: torch.device, dt
     gated_compiled = None
     if wanted & GATED_NORMS:
         torch._dynamo.reset()
-        fuse_norms(model)  # both gears read the [h, h * g] stream
+        fuse_norms(model)  # both gears read the [h, h * g, squares] stream
         normed = compiled(model)
         yield "gated_norms_full_compiled", lambda: Variant("gated_norms_full_compiled", normed, state, PIN_FULL,
                                                            read_skip=not_int4)

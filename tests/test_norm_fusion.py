@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from reproductions.decode_e2e import LINEARS, build_model
-from sdsie.kernels import compose_epilogue, int4_matmul, int4_matmul_reference
+from sdsie.kernels import compose_epilogue, int4_matmul, int4_matmul_reference, norm_stream_width, row_squares
 from sdsie.quant import (
     Int4Linear,
     QuantConfig,
@@ -151,37 +151,71 @@ def test_a_norm_of_another_formula_is_refused():
 
 
 def test_the_composed_epilogue_is_the_norm_the_residual_and_the_gained_copy():
-    """Off the mma kernel: a layer with norm_eps reads [h, h * g] and gives rs * ((h * g) @ W.T) (+ residual), and
-    an output gain puts the result's gained copy beside it."""
+    """Off the mma kernel: a layer with norm_eps reads the stream [h, h * g, row_squares(h)] and gives
+    rs * ((h * g) @ W.T) (+ residual), rs from the stream's partial sums of squares; an output gain makes the next
+    stream: the result, its gained copy and its partial sums of squares."""
     gen = torch.Generator().manual_seed(4)
     w = make_weight(48, 256, 128, False, 0.02, torch.device("cpu"), gen)
     h = torch.randn(3, 256, generator=gen) * 3
     g = torch.rand(256, generator=gen) + 0.5
     gain = torch.rand(48, generator=gen)
     r = torch.randn(3, 48, generator=gen)
+    stream = compose_epilogue(h, h, out_gain=g)
+    assert stream.shape == (3, norm_stream_width(256)) == (3, 2 * 256 + 32)
+    assert torch.equal(stream[:, :256], h) and torch.equal(stream[:, 256:512], h * g)
     layer = Int4Linear(w)
     layer.norm_eps = 1e-5
     rs = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5)
     want = int4_matmul_reference(h * g, w).double() * rs + r.double()
-    y = layer(torch.cat([h, h * g], -1), residual=r, out_gain=gain)
-    assert y.shape == (3, 96)
+    y = layer(stream, residual=r, out_gain=gain)
+    assert y.shape == (3, norm_stream_width(48)) == (3, 102)
     torch.testing.assert_close(y[:, :48].double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y[:, 48:], y[:, :48] * gain)
+    torch.testing.assert_close(y[:, 48:96], y[:, :48] * gain)
+    assert torch.equal(y[:, 96:], row_squares(y[:, :48]))
+    # the norm is read from the squares: scaled by 4, they halve the product
+    quartered = layer(torch.cat([stream[:, :512], 4 * stream[:, 512:]], -1))
+    torch.testing.assert_close(quartered.double(), (want - r.double()) / 2, rtol=1e-4, atol=1e-4)
     assert torch.equal(int4_matmul(h * g, w, norm_eps=1e-5, norm_source=h, residual=r),
                        compose_epilogue(int4_matmul(h * g, w), h * g, 1e-5, r, h))
     b = torch.randn(48, generator=gen)  # a layer's bias comes after the norm, before the residual
     biased = Int4Linear(w, bias=b)
     biased.norm_eps = 1e-5
-    torch.testing.assert_close(biased(torch.cat([h, h * g], -1), residual=r).double(), want + b.double(), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(biased(stream, residual=r).double(), want + b.double(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="residual must be"):
         int4_matmul(h, w, residual=r[:, :40])
+    with pytest.raises(ValueError, match="norm_squares must be"):
+        int4_matmul(h, w, norm_eps=1e-5, norm_squares=stream[:, 512:-2])
     with pytest.raises(ValueError, match="out is not taken"):
         int4_matmul(h, w, out=torch.empty(3, 48), norm_eps=1e-5)
     with pytest.raises(ValueError, match="give norm_eps"):
         int4_matmul(h, w, norm_source=h)
-    with pytest.raises(ValueError, match=r"reads \[h, h \* gain\]"):
-        layer(h)
+    with pytest.raises(ValueError, match="give norm_eps"):
+        int4_matmul(h, w, norm_squares=stream[:, 512:])
+    with pytest.raises(ValueError, match=r"reads the stream \[h, h \* gain, h's partial sums of squares\]"):
+        layer(torch.cat([h, h * g], -1))
+    with pytest.raises(ValueError, match="float16's range"):
+        int4_matmul(h.half(), w, out_gain=gain.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_partial_sums_of_squares_are_pairs_that_sum_to_each_block(dtype):
+    """row_squares: per 16 values (the last block padded with zeros), a (rounded, remainder) pair of the stream's
+    dtype whose sum is the block's fp32 sum of squares to twice the dtype's precision (bf16: 2^-16 of it), so a norm
+    that adds up a row's pairs gets mean(h^2) as from h itself."""
+    gen = torch.Generator().manual_seed(6)
+    h = (torch.randn(4, 200, generator=gen) * torch.logspace(-2, 2, 200)).to(dtype)  # K = 200: a padded block
+    sq = row_squares(h)
+    assert sq.shape == (4, 2 * 13) and sq.dtype == dtype
+    hf = torch.nn.functional.pad(h.double(), (0, 8))
+    blocks = hf.square().view(4, 13, 16).sum(-1)  # [4, 13]
+    pairs = sq.double().view(4, 13, 2)
+    rel = 2.0**-16 if dtype == torch.bfloat16 else 2.0**-19  # fp32: its own sum of 16 values
+    assert ((pairs.sum(-1) - blocks).abs() <= rel * blocks + 1e-30).all()
+    assert (pairs[..., 1].abs() <= 2.0**-7 * pairs[..., 0].abs()).all()  # the remainder is below the rounding's ulp
+    if dtype == torch.bfloat16:
+        assert (pairs[..., 1] != 0).any()  # bf16 loses bits the remainder keeps
+    with pytest.raises(ValueError, match="float16's range"):
+        row_squares(h.half())
 
 
 @pytest.mark.gpu

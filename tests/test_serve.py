@@ -697,6 +697,9 @@ def test_int4_and_compile_options_refuse_what_they_cannot_serve(monkeypatch) -> 
         ServeConfig(target="t", int4="awq")
     with pytest.raises(ValueError, match="pass one of them"):
         ServeConfig(target="t", int4="group", gear=("down_proj",), clutch=MIXED)
+    with pytest.raises(ValueError, match="float16's range"):
+        ServeConfig(target="t", int4="group", dtype="float16")
+    assert not ServeConfig(target="t", int4="group", dtype="float16", fuse_norms=False).fuse_norms
     import torch._dynamo
 
     with torch._dynamo.config.patch(recompile_limit=2):  # restored after (monkeypatch's undo hides the option)

@@ -17,10 +17,12 @@ cost (docs/kernel-log.md, 2026-12-05 22:50).
 
 --epilogues times, at M <= 8 with the shipped choice, what the decoder's fused norms add to a launch
 (docs/kernel-log.md, 2026-12-06 20:40: 1.1-1.2 us a normed launch in the H200 decode, 0-0.5 on the H100): the plain
-launch on x read from the [h, h * g] stream as the decode reads it (`strided`), the same with the norm's pre-pass
-over h (`norm`), and the residual-and-gained-copy epilogue of o_proj and down_proj (`residual_gain`); with --silu,
-`int4_silu_mul` with the norm too (`silu_norm`). Each fused result is checked against the plain product composed
-in torch (`compose_epilogue`), relative to its largest magnitude.
+launch on x read from the stream [h, h * g, row_squares(h)] as the decode reads it (`strided`), the same with the
+norm's pre-pass over h (`norm`) and over h's partial sums of squares, as the decode reads it (`norm_squares`), and
+the residual-and-gained-copy epilogue of o_proj and down_proj, which also writes the next stream's squares
+(`residual_gain`); with --silu, `int4_silu_mul` with either norm too (`silu_norm`, `silu_norm_squares`). Each fused
+result is checked against the plain product composed in torch (`compose_epilogue`), relative to its largest
+magnitude.
 """
 
 from __future__ import annotations
@@ -113,11 +115,12 @@ EPS = 1e-5
 
 
 def time_epilogues(n: int, k: int, m: int, ws: list, gen: torch.Generator, silu: bool) -> dict:
-    """The fused norm's and residual's launches beside the plain one on x read from the [h, h * g] stream [M, 2K]
-    (the decode's layout), graphed over the rotated weights, with each fused result's error against the plain
-    product composed in torch (relative to its largest magnitude)."""
-    stream = torch.randn(m, 2 * k, generator=gen).to(torch.bfloat16).cuda()
-    h, x = stream[:, :k], stream[:, k:]  # [M, K] each, row stride 2K
+    """The fused norm's and residual's launches beside the plain one on x read from the stream [h, h * g,
+    row_squares(h)] (the decode's layout), graphed over the rotated weights, with each fused result's error against
+    the plain product composed in torch (relative to its largest magnitude)."""
+    hs = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+    stream = compose_epilogue(hs, hs, out_gain=(torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16).cuda())
+    h, x, sq = stream[:, :k], stream[:, k:2 * k], stream[:, 2 * k:]  # views at the stream's row stride
     r = torch.randn(m, n, generator=gen).to(torch.bfloat16).cuda()
     g = torch.rand(n, generator=gen).to(torch.bfloat16).cuda()
     w0 = ws[0]
@@ -130,17 +133,22 @@ def time_epilogues(n: int, k: int, m: int, ws: list, gen: torch.Generator, silu:
 
     out = {"strided": timed(lambda w: int4_matmul(x, w)),
            "norm": timed(lambda w: int4_matmul(x, w, norm_eps=EPS, norm_source=h)),
+           "norm_squares": timed(lambda w: int4_matmul(x, w, norm_eps=EPS, norm_source=h, norm_squares=sq)),
            "residual_gain": timed(lambda w: int4_matmul(x, w, residual=r, out_gain=g))}
     plain = int4_matmul(x, w0)
     out["norm_err"] = error(int4_matmul(x, w0, norm_eps=EPS, norm_source=h),
                             compose_epilogue(plain, x, EPS, norm_source=h))
+    out["norm_squares_err"] = error(int4_matmul(x, w0, norm_eps=EPS, norm_source=h, norm_squares=sq),
+                                    compose_epilogue(plain, x, EPS, norm_source=h))
     out["residual_gain_err"] = error(int4_matmul(x, w0, residual=r, out_gain=g),
                                      compose_epilogue(plain, x, residual=r, out_gain=g))
     if silu:  # the weight taken as fused [gate; up]
         out["silu_strided"] = timed(lambda w: int4_silu_mul(x, w))
         out["silu_norm"] = timed(lambda w: int4_silu_mul(x, w, norm_eps=EPS, norm_source=h))
-        out["silu_norm_err"] = error(int4_silu_mul(x, w0, norm_eps=EPS, norm_source=h),
-                                     silu_mul_halves(compose_epilogue(int4_matmul(x, w0), x, EPS, norm_source=h)))
+        out["silu_norm_squares"] = timed(lambda w: int4_silu_mul(x, w, norm_eps=EPS, norm_source=h, norm_squares=sq))
+        want = silu_mul_halves(compose_epilogue(int4_matmul(x, w0), x, EPS, norm_source=h))
+        out["silu_norm_err"] = error(int4_silu_mul(x, w0, norm_eps=EPS, norm_source=h), want)
+        out["silu_norm_squares_err"] = error(int4_silu_mul(x, w0, norm_eps=EPS, norm_source=h, norm_squares=sq), want)
     return out
 
 

@@ -14,8 +14,12 @@ from sdsie.kernels.int4_gemm import (
     int4_matmul,
     int4_silu_mul,
     kernel_calls,
+    norm_factor,
+    norm_stream_width,
     refresh_choice,
+    row_squares,
     silu_mul_halves,
+    squares_width,
 )
 from sdsie.kernels.int4_tune import tune, tune_model
 from sdsie.kernels.logit_stats import logit_stats
@@ -38,11 +42,15 @@ __all__ = [
     "silu_mul_halves",
     "kernel_calls",
     "logit_stats",
+    "norm_factor",
+    "norm_stream_width",
     "refresh_choice",
+    "row_squares",
     "register_weight",
     "rms_norm",
     "select_config",
     "split_rule",
+    "squares_width",
     "tune",
     "tune_model",
 ]

@@ -38,6 +38,7 @@ from sdsie.kernels.int4_config import (
 from sdsie.kernels.int4_mma import (
     NORM_MAX_M,
     NORM_REGISTER_CAPS,
+    SQUARE_BLOCK,
     _int4_mma_gemv_kernel,
     gate_up_order,
     mma_consts,
@@ -53,7 +54,8 @@ from sdsie.kernels.int4_triton import (
 )
 
 __all__ = ["int4_matmul", "int4_silu_mul", "silu_mul_halves", "compose_epilogue", "epilogue_max_m", "int4_dequantize",
-           "kernel_calls", "refresh_choice", "DEQUANT_MIN_M", "ROW_SLICE"]
+           "kernel_calls", "norm_factor", "norm_stream_width", "refresh_choice", "row_squares", "squares_width",
+           "DEQUANT_MIN_M", "ROW_SLICE"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -146,7 +148,7 @@ class _Plan:
     split_k: int
     lock_slots: int
     sources: tuple  # (qweight, scales, zeros) it was built from: Int4Weight is mutable, so a call checks them
-    extra: tuple = ()  # GEMV: CODE_MAGIC; mma: the residual's and the norm stream's row strides, the norm's eps
+    extra: tuple = ()  # GEMV: CODE_MAGIC; mma: the residual's, h's and the squares' row strides, the norm's eps
     compiled: object | None = None  # triton CompiledKernel after the first launch (never under the interpreter)
     workspace: torch.Tensor | None = None  # split K: [SPLIT_K, M, N] fp32 partials, allocated once per plan
     before_y: tuple = ()  # after the first launch: the compiled kernel's arguments between x and y ...
@@ -187,17 +189,19 @@ def _fragments(w: Int4Weight, gate_up: bool = False) -> tuple[torch.Tensor, torc
 
 class _Epilogue(NamedTuple):
     """The mma kernel's epilogues of one call beyond storing y (see `int4_matmul`), with its tensors as 2-D rows:
-    the norm's epsilon and its stream h [M, K], the residual [M, N], the output gain [N]."""
+    the norm's epsilon, its stream h [M, K] and h's partial sums of squares [M, 2 cdiv(K, 16)], the residual [M, N],
+    the output gain [N]."""
 
     norm_eps: float | None = None
     h2: torch.Tensor | None = None
     r2: torch.Tensor | None = None
     gain: torch.Tensor | None = None
+    sq2: torch.Tensor | None = None
 
     def key(self) -> tuple:
         """What a plan pins of it: the epsilon, which tensors are given, and the row strides it reads them by."""
-        return (self.norm_eps, None if self.h2 is None else self.h2.stride(0),
-                None if self.r2 is None else self.r2.stride(0), self.gain is not None)
+        return (self.norm_eps, *(None if t is None else t.stride(0) for t in (self.h2, self.r2, self.sq2)),
+                self.gain is not None)
 
 
 NO_EPILOGUE = _Epilogue()
@@ -224,11 +228,11 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
         blocks = cfg.block_n // 16
         norm = ep.norm_eps is not None
         consts = mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages, norm, ep.r2 is not None,
-                            ep.gain is not None)
+                            ep.gain is not None, ep.sq2 is not None)
         cap = NORM_REGISTER_CAPS.get((cfg.num_warps, consts["HALVES"], consts["STAGES"], blocks, consts["NORM_ROWS"]))
         if norm and cfg.max_registers is None and cap is not None:
             options["maxnreg"] = cap
-        strides = (0 if ep.r2 is None else ep.r2.stride(0), 0 if ep.h2 is None else ep.h2.stride(0))
+        strides = tuple(0 if t is None else t.stride(0) for t in (ep.r2, ep.h2, ep.sq2))
         return _Plan(_int4_mma_gemv_kernel, (triton.cdiv(n // 16, blocks), 1, 1), words,
                      zeros if zeros is not None else scales, (m, n, k), consts, options, 1, 0,
                      (w.qweight, w.scales, w.zeros), (*strides, float(ep.norm_eps) if norm else 0.0), scales=scales)
@@ -330,9 +334,9 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor, ep: _
     """Run `plan` on x2, writing y; `ep`: the tensors of an mma plan's epilogues (their strides pinned by its key)."""
     compiled = plan.compiled
     mma = plan.kernel is _int4_mma_gemv_kernel
-    # the mma kernel's r_ptr, h_ptr and g_ptr: y where the plan reads none
-    outs = (y, *(y if t is None else t for t in (ep.r2, ep.h2, ep.gain))) if mma else (y,)
-    # y, r, h and g are the pointers the plan key does not pin: the compiled kernel assumed them 16-byte aligned
+    # the mma kernel's r_ptr, h_ptr, g_ptr and sq_ptr: y where the plan reads none
+    outs = (y, *(y if t is None else t for t in (ep.r2, ep.h2, ep.gain, ep.sq2))) if mma else (y,)
+    # y, r, h, g and sq are the pointers the plan key does not pin: the compiled kernel assumed them 16-byte aligned
     if compiled is not None and all(t.data_ptr() % 16 == 0 for t in outs):
         # Every argument but the pointers is fixed for the plan (its key pins x's, r's and h's strides; y is
         # contiguous):
@@ -357,7 +361,8 @@ def _launch(plan: _Plan, x2: torch.Tensor, w: Int4Weight, y: torch.Tensor, ep: _
     # y's row stride is N: y is a contiguous [M, N] (for M = 1 the stride is never used)
     scales = w.scales if plan.scales is None else plan.scales
     if mma:
-        after_y = (*plan.ints, x2.stride(0), y.shape[1], *plan.extra)  # y: [M, N], [M, N/2] (silu * up), [M, 2N]
+        # y: [M, N], [M, N/2] (silu * up), [M, norm_stream_width(N)] (out_gain)
+        after_y = (*plan.ints, x2.stride(0), y.shape[1], *plan.extra)
     else:
         after_y = (ws, locks, *plan.ints, x2.stride(0), x2.stride(1), plan.qw.stride(0), n, *plan.extra)
     try:
@@ -432,15 +437,61 @@ def _rows(t: torch.Tensor | None, x: torch.Tensor, width: int, what: str) -> tor
 
 
 def _epilogue_of(x: torch.Tensor, n: int, norm_eps: float | None, norm_source: torch.Tensor | None,
-                 residual: torch.Tensor | None, out_gain: torch.Tensor | None) -> _Epilogue:
-    if norm_source is not None and norm_eps is None:
-        raise ValueError("int4_matmul: norm_source is the stream of a norm: give norm_eps with it")
+                 residual: torch.Tensor | None, out_gain: torch.Tensor | None,
+                 norm_squares: torch.Tensor | None = None) -> _Epilogue:
+    if (norm_source is not None or norm_squares is not None) and norm_eps is None:
+        raise ValueError("int4_matmul: norm_source and norm_squares are the stream of a norm: give norm_eps with them")
     if out_gain is not None and (out_gain.shape != (n,) or out_gain.device != x.device):
         raise ValueError(f"int4_matmul: out_gain must be a tensor of shape ({n},) on {x.device}, got "
                          f"{tuple(out_gain.shape)} on {out_gain.device}")
+    if out_gain is not None:
+        _check_squares_dtype(x.dtype, "int4_matmul: out_gain")
     source = x if norm_eps is not None and norm_source is None else norm_source  # the norm of x's own rows
     return _Epilogue(norm_eps, _rows(source, x, x.shape[-1], "norm_source"), _rows(residual, x, n, "residual"),
-                     None if out_gain is None else out_gain.to(x.dtype).contiguous())
+                     None if out_gain is None else out_gain.to(x.dtype).contiguous(),
+                     _rows(norm_squares, x, squares_width(x.shape[-1]), "norm_squares"))
+
+
+def squares_width(k: int) -> int:
+    """Values a row of h's partial sums of squares takes: a (rounded, remainder) pair for each SQUARE_BLOCK values
+    of h (the last block padded with zeros)."""
+    return 2 * triton.cdiv(k, SQUARE_BLOCK)
+
+
+def norm_stream_width(n: int) -> int:
+    """The width of the stream a projection of N outputs writes with `out_gain`: [h, h * g, h's partial sums of
+    squares]."""
+    return 2 * n + squares_width(n)
+
+
+def _check_squares_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype == torch.float16:
+        raise ValueError(f"{what} writes partial sums of squares in the stream's dtype, which float16's range cannot "
+                         "hold; use bfloat16 or float32")
+
+
+def row_squares(h: torch.Tensor) -> torch.Tensor:
+    """h [..., K] -> the partial sums of squares [..., squares_width(K)] in h's dtype that the mma kernel's
+    out_gain epilogue writes: per SQUARE_BLOCK values, s = sum(h^2) in fp32 as the pair (s rounded to h's dtype,
+    what that rounding left, rounded), whose sum holds s to twice the dtype's precision (bf16: to 2^-16 of s). A
+    norm reading them sums the row: 4 bytes of bf16 for 32 of h."""
+    _check_squares_dtype(h.dtype, "row_squares")
+    hf = h.float()
+    pad = -h.shape[-1] % SQUARE_BLOCK
+    if pad:
+        hf = torch.nn.functional.pad(hf, (0, pad))
+    s = hf.square().unflatten(-1, (-1, SQUARE_BLOCK)).sum(-1)  # [..., cdiv(K, 16)] fp32
+    hi = s.to(h.dtype)
+    return torch.stack([hi, (s - hi.float()).to(h.dtype)], dim=-1).flatten(-2)
+
+
+def norm_factor(h: torch.Tensor, norm_eps: float, squares: torch.Tensor | None = None) -> torch.Tensor:
+    """rsqrt(mean(h^2) + eps) per row, fp32 [..., 1]: from h's partial sums of squares [..., squares_width(K)] where
+    given (as the mma kernel reads them; h then gives K alone), else from h [..., K]."""
+    if squares is None:
+        return torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + norm_eps)
+    k = h.shape[-1]
+    return torch.rsqrt(squares.float().sum(-1, keepdim=True) / k + norm_eps)
 
 
 def epilogue_max_m(gate_up: bool = False, norm: bool = False) -> int:
@@ -452,38 +503,39 @@ def epilogue_max_m(gate_up: bool = False, norm: bool = False) -> int:
 
 def compose_epilogue(y: torch.Tensor, x: torch.Tensor, norm_eps: float | None = None,
                      residual: torch.Tensor | None = None, norm_source: torch.Tensor | None = None,
-                     out_gain: torch.Tensor | None = None, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+                     out_gain: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                     norm_squares: torch.Tensor | None = None) -> torch.Tensor:
     """What the mma kernel's epilogues compute, from torch ops on y [..., N] (the product x [..., K] @ W.T, already
-    in x's dtype): y * rsqrt(mean(h^2) + eps) per row (h: `norm_source`, else x), rounded to y's dtype, plus a
-    layer's `bias` [N] (which the kernel leaves to torch), plus `residual`; with `out_gain`, [that, that * out_gain]
-    along the last dim."""
+    in x's dtype): y * rsqrt(mean(h^2) + eps) per row (h: `norm_source`, else x; from `norm_squares` where given,
+    `norm_factor`), rounded to y's dtype, plus a layer's `bias` [N] (which the kernel leaves to torch), plus
+    `residual`; with `out_gain`, the stream [that, that * out_gain, its `row_squares`] along the last dim."""
     if norm_eps is not None:
-        h = x if norm_source is None else norm_source
-        rs = torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + norm_eps)  # [..., 1]
-        y = (y.float() * rs).to(y.dtype)
+        y = (y.float() * norm_factor(x if norm_source is None else norm_source, norm_eps, norm_squares)).to(y.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     if residual is not None:
         y = y + residual
     if out_gain is not None:
-        y = torch.cat([y, (y.float() * out_gain.float()).to(y.dtype)], dim=-1)
+        y = torch.cat([y, (y.float() * out_gain.float()).to(y.dtype), row_squares(y)], dim=-1)
     return y
 
 
 def int4_matmul(
     x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, out: torch.Tensor | None = None, *,
     norm_eps: float | None = None, norm_source: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-    out_gain: torch.Tensor | None = None,
+    out_gain: torch.Tensor | None = None, norm_squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ dequant(W).T for x [..., K]; returns [..., N] in x's dtype (fp32 accumulation).
 
     The decoder's RMS norm and residual add in the projections' launches (`sdsie.quant.fuse_norms`): `norm_eps`,
     y = (x @ W.T) * rsqrt(mean(h^2, -1) + eps) per row, h = `norm_source` [..., K] (else x), x being h times the
-    norm's gain (so y is the norm's output times W); `residual` [..., N] (x's dtype): y = residual + the product
-    rounded to x's dtype, a linear followed by an add; `out_gain` [N]: the output is [..., 2N], y then y * out_gain
-    (the next norm's gained copy of the stream y is). These are the mma kernel's epilogues where that kernel takes
-    the call (one launch; the norm at M <= 8); every other path computes the product, then the same in torch ops
-    (`compose_epilogue`).
+    norm's gain (so y is the norm's output times W), the mean from `norm_squares` [..., squares_width(K)] where
+    given (h's partial sums of squares, `row_squares`, which its producer wrote: the kernel then reads those instead
+    of h's row); `residual` [..., N] (x's dtype): y = residual + the product rounded to x's dtype, a linear followed
+    by an add; `out_gain` [N]: the output is the next norm's stream [..., norm_stream_width(N)], y, y * out_gain,
+    then `row_squares(y)` (not for float16, whose range cannot hold them). These are the mma kernel's epilogues
+    where that kernel takes the call (one launch; the norm at M <= 8); every other path computes the product, then
+    the same in torch ops (`compose_epilogue`).
 
     `config` overrides the automatic choice (tests use it to cover every candidate). Without one, M >= DEQUANT_MIN_M
     unpacks the weight to x's dtype (at most DEQUANT_CHUNK weights at a time, a temporary of that size) and runs
@@ -503,8 +555,9 @@ def int4_matmul(
     """
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
-    if norm_eps is not None or residual is not None or out_gain is not None or norm_source is not None:
-        return _fused_matmul(x, w, config, out, _epilogue_of(x, n, norm_eps, norm_source, residual, out_gain))
+    if any(a is not None for a in (norm_eps, residual, out_gain, norm_source, norm_squares)):
+        return _fused_matmul(x, w, config, out, _epilogue_of(x, n, norm_eps, norm_source, residual, out_gain,
+                                                             norm_squares))
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, k)  # [M, K]; copies only when x cannot be viewed so (strides handled)
     m = x2.shape[0]
@@ -574,11 +627,11 @@ def _fused_matmul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | Non
     n, k = w.out_features, w.in_features
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     m = x2.shape[0]
-    width = 2 * n if ep.gain is not None else n
+    width = norm_stream_width(n) if ep.gain is not None else n
     key = (*_plan_key(x2, config), *ep.key())
     plan = None if m == 0 or n == 0 else _mma_plan(x2, w, config, _kept_for(_FUSED_PLANS, w), key, ep=ep)
     if plan is None:
-        y = compose_epilogue(int4_matmul(x2, w, config), x2, ep.norm_eps, ep.r2, ep.h2, ep.gain)
+        y = compose_epilogue(int4_matmul(x2, w, config), x2, ep.norm_eps, ep.r2, ep.h2, ep.gain, norm_squares=ep.sq2)
     else:
         y = torch.empty((m, width), dtype=x.dtype, device=x.device)
         _launch(plan, x2, w, y, ep)
@@ -594,25 +647,28 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
 
 
 def int4_silu_mul(x: torch.Tensor, w: Int4Weight, config: Int4KernelConfig | None = None, *,
-                  norm_eps: float | None = None, norm_source: torch.Tensor | None = None) -> torch.Tensor:
+                  norm_eps: float | None = None, norm_source: torch.Tensor | None = None,
+                  norm_squares: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up for a fused [gate; up] weight (rows 0 .. N/2 - 1 the gate's, then the up's), x [..., K] ->
     [..., N/2] in x's dtype: a gated MLP's activation in the projection's launch.
 
     Where `int4_matmul` would run the mma kernel at M <= 8 (or `config` names an mma configuration), one launch whose
     epilogue takes silu(gate) * up in fp32 from the fp32 sums (its first call on a weight keeps a copy of the codes
     in `gate_up_order`); elsewhere (M = 9-16 included) `int4_matmul` with `config`, then torch's silu and product in
-    x's dtype. `norm_eps`, `norm_source`: the RMS norm after the product, before silu (as `int4_matmul`'s)."""
+    x's dtype. `norm_eps`, `norm_source`, `norm_squares`: the RMS norm after the product, before silu (as
+    `int4_matmul`'s)."""
     _check_inputs(x, w)
     n, k = w.out_features, w.in_features
     if n % 2:
         raise ValueError(f"int4_silu_mul: a fused [gate; up] weight has an even N, got N = {n}")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    ep = _epilogue_of(x, n, norm_eps, norm_source, None, None)
+    ep = _epilogue_of(x, n, norm_eps, norm_source, None, None, norm_squares)
     key = (*_plan_key(x2, config), *ep.key())
     plan = _mma_plan(x2, w, config, _kept_for(_GATE_UP_PLANS, w), key, gate_up=True, ep=ep)
     if plan is None:
-        return silu_mul_halves(int4_matmul(x, w, config, norm_eps=norm_eps, norm_source=norm_source))
+        return silu_mul_halves(int4_matmul(x, w, config, norm_eps=norm_eps, norm_source=norm_source,
+                                           norm_squares=norm_squares))
     y = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
     _launch(plan, x2, w, y, ep)
     _CALLS["n"] += 1

@@ -22,8 +22,10 @@ c0, c1 and c2, c3 are one channel's gate and up, and the epilogue writes silu(ga
 gated MLP's activation without a kernel of its own.
 
 The decoder's RMS norm and residual add (`sdsie.quant.fuse_norms`, M <= 8 for the norm): RESIDUAL adds r to the
-rounded product and OUT_GAIN writes the sum times the next norm's gain beside it; NORM_ROWS scales each row's sums by
-rsqrt(mean(h^2) + eps), h read whole once more by every program (from L2, while its first weights are in flight).
+rounded product and OUT_GAIN writes the sum times the next norm's gain beside it, then the sum's partial sums of
+squares over each row block; NORM_ROWS scales each row's sums by rsqrt(mean(h^2) + eps), the mean from those partial
+sums where NORM_SQUARES (4 bytes a program reads for every 32 of h), else from h read whole once more by every
+program (from L2, while its first weights are in flight).
 
 The Gluon kernel compiles only for an NVIDIA GPU (sm_80 or newer for mma.sync, sm_90 for bf16x2 subtraction);
 `emulate_fragments` is its CPU twin: the same products, lane by lane, from the same words, as the PTX ISA defines
@@ -40,8 +42,9 @@ from sdsie.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 from sdsie.kernels.int4_config import MMA_STAGES
 
 __all__ = ["pack_fragments", "emulate_fragments", "gate_up_order", "mma_consts", "mma_supported", "norm_layout",
-           "MMA_MAX_M", "NORM_MAX_M", "NORM_REGISTER_CAPS", "PAIR"]
+           "MMA_MAX_M", "NORM_MAX_M", "NORM_REGISTER_CAPS", "PAIR", "SQUARE_BLOCK"]
 
+SQUARE_BLOCK = 16  # values of h a partial sum of squares covers: one row block of the producer's output
 MMA_MAX_M = 16  # x's rows fill the B operand's 8 columns, twice (two mmas on the same A registers)
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
 PAIR = 2 * CHUNK  # codes of K a warp takes at a time: the smallest group the kernel scales by
@@ -274,26 +277,29 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 
 
 @gluon.jit
-def _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
-                 NORM_STEPS: gl.constexpr, WARPS: gl.constexpr):
-    """Each thread's share of sum(x[r]^2) (x: the norm's stream h) for rows r < NORM_ROWS (0 past M):
-    [NORM_ROWS, 32 WARPS] fp32, one column a thread (a thread reads NORM_PER contiguous values a step, all its loads
-    issued at once); the epilogue sums the columns."""
+def _row_sums(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr, NORM_STEPS: gl.constexpr,
+              WARPS: gl.constexpr, SQUARE: gl.constexpr):
+    """Each thread's share of sum(x[r]^2) (SQUARE: x is the norm's stream h) or of sum(x[r]) (x: the partial sums
+    of squares its producer wrote) for rows r < NORM_ROWS (0 past M): [NORM_ROWS, 32 WARPS] fp32, one column a
+    thread (a thread reads NORM_PER contiguous values a step, all its loads issued at once); the epilogue sums the
+    columns."""
     LV: gl.constexpr = gl.BlockedLayout([1, NORM_PER], [32, 1], [WARPS, 1], [1, 0])  # [32 W, NORM_PER]
     LP: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])  # [NORM_ROWS, 32 W]
     vk = (gl.expand_dims(gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, LV)), 1) * NORM_PER
           + gl.expand_dims(gl.arange(0, NORM_PER, layout=gl.SliceLayout(0, LV)), 0))  # [32 W, NORM_PER]
     pr = gl.expand_dims(gl.arange(0, NORM_ROWS, layout=gl.SliceLayout(1, LP)), 1)  # [NORM_ROWS, 1]
-    squares = gl.zeros([NORM_ROWS, 32 * WARPS], gl.float32, LP)
+    sums = gl.zeros([NORM_ROWS, 32 * WARPS], gl.float32, LP)
     for r in gl.static_range(NORM_ROWS):
         part = gl.zeros([32 * WARPS], gl.float32, gl.SliceLayout(1, LV))
         for step in gl.static_range(NORM_STEPS):
             kk = step * (32 * WARPS * NORM_PER) + vk
             v = gl.load(x_ptr + r * stride_xm + kk, mask=(kk < K) & (r < M), other=0.0).to(gl.float32)
-            part += gl.sum(v * v, axis=1)
+            if SQUARE:
+                v = v * v
+            part += gl.sum(v, axis=1)
         part = gl.convert_layout(part, gl.SliceLayout(0, LP))
-        squares = gl.where(pr == r, gl.expand_dims(part, 0), squares)
-    return squares
+        sums = gl.where(pr == r, gl.expand_dims(part, 0), sums)
+    return sums
 
 
 @gluon.jit
@@ -307,12 +313,35 @@ def _row_factor(rs, om, NORM_ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(y_ptr, r_ptr, g_ptr, y, om, orow, N, stride_ym, stride_rm, mask, rs, r, g, NORM_ROWS: gl.constexpr,
-                RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr, PRELOADED: gl.constexpr):
-    """y [B, 32, 4] fp32 sums of x's rows om at output rows orow: scaled by the row's rs (NORM_ROWS > 0), rounded to
-    y's dtype, plus the residual's element r (RESIDUAL; the sum in fp32, rounded once more), stored; with OUT_GAIN,
-    also y * g rounded, N columns further on (g: the next norm's gain at orow, applied to the stream it reads).
-    PRELOADED: r and g were loaded before the main loop (see the kernel), else they are read here."""
+def _store_squares(q_ptr, y, om, onb, live, M, stride_qm, ROW0: gl.constexpr, SQUARE_ROWS: gl.constexpr):
+    """For x's rows r = ROW0 .. ROW0 + 7 below SQUARE_ROWS: s = sum(y^2) over each row block's 16 output rows (y
+    [B, 32, 4] as stored, om its x rows), stored at q_ptr + r stride_qm + 2 row block (onb [B, 1, 1]) as two values of
+    y's dtype, s rounded and what the rounding left, whose sum is s to 2^-16 of it: the next norm's partial sums of
+    squares, which its reader adds up instead of reading y's row whole (`SQUARE_BLOCK`)."""
+    v = y.to(gl.float32)
+    v = v * v
+    for i in gl.static_range(8):
+        if ROW0 + i < SQUARE_ROWS:
+            s = gl.sum(gl.sum(gl.where(om == ROW0 + i, v, 0.0), axis=2, keep_dims=True), axis=1,
+                       keep_dims=True)  # [B, 1, 1]
+            hi = s.to(q_ptr.dtype.element_ty)
+            lo = (s - hi.to(gl.float32)).to(q_ptr.dtype.element_ty)
+            at = q_ptr + (ROW0 + i) * stride_qm + 2 * onb
+            gl.store(at, hi, mask=(ROW0 + i < M) & live)
+            gl.store(at + 1, lo, mask=(ROW0 + i < M) & live)
+
+
+@gluon.jit
+def _store_rows(y_ptr, r_ptr, g_ptr, q_ptr, y, om, orow, onb, live, M, N, stride_ym, stride_rm, stride_qm, rs, r, g,
+                NORM_ROWS: gl.constexpr, RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr, PRELOADED: gl.constexpr,
+                ROW0: gl.constexpr, SQUARE_ROWS: gl.constexpr):
+    """y [B, 32, 4] fp32 sums of x's rows om at output rows orow (row blocks onb [B, 1, 1], `live` where below N):
+    scaled by the row's rs (NORM_ROWS > 0), rounded to y's dtype, plus the residual's element r (RESIDUAL; the sum in
+    fp32, rounded once more), stored; with OUT_GAIN, also y * g rounded, N columns further on (g: the next norm's
+    gain at orow, applied to the stream it reads), and the partial sums of squares at q_ptr (`_store_squares`; ROW0:
+    om's first row, 0 or 8). PRELOADED: r and g were loaded before the main loop (see the kernel), else they are
+    read here."""
+    mask = (om < M) & live
     if NORM_ROWS > 0:
         y = y * _row_factor(rs, om, NORM_ROWS)
     y = y.to(y_ptr.dtype.element_ty)
@@ -326,15 +355,17 @@ def _store_rows(y_ptr, r_ptr, g_ptr, y, om, orow, N, stride_ym, stride_rm, mask,
             g = gl.load(g_ptr + orow, mask=mask, other=0.0)
         gl.store(y_ptr + om * stride_ym + N + orow, (y.to(gl.float32) * g.to(gl.float32)).to(y_ptr.dtype.element_ty),
                  mask=mask)
+        _store_squares(q_ptr, y, om, onb, live, M, stride_qm, ROW0, SQUARE_ROWS)
 
 
 @gluon.jit
-def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_ptr, M, N, K, stride_xm, stride_ym,
-                          stride_rm, stride_hm, eps,
+def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_ptr, sq_ptr, M, N, K, stride_xm,
+                          stride_ym, stride_rm, stride_hm, stride_sm, eps,
                           GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
                           WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
                           PDL: gl.constexpr, STAGES: gl.constexpr, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
-                          NORM_STEPS: gl.constexpr, RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr):
+                          NORM_STEPS: gl.constexpr, RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr,
+                          NORM_SQUARES: gl.constexpr, SQUARE_ROWS: gl.constexpr):
     # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
     # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs ahead
     # right after its mmas), and their sums meet in one cross-warp reduction. A warp's x registers for a pair serve
@@ -346,9 +377,12 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     # NORM_ROWS (> 0, a power of 2 >= M): an RMS norm after the product: each sum is scaled by
     # rsqrt(mean(h[m]^2) + eps) (before silu * up), h [M, K] the stream whose gained copy x is (x = h * gain). Every
     # program reads h's rows whole for it, from L2, after the weights' first loads are asked for; the threads' shares
-    # meet in the epilogue.
+    # meet in the epilogue. NORM_SQUARES: instead of h, its producer's partial sums of squares sq [M, K / 8] (one a
+    # 16-value block of h, as two values of x's dtype, `_store_squares`) are read and added up: 4 bytes for 32 of h.
     # RESIDUAL (not with SILU_MUL): y = r + the product rounded to y's dtype, as a linear followed by an add.
-    # OUT_GAIN: y [M, 2N] holds that sum and, N columns on, the sum times g [N] (the gained copy a norm reads).
+    # OUT_GAIN: y [M, 2N + N / 8] holds that sum, N columns on the sum times g [N] (the gained copy a norm reads),
+    # then its sums of squares over each row block (`_store_squares`, the next norm's NORM_SQUARES) for x's rows
+    # r < SQUARE_ROWS.
     L4: gl.constexpr = gl.BlockedLayout([BLOCKS, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [B, W, 32]
     LJ: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))  # [4] along j
@@ -421,7 +455,10 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     if STAGES == 4:
         d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
     if NORM_ROWS > 0:
-        squares = _row_squares(h_ptr, M, K, stride_hm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS)
+        if NORM_SQUARES:
+            squares = _row_sums(sq_ptr, M, 2 * (K // 16), stride_sm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS, False)
+        else:
+            squares = _row_sums(h_ptr, M, K, stride_hm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS, True)
     if PDL:
         _release_dependents()
     p = warp
@@ -463,11 +500,12 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
             out = gate / (1.0 + gl.exp(-gate)) * up
             gl.store(y_ptr + me * stride_ym + ch, out.to(y_ptr.dtype.element_ty), mask=(me < M) & live)
     else:
-        _store_rows(y_ptr, r_ptr, g_ptr, gl.sum(tot, axis=1), om, orow, N, stride_ym, stride_rm, (om < M) & live,
-                    rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, HALVES == 1)
-    if HALVES == 2:
-        _store_rows(y_ptr, r_ptr, g_ptr, gl.sum(tot_h, axis=1), om + 8, orow, N, stride_ym, stride_rm,
-                    (om + 8 < M) & live, rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, False)
+        yq = y_ptr + 2 * N  # OUT_GAIN: the partial sums of squares after [y, y * g]
+        _store_rows(y_ptr, r_ptr, g_ptr, yq, gl.sum(tot, axis=1), om, orow, onb, live, M, N, stride_ym, stride_rm,
+                    stride_ym, rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, HALVES == 1, 0, SQUARE_ROWS)
+        if HALVES == 2:
+            _store_rows(y_ptr, r_ptr, g_ptr, yq, gl.sum(tot_h, axis=1), om + 8, orow, onb, live, M, N, stride_ym,
+                        stride_rm, stride_ym, rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, False, 8, SQUARE_ROWS)
 
 
 def norm_layout(k: int, warps: int) -> tuple[int, int]:
@@ -488,12 +526,14 @@ NORM_MAX_M = 8  # above, a program's pre-pass would read as many bytes of x as o
 
 
 def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1,
-               stages: int = 2, norm: bool = False, residual: bool = False, out_gain: bool = False) -> dict:
+               stages: int = 2, norm: bool = False, residual: bool = False, out_gain: bool = False,
+               norm_squares: bool = False) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
     `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4; `norm`: an RMS norm after
-    the product; `residual`: a residual added to the output; `out_gain`: the output's gained copy beside it; neither
-    with `silu_mul`)."""
+    the product, from h's partial sums of squares where `norm_squares`, else from h; `residual`: a residual added
+    to the output; `out_gain`: the output's gained copy and its partial sums of squares beside it; neither with
+    `silu_mul`)."""
     if stages not in MMA_STAGES:
         raise ValueError(f"the mma kernel keeps {MMA_STAGES} pairs in flight a warp, got {stages}")
     if silu_mul and m > 8:
@@ -502,9 +542,14 @@ def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: b
         raise ValueError("the mma kernel's silu * up epilogue adds no residual and writes no gained copy")
     if norm and m > NORM_MAX_M:
         raise ValueError(f"the mma kernel's folded norm takes M <= {NORM_MAX_M}, got M = {m}")
+    if norm_squares and not norm:
+        raise ValueError("the mma kernel reads partial sums of squares only for a norm")
     per_channel = w.group_size >= w.in_features
-    per, steps = norm_layout(w.in_features, warps) if norm else (1, 1)  # without a norm: one compiled variant
+    read = 2 * (w.in_features // SQUARE_BLOCK) if norm_squares else w.in_features  # values a row the norm reads
+    per, steps = norm_layout(read, warps) if norm else (1, 1)  # without a norm: one compiled variant
+    rows = 1 << max(m - 1, 0).bit_length()  # next_pow2(M)
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
-                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages, NORM_ROWS=1 << max(m - 1, 0).bit_length() if norm else 0,
-                NORM_PER=per, NORM_STEPS=steps, RESIDUAL=residual, OUT_GAIN=out_gain)
+                SILU_MUL=silu_mul, PDL=pdl, STAGES=stages, NORM_ROWS=rows if norm else 0,
+                NORM_PER=per, NORM_STEPS=steps, RESIDUAL=residual, OUT_GAIN=out_gain, NORM_SQUARES=norm_squares,
+                SQUARE_ROWS=rows if out_gain else 0)

@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from sdsie.int4_format import Int4Weight
-from sdsie.kernels.int4_gemm import int4_matmul, int4_silu_mul
+from sdsie.kernels.int4_gemm import int4_matmul, int4_silu_mul, norm_stream_width
 
 __all__ = ["int4_mm", "int4_silu_mul_op", "register_weight", "weight_for"]
 
@@ -50,30 +50,35 @@ def weight_for(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
 @torch.library.custom_op("sdsie::int4_mm", mutates_args=())
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             group_size: int, norm_eps: float | None = None, norm_source: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None, out_gain: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, out_gain: torch.Tensor | None = None,
+            norm_squares: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W).T for x [..., K] and the packed weight's tensors (`sdsie.int4_format`); [..., N] in x's
-    dtype ([..., 2N] with `out_gain`); `norm_eps`, `norm_source`, `residual` and `out_gain` as `int4_matmul`'s."""
+    dtype ([..., norm_stream_width(N)] with `out_gain`); `norm_eps`, `norm_source`, `residual`, `out_gain` and
+    `norm_squares` as `int4_matmul`'s."""
     return int4_matmul(x, weight_for(qweight, scales, zeros, x.shape[-1], group_size), norm_eps=norm_eps,
-                       norm_source=norm_source, residual=residual, out_gain=out_gain)
+                       norm_source=norm_source, residual=residual, out_gain=out_gain, norm_squares=norm_squares)
 
 
 @int4_mm.register_fake
 def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
       group_size: int, norm_eps: float | None = None, norm_source: torch.Tensor | None = None,
-      residual: torch.Tensor | None = None, out_gain: torch.Tensor | None = None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], qweight.shape[0] * (1 if out_gain is None else 2)))
+      residual: torch.Tensor | None = None, out_gain: torch.Tensor | None = None,
+      norm_squares: torch.Tensor | None = None) -> torch.Tensor:
+    n = qweight.shape[0]
+    return x.new_empty((*x.shape[:-1], n if out_gain is None else norm_stream_width(n)))
 
 
 @torch.library.custom_op("sdsie::int4_silu_mul", mutates_args=())
 def int4_silu_mul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                     group_size: int, norm_eps: float | None = None,
-                     norm_source: torch.Tensor | None = None) -> torch.Tensor:
+                     group_size: int, norm_eps: float | None = None, norm_source: torch.Tensor | None = None,
+                     norm_squares: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up of a fused [gate; up] weight's output halves (`int4_silu_mul`): [..., N/2] in x's dtype."""
     return int4_silu_mul(x, weight_for(qweight, scales, zeros, x.shape[-1], group_size), norm_eps=norm_eps,
-                         norm_source=norm_source)
+                         norm_source=norm_source, norm_squares=norm_squares)
 
 
 @int4_silu_mul_op.register_fake
 def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-      group_size: int, norm_eps: float | None = None, norm_source: torch.Tensor | None = None) -> torch.Tensor:
+      group_size: int, norm_eps: float | None = None, norm_source: torch.Tensor | None = None,
+      norm_squares: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], qweight.shape[0] // 2))

@@ -178,8 +178,9 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_gain: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP of x [..., H]; plus `residual` [..., H] where given, and with `out_gain` [H] the result beside its
-        copy times the gain, [..., 2H] (in the down projection's launch where it is an Int4Linear or the INT4 gear)."""
+        """The MLP of x [..., H]; plus `residual` [..., H] where given, and with `out_gain` [H] the next norm's
+        stream, [the result, its copy times the gain, its partial sums of squares] ([..., norm_stream_width(H)],
+        `int4_matmul`'s; in the down projection's launch where it is an Int4Linear or the INT4 gear)."""
         if self.silu_in_projection:
             hidden = self.gate_up_proj.silu_mul(x)
         else:

@@ -51,7 +51,7 @@ class GatedLinear(nn.Module):
     @property
     def norm_eps(self) -> float | None:
         """The decoder norm both gears apply before themselves (set by `sdsie.quant.fuse_norms`; their input is then
-        [h, h * g], as `Int4Linear.norm_eps` says)."""
+        the stream [h, h * g, row_squares(h)], as `Int4Linear.norm_eps` says)."""
         return self.quantized.norm_eps
 
     @norm_eps.setter
@@ -60,7 +60,8 @@ class GatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_gain: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [..., K] ([..., 2K] with norm_eps) -> [..., N] ([..., 2N] with out_gain); residual [..., N]
+        # x: [..., K] (the norm's stream with norm_eps) -> [..., N] (the next norm's stream with out_gain); residual
+        # [..., N] (`Int4Linear.forward`)
         if torch.compiler.is_compiling():
             # The counters are Python ints dynamo would guard on: counted while tracing, a compiled step would be
             # compiled again at every call (and, past dynamo's limit, silently run eagerly). Compiled calls, like
@@ -79,9 +80,9 @@ class GatedLinear(nn.Module):
         norm scales the product, then the bias, the residual and the gained copy follow, in the INT4 layer's order."""
         if self.norm_eps is None and residual is None and out_gain is None:
             return self.full(x)
-        x, h = self.quantized.split_stream(x)  # the product's operand and the norm's stream
+        x, h, sq = self.quantized.split_stream(x)  # the product's operand, the norm's stream and its squares
         return compose_epilogue(nn.functional.linear(x, self.full.weight), x, self.norm_eps, residual, h, out_gain,
-                                bias=self.full.bias)
+                                bias=self.full.bias, norm_squares=sq)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output halves (a fused [gate; up] projection): the INT4 gear through

@@ -39,8 +39,9 @@ class Int4Linear(nn.Module):
     Weights stay packed (buffers `qweight`, `scales`, `zeros`); `input_scale` [K] is the AWQ
     per-input-channel multiplier (absent for min-max calibrations). `norm_eps` (set by
     `sdsie.quant.fuse_norms`): the layer applies the decoder's RMS norm before it itself, its input being
-    the residual stream h and its copy times the norm's gain g side by side, [..., 2K] = [h, h * g]:
-    y = rsqrt(mean(h^2) + norm_eps) * ((h * g) @ W.T).
+    the residual stream h, its copy times the norm's gain g and h's partial sums of squares side by side,
+    [h, h * g, row_squares(h)] ([..., norm_stream_width(K)], which the projection before writes):
+    y = rsqrt(mean(h^2) + norm_eps) * ((h * g) @ W.T), the mean from those sums.
     """
 
     norm_eps: float | None = None
@@ -91,21 +92,24 @@ class Int4Linear(nn.Module):
         """The [N, K] matrix this layer effectively multiplies by (input scaling folded in)."""
         return CalibratedWeight(self._packed, self.input_scale).effective_weight(dtype)
 
-    def split_stream(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the GEMV's operand, the norm's stream): with `norm_eps`, x [..., 2K] = [h, h * g] -> (h * g, h)."""
+    def split_stream(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(the GEMV's operand, the norm's stream, its partial sums of squares): with `norm_eps`, x is the stream
+        [h, h * g, row_squares(h)] ([..., norm_stream_width(K)]) -> (h * g, h, the squares); else (x, None, None)."""
         if self.norm_eps is None:
-            return x, None
+            return x, None, None
         k = self.in_features
-        if x.shape[-1] != 2 * k:
-            raise ValueError(f"Int4Linear with norm_eps reads [h, h * gain], [..., {2 * k}]; got {tuple(x.shape)}")
-        return x[..., k:], x[..., :k]
+        if x.shape[-1] != kernels.norm_stream_width(k):
+            raise ValueError(f"Int4Linear with norm_eps reads the stream [h, h * gain, h's partial sums of squares], "
+                             f"[..., {kernels.norm_stream_width(k)}]; got {tuple(x.shape)}")
+        return x[..., k:2 * k], x[..., :k], x[..., 2 * k:]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out_gain: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] ([..., 2K] with `norm_eps`) -> [..., N] in x's dtype; `residual` [..., N] is added to the
-        output; `out_gain` [N]: the output is [..., 2N], y then y * out_gain. Both in the kernel's epilogue where it
-        takes the call and the layer has no bias."""
-        x, h = self.split_stream(x)
+        """x [..., K] (the stream, [..., norm_stream_width(K)], with `norm_eps`) -> [..., N] in x's dtype;
+        `residual` [..., N] is added to the output; `out_gain` [N]: the output is the next norm's stream
+        [..., norm_stream_width(N)] (`int4_matmul`'s). Both in the kernel's epilogue where it takes the call and the
+        layer has no bias."""
+        x, h, sq = self.split_stream(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         fused = self.bias is None
@@ -113,13 +117,15 @@ class Int4Linear(nn.Module):
         if torch.compiler.is_compiling():  # one opaque node for dynamo; eager calls skip the dispatcher
             if self._composed(x, h, residual, out_gain):  # the bare product; the epilogue traced beside it
                 y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
-                return kernels.compose_epilogue(y, x, self.norm_eps, residual, h, out_gain, bias=self.bias)
+                return kernels.compose_epilogue(y, x, self.norm_eps, residual, h, out_gain, bias=self.bias,
+                                                norm_squares=sq)
             y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size, self.norm_eps, h,
-                                        r, g)
+                                        r, g, sq)
         elif self.norm_eps is None and r is None and g is None:  # the launcher's plain form: the common call, and
             y = kernels.int4_matmul(x, self._packed)  # what code that swaps the launcher (tests' counters) expects
         else:
-            y = kernels.int4_matmul(x, self._packed, norm_eps=self.norm_eps, norm_source=h, residual=r, out_gain=g)
+            y = kernels.int4_matmul(x, self._packed, norm_eps=self.norm_eps, norm_source=h, residual=r, out_gain=g,
+                                    norm_squares=sq)
         if fused:
             return y
         return kernels.compose_epilogue(y, x, bias=self.bias, residual=residual, out_gain=out_gain)
@@ -129,18 +135,19 @@ class Int4Linear(nn.Module):
         where `int4_silu_mul` takes the call."""
         if self.bias is not None:
             return kernels.silu_mul_halves(self(x))
-        x, h = self.split_stream(x)
+        x, h, sq = self.split_stream(x)
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if torch.compiler.is_compiling():
             if self._composed(x, h, gate_up=True):
                 y = torch.ops.sdsie.int4_mm(x, self.qweight, self.scales, self.zeros, self.group_size)
-                return kernels.silu_mul_halves(kernels.compose_epilogue(y, x, self.norm_eps, norm_source=h))
+                return kernels.silu_mul_halves(kernels.compose_epilogue(y, x, self.norm_eps, norm_source=h,
+                                                                        norm_squares=sq))
             return torch.ops.sdsie.int4_silu_mul(x, self.qweight, self.scales, self.zeros, self.group_size,
-                                                 self.norm_eps, h)
+                                                 self.norm_eps, h, sq)
         if self.norm_eps is None:
             return kernels.int4_silu_mul(x, self._packed)
-        return kernels.int4_silu_mul(x, self._packed, norm_eps=self.norm_eps, norm_source=h)
+        return kernels.int4_silu_mul(x, self._packed, norm_eps=self.norm_eps, norm_source=h, norm_squares=sq)
 
     def _composed(self, x: torch.Tensor, h: torch.Tensor | None, residual: torch.Tensor | None = None,
                   out_gain: torch.Tensor | None = None, gate_up: bool = False) -> bool:

@@ -5,12 +5,15 @@ Compiled, each add and the norm after it is one small kernel of its own: two a l
 Llama-3.1-8B token's 308 kernels, docs/kernel-log.md 2026-12-06 07:05). `fuse_norms` moves both into the projections:
 
 * the residual add goes into the epilogue of the projection before it (o_proj, down_proj), which also writes the sum
-  times the next norm's gain g beside it: the stream between the projections is [h, h * g] ([..., 2H]);
+  times the next norm's gain g beside it, and the sum's partial sums of squares over blocks of 16 values: the stream
+  between the projections is [h, h * g, row_squares(h)] ([..., norm_stream_width(H)], `sdsie.kernels.int4_matmul`);
 * the projections that read a norm (q/k/v, gate/up, the LM head) multiply h * g by their weights and scale each
-  output row by rsqrt(mean(h^2) + eps) (`Int4Linear.norm_eps`: the mma kernel reads h's row once more, from L2).
+  output row by rsqrt(mean(h^2) + eps) (`Int4Linear.norm_eps`), the mean from those partial sums: a program of the
+  mma kernel reads 4 bytes of them where it would read 32 of h.
 
 The weights are not touched: rs * (W (g * h)) is the norm's output times W, rounded differently from
-W (g * bf16(rs * h)). The first layer makes its [h, h * g] from the embedding in torch. `unfuse_norms` undoes it.
+W (g * bf16(rs * h)). The first layer makes its stream from the embedding in torch. `unfuse_norms` undoes it.
+float16 models are refused: the stream holds the sums of squares in the model's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sdsie.kernels import compose_epilogue
 from sdsie.quant.fuse import FusedMLP, FusedProjection
 from sdsie.quant.gated import GatedLinear
 from sdsie.quant.linear import Int4Linear
@@ -98,8 +102,8 @@ class DeferredProjection(nn.Module):
 
 class NormFusedLayer(nn.Module):
     """A pre-norm decoder layer whose norms and residual adds live in its projections (`fuse_norms`): the stream in
-    and out is [h, h * g] ([B, S, 2H]; the first layer takes the embedding's h alone, [B, S, H]), g being the gain of
-    the norm that reads it."""
+    and out is [h, h * g, row_squares(h)] ([B, S, norm_stream_width(H)]; the first layer takes the embedding's h
+    alone, [B, S, H]), g being the gain of the norm that reads it."""
 
     def __init__(self, layer: nn.Module, next_gain: torch.Tensor, first: bool) -> None:
         super().__init__()
@@ -112,18 +116,19 @@ class NormFusedLayer(nn.Module):
         self.register_buffer("next_gain", next_gain, persistent=False)  # [H]: the norm after this layer
 
     def forward(self, hidden_states: torch.Tensor, **kwargs):
-        # hidden_states: [B, S, 2H] = [h, h * gain] (the first layer: h [B, S, H]); the keyword arguments are the
-        # model's for its layers
+        # hidden_states: [B, S, W] = [h, h * gain, row_squares(h)], W = norm_stream_width(H) (the first layer: h
+        # [B, S, H]); the keyword arguments are the model's for its layers
+        width = self.mlp_gain.shape[0]  # H
         if self.first:
             h = hidden_states
-            stream = torch.cat([h, (h.float() * self.gain.float()).to(h.dtype)], dim=-1)
+            stream = compose_epilogue(h, h, out_gain=self.gain)  # [B, S, W]
         else:
             stream = hidden_states
-            h = stream[..., : stream.shape[-1] // 2]
+            h = stream[..., :width]
         attn = self.layer.self_attn
         out, _ = attn(hidden_states=stream, **kwargs)  # [B, S, heads * head_dim]: q/k/v read the stream
-        mid = attn.o_proj.linear(out, residual=h, out_gain=self.mlp_gain)  # [B, S, 2H]
-        return self.layer.mlp(mid, residual=mid[..., : h.shape[-1]], out_gain=self.next_gain)
+        mid = attn.o_proj.linear(out, residual=h, out_gain=self.mlp_gain)  # [B, S, W]
+        return self.layer.mlp(mid, residual=mid[..., :width], out_gain=self.next_gain)
 
 
 class FoldedNorm(nn.Module):
@@ -161,7 +166,7 @@ def fuse_norms(model: nn.Module) -> NormFusion:
 
     Needs every decoder linear and the LM head `Int4Linear` without an AWQ input scale, or `GatedLinear` of such an
     INT4 layer (both gears then apply the norm: the full one in torch), q/k/v separate or fused and the MLP fused
-    (`fuse_projections`). ValueError naming the first part that falls short, before anything
+    (`fuse_projections`), in bfloat16 or float32. ValueError naming the first part that falls short, before anything
     changes. Module names change (`layers.{i}.layer...`, `o_proj.linear`): save or load weights before, or after
     `unfuse_norms`."""
     if any(isinstance(m, NormFusedLayer) for m in model.modules()):
@@ -186,6 +191,9 @@ def fuse_norms(model: nn.Module) -> NormFusion:
         raise ValueError(f"fuse_norms: {type(model).__name__} has no final norm before an output embedding")
     final_norm = getattr(*final)
     final_eps = _eps(final_norm, "final norm")
+    if _gain(final_norm).dtype == torch.float16:
+        raise ValueError("fuse_norms: the stream carries partial sums of squares in the model's dtype, which "
+                         "float16's range cannot hold; use a bfloat16 or float32 model")
     _check_int4([head], "lm_head")
     for index, (name, layer, eps1, eps2, attn_readers, mlp_readers) in enumerate(plan):
         for r in attn_readers:

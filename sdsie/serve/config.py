@@ -105,6 +105,9 @@ class ServeConfig:
         if self.int4 is not None and self.int4 not in INT4_PRESETS:
             raise ValueError(f"int4 must be one of {INT4_PRESETS} (min-max; AWQ needs calibration data), got "
                              f"{self.int4!r}")
+        if self.int4 is not None and self.fuse_norms and self.dtype == "float16":
+            raise ValueError("fuse_norms carries the norms' partial sums of squares in the model's dtype, which "
+                             "float16's range cannot hold: serve bfloat16 or float32, or pass fuse_norms=False")
         if self.int4 is not None and self.gear:
             raise ValueError("int4 quantizes every linear of the target, gear gates some of them between bf16 and "
                              "INT4: pass one of them")

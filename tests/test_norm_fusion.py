@@ -150,6 +150,16 @@ def test_a_norm_of_another_formula_is_refused():
         fuse_norms(model)
 
 
+def test_a_float16_model_is_refused_before_anything_changes():
+    """The stream holds the partial sums of squares in the model's dtype, which float16's range cannot: refused by
+    name, the model untouched."""
+    model = quantized(tiny("llama3.1-8b")).half()
+    tree = [(n, type(m)) for n, m in model.named_modules()]
+    with pytest.raises(ValueError, match="float16's range"):
+        fuse_norms(model)
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree
+
+
 def test_the_composed_epilogue_is_the_norm_the_residual_and_the_gained_copy():
     """Off the mma kernel: a layer with norm_eps reads the stream [h, h * g, row_squares(h)] and gives
     rs * ((h * g) @ W.T) (+ residual), rs from the stream's partial sums of squares; an output gain makes the next

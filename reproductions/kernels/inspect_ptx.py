@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import triton
@@ -180,29 +181,28 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
                 halves: int = 1, silu_mul: bool = False, pdl: bool = False,
                 max_registers: int | None = None, blocks: int = 1, stages: int = 2, norm_rows: int = 0,
                 residual: bool = False, k: int = 4096, out_gain: bool = False,
-                norm_squares: bool = False, square_rows: int | None = None) -> dict[str, object]:
+                norm_squares: bool = False) -> dict[str, object]:
     """The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) compiled for sm_90: its loop's SASS opcode
     counts (the loop covers `stages` pairs of chunks, 64 codes a thread each), registers and local-memory accesses,
     and the order of its 16-byte loads and grid-dependency instructions (ACQBULK: griddepcontrol.wait; PREEXIT:
     launch_dependents) through the kernel (`pdl`: compiled to launch as a programmatic dependent; `max_registers`:
     ptxas's cap, `Int4KernelConfig.max_registers`; `blocks`: 16-row blocks a program; `stages`: pairs in flight a
-    warp; `norm_rows`: the RMS-norm epilogue's rows, its pre-pass over rows of `k` values; `residual`: the residual
-    epilogue; `out_gain`: the output's gained copy and partial sums of squares; `norm_squares`: the norm's pre-pass
-    over its producer's partial sums of squares instead of h; `square_rows`: the rows whose squares `out_gain` writes,
-    by default decode's 1, or 16 with two halves), and its spill instructions (STL/LDL) in all."""
+    warp; `norm_rows`: the RMS-norm epilogue's rows (a power of 2 <= 8), its pre-pass over rows of `k` values;
+    `residual`: the residual epilogue; `out_gain`: the output's gained copy and partial sums of squares;
+    `norm_squares`: the norm's pre-pass over its producer's partial sums of squares instead of h), and its spill
+    instructions (STL/LDL) in all. The constexpr arguments are `mma_consts`' for M = 16 with two halves, else
+    M = norm_rows (at least 1)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from sdsie.kernels.int4_mma import SQUARE_BLOCK, _int4_mma_gemv_kernel, norm_layout
+    from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, mma_consts
 
     names = ["x_ptr", "pw_ptr", "s_ptr", "z_ptr", "y_ptr", "r_ptr", "h_ptr", "g_ptr", "sq_ptr", "M", "N", "K",
              "stride_xm", "stride_ym", "stride_rm", "stride_hm", "stride_sm", "eps"]
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16", "*bf16"] + ["i32"] * 8 + ["fp32"]
-    per, steps = norm_layout(2 * (k // SQUARE_BLOCK) if norm_squares else k, warps) if norm_rows else (1, 1)
-    consts = {"GROUP_PAIRS": 1, "PER_CHANNEL": per_channel, "HAS_ZEROS": has_zeros, "WARPS": warps, "HALVES": halves,
-              "BLOCKS": blocks, "SILU_MUL": silu_mul, "PDL": pdl, "STAGES": stages, "NORM_ROWS": norm_rows,
-              "NORM_PER": per, "NORM_STEPS": steps, "RESIDUAL": residual, "OUT_GAIN": out_gain,
-              "NORM_SQUARES": norm_squares,
-              "SQUARE_ROWS": (square_rows or (1 if halves == 1 else 16)) if out_gain else 0}
+    weight = SimpleNamespace(in_features=k, group_size=k if per_channel else 128,  # the Int4Weight fields read
+                             zeros=object() if has_zeros else None)
+    consts = mma_consts(weight, warps, 16 if halves == 2 else max(norm_rows, 1), silu_mul, pdl, blocks, stages,
+                        norm_rows > 0, residual, out_gain, norm_squares)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in ("M", "eps")}
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
     options = {"num_warps": warps, "launch_pdl": pdl, **({} if max_registers is None else {"maxnreg": max_registers})}

@@ -9,6 +9,7 @@ INT4 choice's candidates on this GPU and keep the fastest per shape in a local c
 from sdsie.kernels.decode_attention import decode_attention, split_rule
 from sdsie.kernels.int4_config import Int4KernelConfig, candidate_configs, select_config
 from sdsie.kernels.int4_gemm import (
+    check_squares_dtype,
     compose_epilogue,
     epilogue_max_m,
     int4_matmul,
@@ -31,6 +32,7 @@ __all__ = [
     "FusedRMSNorm",
     "Int4KernelConfig",
     "candidate_configs",
+    "check_squares_dtype",
     "compose_epilogue",
     "decode_attention",
     "epilogue_max_m",

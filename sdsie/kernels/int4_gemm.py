@@ -54,8 +54,8 @@ from sdsie.kernels.int4_triton import (
 )
 
 __all__ = ["int4_matmul", "int4_silu_mul", "silu_mul_halves", "compose_epilogue", "epilogue_max_m", "int4_dequantize",
-           "kernel_calls", "norm_factor", "norm_stream_width", "refresh_choice", "row_squares", "squares_width",
-           "DEQUANT_MIN_M", "ROW_SLICE"]
+           "check_squares_dtype", "kernel_calls", "norm_factor", "norm_stream_width", "refresh_choice", "row_squares",
+           "squares_width", "DEQUANT_MIN_M", "ROW_SLICE"]
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -445,7 +445,7 @@ def _epilogue_of(x: torch.Tensor, n: int, norm_eps: float | None, norm_source: t
         raise ValueError(f"int4_matmul: out_gain must be a tensor of shape ({n},) on {x.device}, got "
                          f"{tuple(out_gain.shape)} on {out_gain.device}")
     if out_gain is not None:
-        _check_squares_dtype(x.dtype, "int4_matmul: out_gain")
+        check_squares_dtype(x.dtype, "int4_matmul: out_gain")
     source = x if norm_eps is not None and norm_source is None else norm_source  # the norm of x's own rows
     return _Epilogue(norm_eps, _rows(source, x, x.shape[-1], "norm_source"), _rows(residual, x, n, "residual"),
                      None if out_gain is None else out_gain.to(x.dtype).contiguous(),
@@ -464,10 +464,11 @@ def norm_stream_width(n: int) -> int:
     return 2 * n + squares_width(n)
 
 
-def _check_squares_dtype(dtype: torch.dtype, what: str) -> None:
+def check_squares_dtype(dtype: torch.dtype, what: str) -> None:
+    """ValueError naming `what` for a float16 stream: its range cannot hold the partial sums of squares."""
     if dtype == torch.float16:
-        raise ValueError(f"{what} writes partial sums of squares in the stream's dtype, which float16's range cannot "
-                         "hold; use bfloat16 or float32")
+        raise ValueError(f"{what}: the norm stream holds partial sums of squares in its dtype, which float16's range "
+                         "cannot hold; use bfloat16 or float32")
 
 
 def row_squares(h: torch.Tensor) -> torch.Tensor:
@@ -475,7 +476,7 @@ def row_squares(h: torch.Tensor) -> torch.Tensor:
     out_gain epilogue writes: per SQUARE_BLOCK values, s = sum(h^2) in fp32 as the pair (s rounded to h's dtype,
     what that rounding left, rounded), whose sum holds s to twice the dtype's precision (bf16: to 2^-16 of s). A
     norm reading them sums the row: 4 bytes of bf16 for 32 of h."""
-    _check_squares_dtype(h.dtype, "row_squares")
+    check_squares_dtype(h.dtype, "row_squares")
     hf = h.float()
     pad = -h.shape[-1] % SQUARE_BLOCK
     if pad:

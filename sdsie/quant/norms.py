@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sdsie.kernels import compose_epilogue
+from sdsie.kernels import check_squares_dtype, compose_epilogue
 from sdsie.quant.fuse import FusedMLP, FusedProjection
 from sdsie.quant.gated import GatedLinear
 from sdsie.quant.linear import Int4Linear
@@ -191,9 +191,7 @@ def fuse_norms(model: nn.Module) -> NormFusion:
         raise ValueError(f"fuse_norms: {type(model).__name__} has no final norm before an output embedding")
     final_norm = getattr(*final)
     final_eps = _eps(final_norm, "final norm")
-    if _gain(final_norm).dtype == torch.float16:
-        raise ValueError("fuse_norms: the stream carries partial sums of squares in the model's dtype, which "
-                         "float16's range cannot hold; use a bfloat16 or float32 model")
+    check_squares_dtype(_gain(final_norm).dtype, "fuse_norms")
     _check_int4([head], "lm_head")
     for index, (name, layer, eps1, eps2, attn_readers, mlp_readers) in enumerate(plan):
         for r in attn_readers:

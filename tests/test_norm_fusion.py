@@ -201,6 +201,9 @@ def test_the_composed_epilogue_is_the_norm_the_residual_and_the_gained_copy():
         int4_matmul(h, w, norm_source=h)
     with pytest.raises(ValueError, match="give norm_eps"):
         int4_matmul(h, w, norm_squares=stream[:, 512:])
+    for eps in (-1e-5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="norm_eps must be a finite number >= 0"):
+            int4_matmul(h, w, norm_eps=eps, norm_source=h)
     with pytest.raises(ValueError, match=r"reads the stream \[h, h \* gain, h's partial sums of squares\]"):
         layer(torch.cat([h, h * g], -1))
     with pytest.raises(ValueError, match="float16's range"):

@@ -441,6 +441,8 @@ def _epilogue_of(x: torch.Tensor, n: int, norm_eps: float | None, norm_source: t
                  norm_squares: torch.Tensor | None = None) -> _Epilogue:
     if (norm_source is not None or norm_squares is not None) and norm_eps is None:
         raise ValueError("int4_matmul: norm_source and norm_squares are the stream of a norm: give norm_eps with them")
+    if norm_eps is not None and not 0.0 <= norm_eps < float("inf"):  # rsqrt(mean + eps): a negative eps can reach 0
+        raise ValueError(f"int4_matmul: norm_eps must be a finite number >= 0, got {norm_eps!r}")
     if out_gain is not None and (out_gain.shape != (n,) or out_gain.device != x.device):
         raise ValueError(f"int4_matmul: out_gain must be a tensor of shape ({n},) on {x.device}, got "
                          f"{tuple(out_gain.shape)} on {out_gain.device}")

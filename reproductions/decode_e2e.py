@@ -30,7 +30,9 @@ decode time (medians over trials), end-to-end tok/s beside it. HF's generate() h
 row's tok/s (and share of the bound) counts the prefill in; its profile is a full run less a one-token run, as the
 engine's. Energy: one NVML window per variant of back-to-back runs filling --energy-window-s, J per generated token
 (prefill included), and a second window of prefill-only runs that prices the prefill, for J per decoded token
-without it (`j_per_token_decode`, decode_energy). Kernels:
+without it (`j_per_token_decode`, decode_energy). The card's idle power, measured before the first row, is recorded
+(`idle_power_w`), and each decoded token's energy above it (`j_per_token_decode_above_idle`, both windows less idle
+power times their length): the share of the energy that the decode's work, not its time, costs. Kernels:
 torch.profiler over a full run minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention,
 other): launches, summed kernel durations (`us`) and busy time (`busy_us`: each kernel's time not covered by a
 kernel that started before it, `busy_times`); and the wall time a token spends outside kernels
@@ -446,10 +448,12 @@ def outside_kernels_us(decode_tok_s: float | None, busy_us: float) -> float | No
 
 
 def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyMeter, window_s: float,
-                  run_j: float, new_tokens: int) -> dict[str, Any]:
+                  run_j: float, new_tokens: int, run_above_idle_j: float | None = None) -> dict[str, Any]:
     """J a decoded token without the prefill's share: a second window of runs that stop at the first token (the
     prefill and its one token) prices the prefill, and (J a run - J a prefill) / (new tokens - 1) is a decode step's
-    energy. The J/token of the whole runs counts the prefill, which for an eager INT4 prefill is a large share."""
+    energy. The J/token of the whole runs counts the prefill, which for an eager INT4 prefill is a large share.
+    With `run_above_idle_j` (a run's energy less the meter's idle power over its time) the same difference above
+    idle: `j_per_token_decode_above_idle`."""
     if new_tokens < 2:
         return {}
     timed = [_run_once(v, prompt, 1, graphs) for _ in range(2)]
@@ -459,8 +463,11 @@ def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyM
         _run_once(v, prompt, 1, graphs)
     w = meter.stop(window, tokens=n_runs)
     prefill_j = w.energy_j / n_runs
-    return {"prefill_j": prefill_j, "prefill_energy_window_s": w.duration_s, "prefill_energy_runs": n_runs,
-            "j_per_token_decode": (run_j - prefill_j) / (new_tokens - 1)}
+    out = {"prefill_j": prefill_j, "prefill_energy_window_s": w.duration_s, "prefill_energy_runs": n_runs,
+           "j_per_token_decode": (run_j - prefill_j) / (new_tokens - 1)}
+    if run_above_idle_j is not None and w.net_energy_j is not None:
+        out["j_per_token_decode_above_idle"] = (run_above_idle_j - w.net_energy_j / n_runs) / (new_tokens - 1)
+    return out
 
 
 def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, graphs: bool, meter: EnergyMeter | None,
@@ -495,8 +502,10 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
         w = meter.stop(window, tokens=tokens)
         result.update(j_per_token=w.j_per_token, energy_window_s=w.duration_s, energy_runs=n_runs,
                       mean_power_w=w.mean_power_w)
+        if w.idle is not None:
+            result["idle_power_w"] = w.idle.power_w
         result.update(decode_energy(v, prompt, graphs, meter, energy_window_s, w.energy_j / n_runs,
-                                    result["new_tokens"]))
+                                    result["new_tokens"], None if w.net_energy_j is None else w.net_energy_j / n_runs))
     if profile:
         try:
             full = profile_kernels(lambda: _run_once(v, prompt, new_tokens, graphs), device)
@@ -873,7 +882,8 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
         samples[f"{key}.decode_tok_s"] = [float(x) for x in r["decode_tok_s"]]
         samples[f"{key}.e2e_tok_s"] = [float(x) for x in r["e2e_tok_s"]]
         for k in ("decode_tok_s_median", "e2e_tok_s_median", "prefill_s_median", "j_per_token",
-                  "j_per_token_decode", "prefill_j", "share_of_bound", "bound_tok_s"):
+                  "j_per_token_decode", "j_per_token_decode_above_idle", "idle_power_w", "prefill_j",
+                  "share_of_bound", "bound_tok_s"):
             if r.get(k) is not None:
                 metrics[f"{key}.{k}"] = float(r[k])
         for k, v in (r.get("per_token") or {}).items():

@@ -453,3 +453,49 @@ def test_a_variant_graphs_its_prefill_only_when_asked_and_graphed(monkeypatch, g
     with pytest.raises(StopIteration):
         e2e._run_once(v, torch.tensor([1, 2]), 4, graphs)
     assert seen == [expected]
+
+
+def test_decode_energy_above_idle_takes_idle_power_over_each_windows_time_out(monkeypatch):
+    """With the meter's idle baseline, each window's energy less idle power times its length: a card idling at 100 W
+    that runs a prefill of 0.01 s at 300 W and decode steps of 0.002 s at 500 W spends 0.8 J a decoded token above
+    idle (1.0 J in all); without a baseline no above-idle figure is made."""
+    from reproductions import decode_e2e
+    from sdsie.telemetry.energy import EnergyWindow, IdleBaseline
+
+    idle_w, clock = 100.0, {"t": 0.0, "j": 0.0}
+
+    def run_once(v, prompt, new_tokens, graphs):
+        clock["t"] += 0.01 + 0.002 * (new_tokens - 1)
+        clock["j"] += 300.0 * 0.01 + 500.0 * 0.002 * (new_tokens - 1)
+        return decode_e2e.Run(new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens)
+
+    class Meter:
+        def __init__(self, idle):
+            self.idle = idle
+
+        def start(self):
+            return dict(clock)
+
+        def stop(self, start, tokens=None):
+            return EnergyWindow("fake", clock["t"] - start["t"], clock["j"] - start["j"], tokens, self.idle, {}, {})
+
+    monkeypatch.setattr(decode_e2e, "_run_once", run_once)
+    run_j = 300.0 * 0.01 + 500.0 * 0.002 * 127
+    run_above = run_j - idle_w * (0.01 + 0.002 * 127)
+    meter = Meter(IdleBaseline(power_w=idle_w, duration_s=5.0, energy_j=500.0, backend="fake"))
+    out = decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, run_j, 128, run_above)
+    assert out["j_per_token_decode"] == pytest.approx(1.0)
+    assert out["j_per_token_decode_above_idle"] == pytest.approx(0.8)
+    bare = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(None), 0.5, run_j, 128, None)
+    assert bare["j_per_token_decode"] == pytest.approx(1.0) and "j_per_token_decode_above_idle" not in bare
+    # the suite's row and record carry both, through measure()
+    model = build_model("llama3.1-8b", tiny=True, device=torch.device("cpu"), dtype=torch.float32)
+    row = decode_e2e.measure(decode_e2e.Variant("bf16", model), torch.zeros(3, dtype=torch.long), 128, 1, False,
+                             meter, 0.5, None, False)
+    assert row["idle_power_w"] == idle_w and row["j_per_token_decode_above_idle"] == pytest.approx(0.8)
+    row.update(model="llama3.1-8b", prompt_len=3, variant="bf16")
+    doc = {"results": [row], "summary": decode_e2e.summarize([row]), "complete": True,
+           "config": {"models": ["llama3.1-8b"], "trials": 1}}
+    metrics = decode_e2e.record_of(doc, "cpu").metrics
+    assert metrics["llama3.1-8b.p3.bf16.j_per_token_decode_above_idle"] == pytest.approx(0.8)
+    assert metrics["llama3.1-8b.p3.bf16.idle_power_w"] == idle_w

@@ -886,10 +886,11 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
              "\"summed\". PDL: the record launched kernels as programmatic dependents (its sdsie kernels, and "
              "inductor's where its options say triton.enable_pdl); there a kernel starts early and waits for the one "
              "before inside its own span, so summed durations count that wait twice and the time outside kernels "
-             "taken from them reads negative. The issues' bars are judged on the " + REFERENCE_GPU + "'s rows; "
-             "another card's rows compare variants within their own record:", "",
-             "| GPU | model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
-             "GPU us/token | us outside kernels | share of bound | PDL | record |", "|---" * 14 + "|"]
+             "taken from them reads negative. W decode: the decode's mean power, J/token decode x tok/s. The "
+             "issues' bars are judged on the " + REFERENCE_GPU + "'s rows; another card's rows compare variants "
+             "within their own record:", "",
+             "| GPU | model | prompt | variant | tok/s | x baseline | J/token | J/token decode | W decode | "
+             "kernels/token | GPU us/token | us outside kernels | share of bound | PDL | record |", "|---" * 15 + "|"]
     for hardware, row in sorted(newest_of, key=order):
         rec = newest_of[(hardware, row)]
         mt = rec.metrics
@@ -900,6 +901,8 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
             return "-" if v is None else format(v * scale, fmt) + unit
 
         share = mt.get(f"{row}.share_of_bound")
+        tok_s, j_decode = mt.get(f"{row}.decode_tok_s_median"), mt.get(f"{row}.j_per_token_decode")
+        watts = "-" if tok_s is None or j_decode is None else f"{tok_s * j_decode:.0f}"
         gpu = "-"
         for time_kind, mark in (("busy_us", ""), ("us", " summed")):
             if f"{row}.per_token.gemv_gemm.{time_kind}" in mt:
@@ -910,7 +913,7 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
             variant += f", {rec.config.get('gated_layout', 'unfused')} q/k/v and gate/up"
         lines.append(f"| {hardware} | {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
-                     f"{cell('j_per_token_decode', '.2f')} | {cell('per_token.kernels', '.0f')} | {gpu} | "
+                     f"{cell('j_per_token_decode', '.2f')} | {watts} | {cell('per_token.kernels', '.0f')} | {gpu} | "
                      f"{cell('per_token.outside_us', '.0f')} | "
                      f"{'-' if share is None else _share_down(share)} | {'yes' if rec.config.get('pdl') else 'no'} | "
                      f"`{_rid(rec)}` |")

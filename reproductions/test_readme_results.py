@@ -228,8 +228,9 @@ def test_e2e_section_lists_every_variant_from_its_newest_default_attention_recor
     lines = e2e_section(load_records(TELEMETRY))
     rows = [line.removeprefix("| NVIDIA H200 ") for line in lines if line.startswith("| NVIDIA H200 |")]
     assert len(rows) == len({tuple(r.split(" | ")[:4]) for r in rows})  # one row per model, prompt, variant
-    assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 547.4 | 2.79 | 1.12 | 1.07 |")
-               and "| 51.5% | yes | `b1cf74f2`" in r for r in rows)  # J/token of the runs, then of the decode steps
+    assert any(r.startswith("| llama3.1-8b | 32 | int4_compiled | 547.4 | 2.79 | 1.12 | 1.07 | 587 |")
+               and "| 51.5% | yes | `b1cf74f2`" in r for r in rows)  # J/token of the runs, of the decode steps, and
+    # the decode's power: 547.4 tok/s x 1.073 J
     assert any(r.startswith("| qwen2.5-7b | 32 | int4_norms_compiled | 560.5 |") and "| 49.6% |" in r
                for r in rows)  # the share rounded down: 49.69% never reads as 50%
     assert any(r.startswith("| llama3.1-8b | 32 | hf_tinygemm_compiled | 198.7 |") and "`ce7b760c`" in r for r in rows)

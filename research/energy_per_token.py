@@ -9,7 +9,7 @@ in speed, d ln J / d ln (tok/s): 0 where energy per token is fixed whatever the 
 -1 where power is fixed (energy per token falls as the time). From the elasticity it gives the speed at which the
 faster variant would reach the bar, were the elasticity to hold. Pairs less than MIN_SPEED_RATIO apart in speed are
 left out: their elasticity is the ratio of two differences inside the runs' spread. The answer is in
-docs/kernel-log.md (2026-12-07 03:50).
+docs/kernel-log.md (2026-12-07 03:30).
 
     python -m research.energy_per_token [--records telemetry] [--gpu "NVIDIA H200"] [--bar 0.40]
 """

@@ -1,14 +1,14 @@
 """Does the INT4 decode's energy per token fall with its speed?
 
-The decode J/token bar (at most 0.40x bf16's) was read as a speed target at constant power: "at 613 W the bar
-needs 625 tok/s" (docs/kernel-log.md, 2026-12-06 20:40). That holds only if power stays put as the decode gets
-faster. The `decode_e2e` records answer it without a GPU: each ran several variants in one process, on one card,
-minutes apart, so within a record a faster variant's power can be set against a slower one's. For each pair of
-variants in one record (model, prompt) this prints both speeds and powers, and the elasticity of decode J/token
-in speed, d ln J / d ln (tok/s): 0 where energy per token is fixed whatever the speed (power follows the speed),
--1 where power is fixed (energy per token falls as the time). From the elasticity it gives the speed at which the
-faster variant would reach the bar, were the elasticity to hold. Pairs less than MIN_SPEED_RATIO apart in speed are
-left out: their elasticity is the ratio of two differences inside the runs' spread. The answer is in
+The decode J/token bar (at most 0.40x bf16's) was read as a speed target at constant power: 625 tok/s on
+Llama-3.1-8B at the fused form's 613 W (docs/kernel-log.md, 2026-12-06 20:40). That holds only if power stays put as
+the decode gets faster. The `decode_e2e` records answer it without a GPU: each ran several variants in one process,
+on one card, minutes apart, so within a record a faster variant's power can be set against a slower one's. For each
+pair of variants in one record (model, prompt) this prints both speeds and powers, and the elasticity of decode
+J/token in speed, d ln J / d ln (tok/s): 0 where energy per token is fixed whatever the speed (power follows the
+speed), -1 where power is fixed (energy per token falls as the time). From the elasticity it gives the speed at
+which the faster variant would reach the bar, were the elasticity to hold. Pairs less than MIN_SPEED_RATIO apart in
+speed are left out: their elasticity is the ratio of two differences inside the runs' spread. The answer is in
 docs/kernel-log.md (2026-12-07 03:30).
 
     python -m research.energy_per_token [--records telemetry] [--gpu "NVIDIA H200"] [--bar 0.40]
@@ -26,7 +26,8 @@ from pathlib import Path
 METRIC = re.compile(r"^(?P<model>.+)\.p(?P<prompt>\d+)\.(?P<variant>[a-z0-9_]+)\.(?P<key>decode_tok_s_median|"
                     r"j_per_token_decode)$")
 BASELINE = "bf16_compiled"
-# Pairs of one kernel family at two speeds: (slower, faster). gated_int4 runs the same INT4 kernel unfused.
+# (slower, faster) pairs: the same INT4 kernel on unfused (gated_int4) and fused q/k/v and gate/up, without and with
+# the norms in its launches, and tinygemm's kernel against sdsie's on the same fused model.
 PAIRS = (("gated_int4_compiled", "int4_compiled"), ("int4_compiled", "int4_norms_compiled"),
          ("tinygemm_compiled", "int4_compiled"))
 MIN_SPEED_RATIO = 1.10  # bf16's decode J/token moved 10% between records of one card (2.28-2.51 J, Llama-3.1-8B)

@@ -116,7 +116,7 @@ def test_run_order_is_seeded_per_trial_and_prompt_and_covers_every_variant():
     assert all(sorted(o) == sorted(names) for o in orders)
     assert run_order(names, 2, 1) == run_order(names, 2, 1)  # repeatable
     assert len({tuple(o) for o in orders}) > 5  # not one fixed order
-    assert {o[0] for o in orders} != {"plain"}  # plain no longer always runs first
+    assert {o[0] for o in orders} != {"plain"}  # plain does not always run first
 
 
 def _eager_runs(prompt: str) -> list[Run]:

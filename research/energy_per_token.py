@@ -11,7 +11,13 @@ which the faster variant would reach the bar, were the elasticity to hold. Pairs
 speed are left out: their elasticity is the ratio of two differences inside the runs' spread. The answer is in
 docs/kernel-log.md (2026-12-07 03:30).
 
+--ceiling KERNEL_RECORD asks how far speed alone can take it: each decode's GEMVs at the graphed copy time of their
+bytes, shape by shape (M = 1, group 128, from a `kernel_shapes` record of the same GPU), the rest of its token as
+profiled. It prints that token's tok/s, its J/token against bf16's at elasticities 0, -0.5 and -1, and the elasticity
+the bar needs (docs/kernel-log.md, 2026-12-07 05:20).
+
     python -m research.energy_per_token [--records telemetry] [--gpu "NVIDIA H200"] [--bar 0.40]
+    python -m research.energy_per_token --ceiling 590ad92b [--variant int4_norms_compiled]
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from reproductions.decode_e2e import MODELS
 
 METRIC = re.compile(r"^(?P<model>.+)\.p(?P<prompt>\d+)\.(?P<variant>[a-z0-9_]+)\.(?P<key>decode_tok_s_median|"
                     r"j_per_token_decode)$")
@@ -101,6 +109,66 @@ def pair_table(rows: list[Row], bar: float) -> list[dict]:
     return out
 
 
+def decode_linears(model: str) -> list[tuple[int, int, int]]:
+    """(N, K, launches a token) of the INT4 decode's GEMVs in its fused form (q/k/v and gate/up each one weight, the
+    LM head quantized), from `decode_e2e.MODELS`."""
+    c = MODELS[model]
+    h, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    head = h // c["num_attention_heads"]
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head
+    return [(qkv, h, layers), (h, h, layers), (2 * f, h, layers), (h, f, layers), (c["vocab_size"], h, 1)]
+
+
+def copy_times(kernel_doc: dict, m: int = 1, group: str = "128") -> dict[tuple[int, int], float]:
+    """Graphed copy time (us) of each shape's INT4 bytes in a `kernel_shapes` record, by (N, K)."""
+    out = {}
+    for name, shape in kernel_doc["config"]["shapes"].items():
+        sample = kernel_doc["samples"].get(f"{name}|m{m}|g{group}|copy")
+        if sample:
+            out[(shape["n"], shape["k"])] = float(sample[0])
+    return out
+
+
+def copy_ceiling(doc: dict, model: str, prompt: int, variant: str, copies: dict[tuple[int, int], float],
+                 bar: float) -> dict:
+    """One decode variant with its GEMVs at their copies' time and the rest of its token as profiled: tok/s there,
+    J/token against bf16's at elasticities 0, -0.5 and -1 from the measured point, and the elasticity that meets
+    the bar (None where the measured point meets it)."""
+    m = doc["metrics"]
+    at = f"{model}.p{prompt}.{variant}."
+    missing = [(n, k) for n, k, _ in decode_linears(model) if (n, k) not in copies]
+    if missing:
+        raise ValueError(f"the kernel record has no M = 1 copy time for {model}'s shapes {missing}")
+    gemv_copy = sum(count * copies[(n, k)] for n, k, count in decode_linears(model))
+    gemv = m[at + "per_token.gemv_gemm.busy_us"]
+    rest = m[at + "per_token.busy_us"] - gemv + m[at + "per_token.outside_us"]
+    tok_s, j = m[at + "decode_tok_s_median"], m[at + "j_per_token_decode"]
+    base = m[f"{model}.p{prompt}.{BASELINE}.j_per_token_decode"]
+    tok_s_copy = 1e6 / (gemv_copy + rest)
+    speed = tok_s_copy / tok_s
+    vs_bf16 = {e: j * speed ** e / base for e in (0.0, -0.5, -1.0)}
+    met = j <= bar * base
+    need = None if met else math.log(bar * base / j) / math.log(speed)
+    # Were the energy above idle a token fixed (the same work), the time saved would save idle power x time only:
+    # the idle power at which that alone meets the bar.
+    idle_need = None if met else (j - bar * base) / (1 / tok_s - 1 / tok_s_copy)
+    return {"model": model, "prompt": prompt, "variant": variant, "tok_s": tok_s, "gemv_us": gemv,
+            "gemv_copy_us": gemv_copy, "rest_us": rest, "tok_s_copy": tok_s_copy, "vs_bf16": vs_bf16,
+            "j_vs_bf16": j / base, "elasticity_needed": need, "idle_w_needed": idle_need}
+
+
+def idle_powers(records: Path, gpu: str) -> list[float]:
+    """Idle power (W) of `gpu` in every record that measured it (decode_standin's config, decode_e2e's rows)."""
+    out = []
+    for path in sorted(records.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("environment", {}).get("gpu", {}).get("name") != gpu:
+            continue
+        found = [v for k, v in doc.get("metrics", {}).items() if k.endswith(".idle_power_w")][:1]
+        out += found or ([doc["config"]["idle_power_w"]] if "idle_power_w" in doc.get("config", {}) else [])
+    return out
+
+
 def load(records: Path) -> list[Row]:
     rows = []
     for path in sorted(records.glob("*_decode_e2e.json")):
@@ -115,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=Path, default=Path("telemetry"))
     ap.add_argument("--gpu", default=None, help="only records of this GPU name (e.g. 'NVIDIA H200')")
     ap.add_argument("--bar", type=float, default=0.40, help="decode J/token against bf16's to reach")
+    ap.add_argument("--ceiling", metavar="KERNEL_RECORD", default=None,
+                    help="id of a kernel_shapes record: each decode with its GEMVs at their copies' time")
+    ap.add_argument("--variant", default="int4_norms_compiled", help="with --ceiling: the INT4 variant")
     a = ap.parse_args(argv)
+    if a.ceiling is not None:
+        return print_ceiling(a.records, a.ceiling, a.variant, a.gpu, a.bar)
     rows = [r for r in load(a.records) if a.gpu is None or r.gpu == a.gpu]
     print("| GPU | model | prompt | slower variant: tok/s, W, J/token | faster variant: tok/s, W, J/token | "
           f"elasticity of J/token in speed | tok/s for {a.bar:.2f}x bf16's J/token at that elasticity | record |")
@@ -127,6 +200,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {p['gpu']} | {p['model']} | {p['prompt']} | {s.variant}: {s.tok_s:.1f}, {s.watts:.0f}, "
               f"{s.j_per_token:.3f} | {f.variant}: {f.tok_s:.1f}, {f.watts:.0f}, {f.j_per_token:.3f} | "
               f"{p['elasticity']:+.2f} | {need_s} | `{p['record']}` |")
+    return 0
+
+
+def print_ceiling(records: Path, kernel_record: str, variant: str, gpu: str | None, bar: float) -> int:
+    found = sorted(records.glob(f"*-{kernel_record}_kernel_shapes.json*"))
+    if not found:
+        raise SystemExit(f"no kernel_shapes record {kernel_record} under {records}")
+    kernel_doc = json.loads(found[0].read_text())
+    kernel_gpu = kernel_doc["environment"]["gpu"]["name"]
+    copies = copy_times(kernel_doc)
+    print(f"| model | prompt | {variant}: tok/s | GEMV us a token: profiled, at their copies | rest us | "
+          "tok/s with the GEMVs at their copies | J/token x bf16: measured; there at elasticity 0, -0.5, -1 | "
+          f"elasticity for {bar:.2f}x | idle W for {bar:.2f}x, the energy above idle a token fixed | record |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    left_out: dict[str, list[str]] = {}
+    for path in sorted(records.glob("*_decode_e2e.json")):
+        doc = json.loads(path.read_text())
+        if doc["environment"]["gpu"]["name"] != kernel_gpu or (gpu is not None and kernel_gpu != gpu):
+            continue
+        record = path.name.split("-")[1].split("_")[0]
+        for key in sorted(doc["metrics"]):
+            got = re.fullmatch(rf"(.+)\.p(\d+)\.{variant}\.decode_tok_s_median", key)
+            if got is None:
+                continue
+            at = f"{got[1]}.p{got[2]}"
+            if f"{at}.{variant}.per_token.gemv_gemm.busy_us" not in doc["metrics"]:
+                left_out.setdefault("no busy-time profile", []).append(f"{record} {at}")
+                continue
+            if f"{at}.{BASELINE}.j_per_token_decode" not in doc["metrics"]:
+                left_out.setdefault(f"no {BASELINE} J/token", []).append(f"{record} {at}")
+                continue
+            c = copy_ceiling(doc, got[1], int(got[2]), variant, copies, bar)
+            need = "met" if c["elasticity_needed"] is None else f"{c['elasticity_needed']:+.2f}"
+            idle = "met" if c["idle_w_needed"] is None else f"{c['idle_w_needed']:.0f}"
+            v = c["vs_bf16"]
+            print(f"| {c['model']} | {c['prompt']} | {c['tok_s']:.1f} | {c['gemv_us']:.0f}, {c['gemv_copy_us']:.0f} | "
+                  f"{c['rest_us']:.0f} | {c['tok_s_copy']:.0f} | {c['j_vs_bf16']:.3f}; {v[0.0]:.3f}, {v[-0.5]:.3f}, "
+                  f"{v[-1.0]:.3f} | {need} | {idle} | `{record}`, `{kernel_record}` |")
+    idle_w = idle_powers(records, kernel_gpu)
+    if idle_w:
+        print(f"\n{kernel_gpu} idle power in the records: {min(idle_w):.0f}-{max(idle_w):.0f} W "
+              f"({len(idle_w)} records)")
+    for reason, rows in left_out.items():
+        print(f"\nleft out, {reason}: {len(rows)} rows ({', '.join(rows[:3])}{', ...' if len(rows) > 3 else ''})")
     return 0
 
 

@@ -45,3 +45,59 @@ def test_rows_come_from_the_records_metrics_and_pairs_need_a_tenth_apart_in_spee
     pairs = pair_table(rows, 0.40)
     assert [(p["slow"].variant, p["fast"].variant) for p in pairs] == [("gated_int4_compiled", "int4_compiled")]
     assert math.isclose(pairs[0]["elasticity"], math.log(1.1 / 1.2) / math.log(1.5))
+
+
+def test_the_decode_linears_are_the_fused_forms_shapes():
+    from research.energy_per_token import decode_linears
+
+    assert decode_linears("llama3.1-8b") == [(6144, 4096, 32), (4096, 4096, 32), (28672, 4096, 32),
+                                             (4096, 14336, 32), (128256, 4096, 1)]
+    assert decode_linears("qwen2.5-7b")[0] == (4608, 3584, 28)
+
+
+def test_the_copy_ceiling_puts_each_gemv_at_its_copy_time_and_keeps_the_rest():
+    from research.energy_per_token import copy_ceiling, decode_linears
+
+    copies = {(n, k): 10.0 for n, k, _ in decode_linears("llama3.1-8b")}  # 4 x 32 + 1 launches: 1290 us
+    at = "llama3.1-8b.p32.int4_norms_compiled."
+    m = {at + "per_token.gemv_gemm.busy_us": 1790.0, at + "per_token.busy_us": 1990.0,
+         at + "per_token.outside_us": 10.0, at + "decode_tok_s_median": 500.0, at + "j_per_token_decode": 1.2,
+         "llama3.1-8b.p32.bf16_compiled.j_per_token_decode": 2.5}
+    c = copy_ceiling({"metrics": m}, "llama3.1-8b", 32, "int4_norms_compiled", copies, 0.40)
+    assert math.isclose(c["gemv_copy_us"], 1290.0) and math.isclose(c["rest_us"], 210.0)
+    assert math.isclose(c["tok_s_copy"], 1e6 / 1500.0)  # 2000 us a token -> 1500: 4/3 the speed
+    assert math.isclose(c["vs_bf16"][0.0], 1.2 / 2.5)
+    assert math.isclose(c["vs_bf16"][-1.0], 1.2 * 0.75 / 2.5)  # power held: J/token falls as the time
+    assert math.isclose(c["elasticity_needed"], math.log(1.0 / 1.2) / math.log(4 / 3))
+    with pytest.raises(ValueError, match="no M = 1 copy time"):
+        copy_ceiling({"metrics": m}, "llama3.1-8b", 32, "int4_norms_compiled", {}, 0.40)
+
+
+def test_the_idle_power_the_bar_needs_when_only_time_is_saved():
+    from research.energy_per_token import copy_ceiling, decode_linears
+
+    copies = {(n, k): 10.0 for n, k, _ in decode_linears("llama3.1-8b")}
+    at = "llama3.1-8b.p32.int4_compiled."
+    m = {at + "per_token.gemv_gemm.busy_us": 1790.0, at + "per_token.busy_us": 1990.0,
+         at + "per_token.outside_us": 10.0, at + "decode_tok_s_median": 500.0, at + "j_per_token_decode": 1.2,
+         "llama3.1-8b.p32.bf16_compiled.j_per_token_decode": 2.5}
+    c = copy_ceiling({"metrics": m}, "llama3.1-8b", 32, "int4_compiled", copies, 0.40)
+    assert math.isclose(c["idle_w_needed"], 0.2 / 500e-6)  # 0.2 J over the bar, 500 us saved a token: 400 W
+    m[at + "j_per_token_decode"] = 0.9  # under the bar already
+    c = copy_ceiling({"metrics": m}, "llama3.1-8b", 32, "int4_compiled", copies, 0.40)
+    assert c["idle_w_needed"] is None and c["elasticity_needed"] is None
+
+
+def test_idle_power_is_read_from_both_kinds_of_record_of_that_gpu_only(tmp_path):
+    import json
+
+    from research.energy_per_token import idle_powers
+
+    gpu = {"environment": {"gpu": {"name": "H"}}}
+    (tmp_path / "a_decode_standin.json").write_text(json.dumps({**gpu, "config": {"idle_power_w": 120.0}}))
+    (tmp_path / "b_decode_e2e.json").write_text(json.dumps(
+        {**gpu, "config": {}, "metrics": {"m.p32.bf16_compiled.idle_power_w": 125.0,
+                                          "m.p32.int4.idle_power_w": 125.0}}))
+    (tmp_path / "c_decode_standin.json").write_text(json.dumps(
+        {"environment": {"gpu": {"name": "other"}}, "config": {"idle_power_w": 60.0}}))
+    assert idle_powers(tmp_path, "H") == [120.0, 125.0]  # one figure a record

@@ -886,11 +886,14 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
              "\"summed\". PDL: the record launched kernels as programmatic dependents (its sdsie kernels, and "
              "inductor's where its options say triton.enable_pdl); there a kernel starts early and waits for the one "
              "before inside its own span, so summed durations count that wait twice and the time outside kernels "
-             "taken from them reads negative. W decode: the decode's mean power, J/token decode x tok/s. The "
+             "taken from them reads negative. Above idle: the decode's J/token less the card's idle power over its "
+             "time, where the record measured idle power. W decode: the decode's mean power, J/token decode x "
+             "tok/s. The "
              "issues' bars are judged on the " + REFERENCE_GPU + "'s rows; another card's rows compare variants "
              "within their own record:", "",
-             "| GPU | model | prompt | variant | tok/s | x baseline | J/token | J/token decode | W decode | "
-             "kernels/token | GPU us/token | us outside kernels | share of bound | PDL | record |", "|---" * 15 + "|"]
+             "| GPU | model | prompt | variant | tok/s | x baseline | J/token | J/token decode | above idle | "
+             "W decode | kernels/token | GPU us/token | us outside kernels | share of bound | PDL | record |",
+             "|---" * 16 + "|"]
     for hardware, row in sorted(newest_of, key=order):
         rec = newest_of[(hardware, row)]
         mt = rec.metrics
@@ -913,7 +916,8 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
             variant += f", {rec.config.get('gated_layout', 'unfused')} q/k/v and gate/up"
         lines.append(f"| {hardware} | {model} | {prompt[1:]} | {variant} | {cell('decode_tok_s_median', '.1f')} | "
                      f"{cell('speedup_vs_baseline', '.2f')} | {cell('j_per_token', '.2f')} | "
-                     f"{cell('j_per_token_decode', '.2f')} | {watts} | {cell('per_token.kernels', '.0f')} | {gpu} | "
+                     f"{cell('j_per_token_decode', '.2f')} | {cell('j_per_token_decode_above_idle', '.2f')} | "
+                     f"{watts} | {cell('per_token.kernels', '.0f')} | {gpu} | "
                      f"{cell('per_token.outside_us', '.0f')} | "
                      f"{'-' if share is None else _share_down(share)} | {'yes' if rec.config.get('pdl') else 'no'} | "
                      f"`{_rid(rec)}` |")

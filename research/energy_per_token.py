@@ -13,8 +13,9 @@ docs/kernel-log.md (2026-12-07 03:30).
 
 --ceiling KERNEL_RECORD asks how far speed alone can take it: each decode's GEMVs at the graphed copy time of their
 bytes, shape by shape (M = 1, group 128, from a `kernel_shapes` record of the same GPU), the rest of its token as
-profiled. It prints that token's tok/s, its J/token against bf16's at elasticities 0, -0.5 and -1, and the elasticity
-the bar needs (docs/kernel-log.md, 2026-12-07 05:20).
+profiled. It prints that token's tok/s, its J/token against bf16's at elasticities 0, -0.5 and -1, the elasticity
+the bar needs, and where the record measured idle power, the J/token there with the energy above idle a token as
+measured (docs/kernel-log.md, 2026-12-07 05:20 and 05:40).
 
     python -m research.energy_per_token [--records telemetry] [--gpu "NVIDIA H200"] [--bar 0.40]
     python -m research.energy_per_token --ceiling 590ad92b [--variant int4_norms_compiled]
@@ -152,9 +153,13 @@ def copy_ceiling(doc: dict, model: str, prompt: int, variant: str, copies: dict[
     # Were the energy above idle a token fixed (the same work), the time saved would save idle power x time only:
     # the idle power at which that alone meets the bar.
     idle_need = None if met else (j - bar * base) / (1 / tok_s - 1 / tok_s_copy)
+    # Where the record measured the card's idle power: the J/token there with the energy above idle a token fixed.
+    above, idle_w = m.get(at + "j_per_token_decode_above_idle"), m.get(at + "idle_power_w")
+    fixed_work = None if above is None or idle_w is None else (above + idle_w / tok_s_copy) / base
     return {"model": model, "prompt": prompt, "variant": variant, "tok_s": tok_s, "gemv_us": gemv,
             "gemv_copy_us": gemv_copy, "rest_us": rest, "tok_s_copy": tok_s_copy, "vs_bf16": vs_bf16,
-            "j_vs_bf16": j / base, "elasticity_needed": need, "idle_w_needed": idle_need}
+            "j_vs_bf16": j / base, "elasticity_needed": need, "idle_w_needed": idle_need,
+            "vs_bf16_fixed_work": fixed_work}
 
 
 def idle_powers(records: Path, gpu: str) -> list[float]:
@@ -212,8 +217,9 @@ def print_ceiling(records: Path, kernel_record: str, variant: str, gpu: str | No
     copies = copy_times(kernel_doc)
     print(f"| model | prompt | {variant}: tok/s | GEMV us a token: profiled, at their copies | rest us | "
           "tok/s with the GEMVs at their copies | J/token x bf16: measured; there at elasticity 0, -0.5, -1 | "
-          f"elasticity for {bar:.2f}x | idle W for {bar:.2f}x, the energy above idle a token fixed | record |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"elasticity for {bar:.2f}x | idle W for {bar:.2f}x, the energy above idle a token fixed | "
+          "J/token x bf16 there, the energy above idle a token fixed at the record's idle power | record |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     left_out: dict[str, list[str]] = {}
     for path in sorted(records.glob("*_decode_e2e.json")):
         doc = json.loads(path.read_text())
@@ -237,7 +243,9 @@ def print_ceiling(records: Path, kernel_record: str, variant: str, gpu: str | No
             v = c["vs_bf16"]
             print(f"| {c['model']} | {c['prompt']} | {c['tok_s']:.1f} | {c['gemv_us']:.0f}, {c['gemv_copy_us']:.0f} | "
                   f"{c['rest_us']:.0f} | {c['tok_s_copy']:.0f} | {c['j_vs_bf16']:.3f}; {v[0.0]:.3f}, {v[-0.5]:.3f}, "
-                  f"{v[-1.0]:.3f} | {need} | {idle} | `{record}`, `{kernel_record}` |")
+                  f"{v[-1.0]:.3f} | {need} | {idle} | "
+                  f"{'-' if c['vs_bf16_fixed_work'] is None else format(c['vs_bf16_fixed_work'], '.3f')} | "
+                  f"`{record}`, `{kernel_record}` |")
     idle_w = idle_powers(records, kernel_gpu)
     if idle_w:
         print(f"\n{kernel_gpu} idle power in the records: {min(idle_w):.0f}-{max(idle_w):.0f} W "

@@ -83,6 +83,10 @@ def test_the_idle_power_the_bar_needs_when_only_time_is_saved():
          "llama3.1-8b.p32.bf16_compiled.j_per_token_decode": 2.5}
     c = copy_ceiling({"metrics": m}, "llama3.1-8b", 32, "int4_compiled", copies, 0.40)
     assert math.isclose(c["idle_w_needed"], 0.2 / 500e-6)  # 0.2 J over the bar, 500 us saved a token: 400 W
+    assert c["vs_bf16_fixed_work"] is None  # no idle power in the record
+    m[at + "j_per_token_decode_above_idle"], m[at + "idle_power_w"] = 0.96, 120.0  # 120 W x 2 ms = 0.24 J idle
+    c = copy_ceiling({"metrics": m}, "llama3.1-8b", 32, "int4_compiled", copies, 0.40)
+    assert math.isclose(c["vs_bf16_fixed_work"], (0.96 + 120.0 * 1.5e-3) / 2.5)  # 1.5 ms a token at the copies
     m[at + "j_per_token_decode"] = 0.9  # under the bar already
     c = copy_ceiling({"metrics": m}, "llama3.1-8b", 32, "int4_compiled", copies, 0.40)
     assert c["idle_w_needed"] is None and c["elasticity_needed"] is None

@@ -209,11 +209,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_ceiling(records: Path, kernel_record: str, variant: str, gpu: str | None, bar: float) -> int:
+    """The --ceiling table: every decode_e2e row of `variant` on the kernel record's GPU, through `copy_ceiling`."""
     found = sorted(records.glob(f"*-{kernel_record}_kernel_shapes.json*"))
     if not found:
         raise SystemExit(f"no kernel_shapes record {kernel_record} under {records}")
     kernel_doc = json.loads(found[0].read_text())
     kernel_gpu = kernel_doc["environment"]["gpu"]["name"]
+    if gpu is not None and gpu != kernel_gpu:
+        raise SystemExit(f"kernel_shapes record {kernel_record} ran on {kernel_gpu}, not {gpu}")
     copies = copy_times(kernel_doc)
     print(f"| model | prompt | {variant}: tok/s | GEMV us a token: profiled, at their copies | rest us | "
           "tok/s with the GEMVs at their copies | J/token x bf16: measured; there at elasticity 0, -0.5, -1 | "
@@ -223,9 +226,10 @@ def print_ceiling(records: Path, kernel_record: str, variant: str, gpu: str | No
     left_out: dict[str, list[str]] = {}
     for path in sorted(records.glob("*_decode_e2e.json")):
         doc = json.loads(path.read_text())
-        if doc["environment"]["gpu"]["name"] != kernel_gpu or (gpu is not None and kernel_gpu != gpu):
-            continue
         record = path.name.split("-")[1].split("_")[0]
+        if doc["environment"]["gpu"]["name"] != kernel_gpu:
+            left_out.setdefault(f"records of another GPU than {kernel_gpu}", []).append(record)
+            continue
         for key in sorted(doc["metrics"]):
             got = re.fullmatch(rf"(.+)\.p(\d+)\.{variant}\.decode_tok_s_median", key)
             if got is None:

@@ -122,7 +122,7 @@ from sdsie.quant import (
     unfuse_norms,
 )
 from sdsie.quant.linear import replace_module
-from sdsie.telemetry.energy import EnergyMeter, EnergyUnavailable, calls_to_fill
+from sdsie.telemetry.energy import EnergyMeter, EnergyUnavailable, EnergyWindow, calls_to_fill
 from sdsie.telemetry.records import RunRecord, capture_environment, write_record
 
 SUITE = "decode_e2e"
@@ -448,12 +448,12 @@ def outside_kernels_us(decode_tok_s: float | None, busy_us: float) -> float | No
 
 
 def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyMeter, window_s: float,
-                  run_j: float, new_tokens: int, run_above_idle_j: float | None = None) -> dict[str, Any]:
+                  runs: EnergyWindow, run_count: int, new_tokens: int) -> dict[str, Any]:
     """J a decoded token without the prefill's share: a second window of runs that stop at the first token (the
     prefill and its one token) prices the prefill, and (J a run - J a prefill) / (new tokens - 1) is a decode step's
-    energy. The J/token of the whole runs counts the prefill, which for an eager INT4 prefill is a large share.
-    With `run_above_idle_j` (a run's energy less the meter's idle power over its time) the same difference above
-    idle: `j_per_token_decode_above_idle`."""
+    energy (`runs`: the window of `run_count` whole runs). The J/token of the whole runs counts the prefill, which
+    for an eager INT4 prefill is a large share. Where the meter has an idle baseline, the same difference of both
+    windows' energy less idle power over their time: `j_per_token_decode_above_idle`."""
     if new_tokens < 2:
         return {}
     timed = [_run_once(v, prompt, 1, graphs) for _ in range(2)]
@@ -464,9 +464,10 @@ def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyM
     w = meter.stop(window, tokens=n_runs)
     prefill_j = w.energy_j / n_runs
     out = {"prefill_j": prefill_j, "prefill_energy_window_s": w.duration_s, "prefill_energy_runs": n_runs,
-           "j_per_token_decode": (run_j - prefill_j) / (new_tokens - 1)}
-    if run_above_idle_j is not None and w.net_energy_j is not None:
-        out["j_per_token_decode_above_idle"] = (run_above_idle_j - w.net_energy_j / n_runs) / (new_tokens - 1)
+           "j_per_token_decode": (runs.energy_j / run_count - prefill_j) / (new_tokens - 1)}
+    if runs.net_energy_j is not None and w.net_energy_j is not None:
+        out["j_per_token_decode_above_idle"] = (runs.net_energy_j / run_count - w.net_energy_j / n_runs) / (
+            new_tokens - 1)
     return out
 
 
@@ -504,8 +505,7 @@ def measure(v: Variant, prompt: torch.Tensor, new_tokens: int, trials: int, grap
                       mean_power_w=w.mean_power_w)
         if w.idle is not None:
             result["idle_power_w"] = w.idle.power_w
-        result.update(decode_energy(v, prompt, graphs, meter, energy_window_s, w.energy_j / n_runs,
-                                    result["new_tokens"], None if w.net_energy_j is None else w.net_energy_j / n_runs))
+        result.update(decode_energy(v, prompt, graphs, meter, energy_window_s, w, n_runs, result["new_tokens"]))
     if profile:
         try:
             full = profile_kernels(lambda: _run_once(v, prompt, new_tokens, graphs), device)

@@ -426,11 +426,12 @@ def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
             return EnergyWindow("fake", 1.0, counter["j"] - start, tokens, None, {}, {})
 
     monkeypatch.setattr(decode_e2e, "_run_once", run_once)
-    out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, prefill_j + 127 * step_j, 128)
+    whole = EnergyWindow("fake", 1.0, prefill_j + 127 * step_j, 128, None, {}, {})  # one whole run
+    out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 128)
     assert out["prefill_j"] == pytest.approx(prefill_j)
     assert out["j_per_token_decode"] == pytest.approx(step_j)
     assert set(counter["calls"]) == {1} and out["prefill_energy_runs"] == len(counter["calls"]) - 2  # 2 timed
-    assert decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, 1.0, 1) == {}
+    assert decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 1) == {}
     rows = decode_e2e.summarize([
         {"model": "m", "prompt_len": 32, "variant": "bf16_compiled", "j_per_token": 2.0, "j_per_token_decode": 1.6},
         {"model": "m", "prompt_len": 32, "variant": "int4_compiled", "j_per_token": 1.0, "j_per_token_decode": 0.6}])
@@ -480,13 +481,15 @@ def test_decode_energy_above_idle_takes_idle_power_over_each_windows_time_out(mo
             return EnergyWindow("fake", clock["t"] - start["t"], clock["j"] - start["j"], tokens, self.idle, {}, {})
 
     monkeypatch.setattr(decode_e2e, "_run_once", run_once)
-    run_j = 300.0 * 0.01 + 500.0 * 0.002 * 127
-    run_above = run_j - idle_w * (0.01 + 0.002 * 127)
-    meter = Meter(IdleBaseline(power_w=idle_w, duration_s=5.0, energy_j=500.0, backend="fake"))
-    out = decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, run_j, 128, run_above)
+    run_j, run_s = 300.0 * 0.01 + 500.0 * 0.002 * 127, 0.01 + 0.002 * 127
+    idle = IdleBaseline(power_w=idle_w, duration_s=5.0, energy_j=500.0, backend="fake")
+    meter = Meter(idle)
+    whole = EnergyWindow("fake", 2 * run_s, 2 * run_j, 256, idle, {}, {})  # two whole runs
+    out = decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, whole, 2, 128)
     assert out["j_per_token_decode"] == pytest.approx(1.0)
     assert out["j_per_token_decode_above_idle"] == pytest.approx(0.8)
-    bare = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(None), 0.5, run_j, 128, None)
+    bare_window = EnergyWindow("fake", 2 * run_s, 2 * run_j, 256, None, {}, {})
+    bare = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(None), 0.5, bare_window, 2, 128)
     assert bare["j_per_token_decode"] == pytest.approx(1.0) and "j_per_token_decode_above_idle" not in bare
     # the suite's row and record carry both, through measure()
     model = build_model("llama3.1-8b", tiny=True, device=torch.device("cpu"), dtype=torch.float32)

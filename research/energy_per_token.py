@@ -174,10 +174,15 @@ def idle_powers(records: Path, gpu: str) -> list[float]:
     return out
 
 
+def record_id(path: Path) -> str:
+    """A record's short id, the hex after its timestamp, as the docs cite it."""
+    return path.name.split("-", 1)[1].split("_", 1)[0]
+
+
 def load(records: Path) -> list[Row]:
     rows = []
     for path in sorted(records.glob("*_decode_e2e.json")):
-        rows += record_rows(json.loads(path.read_text()), path.name.split("-")[1].split("_")[0])
+        rows += record_rows(json.loads(path.read_text()), record_id(path))
     if not rows:
         raise SystemExit(f"no decode_e2e record with decode tok/s and J/token under {records}")
     return rows
@@ -226,7 +231,7 @@ def print_ceiling(records: Path, kernel_record: str, variant: str, gpu: str | No
     left_out: dict[str, list[str]] = {}
     for path in sorted(records.glob("*_decode_e2e.json")):
         doc = json.loads(path.read_text())
-        record = path.name.split("-")[1].split("_")[0]
+        record = record_id(path)
         if doc["environment"]["gpu"]["name"] != kernel_gpu:
             left_out.setdefault(f"records of another GPU than {kernel_gpu}", []).append(record)
             continue

@@ -17,8 +17,13 @@ profiled. It prints that token's tok/s, its J/token against bf16's at elasticiti
 the bar needs, and where the record measured idle power, the J/token there with the energy above idle a token as
 measured (docs/kernel-log.md, 2026-12-07 05:20 and 05:40).
 
+--per-byte splits each decode's energy above the card's idle power by the bytes a token reads (the record's copy
+rate over its bytes bound): nJ a byte read, where a variant that does more work a byte spends more (docs/kernel-log.md,
+2026-12-07 07:40). Only records that measured idle power have the figure.
+
     python -m research.energy_per_token [--records telemetry] [--gpu "NVIDIA H200"] [--bar 0.40]
     python -m research.energy_per_token --ceiling 590ad92b [--variant int4_norms_compiled]
+    python -m research.energy_per_token --per-byte [--gpu "NVIDIA H200"]
 """
 
 from __future__ import annotations
@@ -162,6 +167,27 @@ def copy_ceiling(doc: dict, model: str, prompt: int, variant: str, copies: dict[
             "vs_bf16_fixed_work": fixed_work}
 
 
+def energy_per_byte(doc: dict, record: str) -> list[dict]:
+    """Each variant of a decode_e2e record with its energy above idle a token: GB read a token (copy rate / bytes
+    bound), J above idle a token, nJ a byte, W above idle, and GB/s reached. A record without idle power or without
+    its copy rate gives none."""
+    metrics = doc["metrics"]
+    copy_gbs = doc["config"].get("copy_rate_gbs")
+    if not copy_gbs:
+        return []
+    out = []
+    for key in sorted(metrics):
+        got = re.fullmatch(r"(.+)\.p(\d+)\.([a-z0-9_]+)\.j_per_token_decode_above_idle", key)
+        if got is None:
+            continue
+        at = f"{got[1]}.p{got[2]}.{got[3]}"
+        gb = copy_gbs / metrics[f"{at}.bound_tok_s"]
+        j, tok_s = metrics[key], metrics[f"{at}.decode_tok_s_median"]
+        out.append(dict(record=record, gpu=doc["environment"]["gpu"]["name"], model=got[1], prompt=int(got[2]),
+                        variant=got[3], gb=gb, j=j, nj_per_byte=j / gb, watts=j * tok_s, gbs=gb * tok_s))
+    return out
+
+
 def idle_powers(records: Path, gpu: str) -> list[float]:
     """Idle power (W) of `gpu` in every record that measured it (decode_standin's config, decode_e2e's rows)."""
     out = []
@@ -196,7 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceiling", metavar="KERNEL_RECORD", default=None,
                     help="id of a kernel_shapes record: each decode with its GEMVs at their copies' time")
     ap.add_argument("--variant", default="int4_norms_compiled", help="with --ceiling: the INT4 variant")
+    ap.add_argument("--per-byte", action="store_true", help="each decode's energy above idle a byte it reads")
     a = ap.parse_args(argv)
+    if a.per_byte:
+        print("| GPU | model | prompt | variant | GB a token | J above idle a token | nJ a byte | W above idle | "
+              "GB/s reached | record |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for path in sorted(a.records.glob("*_decode_e2e.json")):
+            for r in energy_per_byte(json.loads(path.read_text()), record_id(path)):
+                if a.gpu is None or r["gpu"] == a.gpu:
+                    print(f"| {r['gpu']} | {r['model']} | {r['prompt']} | {r['variant']} | {r['gb']:.2f} | "
+                          f"{r['j']:.3f} | {r['nj_per_byte']:.3f} | {r['watts']:.0f} | {r['gbs']:.0f} | "
+                          f"`{r['record']}` |")
+        return 0
     if a.ceiling is not None:
         return print_ceiling(a.records, a.ceiling, a.variant, a.gpu, a.bar)
     rows = [r for r in load(a.records) if a.gpu is None or r.gpu == a.gpu]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from research.energy_per_token import Row, elasticity, pair_table, record_rows, speed_for_bar
+from research.energy_per_token import Row, elasticity, energy_per_byte, pair_table, record_rows, speed_for_bar
 
 
 def row(variant: str, tok_s: float, j: float) -> Row:
@@ -105,3 +105,16 @@ def test_idle_power_is_read_from_both_kinds_of_record_of_that_gpu_only(tmp_path)
     (tmp_path / "c_decode_standin.json").write_text(json.dumps(
         {"environment": {"gpu": {"name": "other"}}, "config": {"idle_power_w": 60.0}}))
     assert idle_powers(tmp_path, "H") == [120.0, 125.0]  # one figure a record
+
+
+def test_energy_a_byte_is_the_energy_above_idle_over_the_bytes_a_token_reads():
+    """GB a token = copy rate / bytes bound; a row without idle power, or a record without its copy rate, gives none."""
+    m = {"m.p32.int4.j_per_token_decode_above_idle": 0.8, "m.p32.int4.bound_tok_s": 1000.0,
+         "m.p32.int4.decode_tok_s_median": 500.0, "m.p32.bf16.bound_tok_s": 250.0,
+         "m.p32.bf16.decode_tok_s_median": 200.0}
+    doc = {"environment": {"gpu": {"name": "GPU"}}, "config": {"copy_rate_gbs": 4000.0}, "metrics": m}
+    (r,) = energy_per_byte(doc, "r1")
+    assert (r["variant"], r["prompt"]) == ("int4", 32)
+    assert math.isclose(r["gb"], 4.0) and math.isclose(r["nj_per_byte"], 0.2)
+    assert math.isclose(r["watts"], 400.0) and math.isclose(r["gbs"], 2000.0)
+    assert energy_per_byte({**doc, "config": {}}, "r1") == []

@@ -888,9 +888,8 @@ def e2e_section(records: list[RunRecord]) -> list[str]:
              "before inside its own span, so summed durations count that wait twice and the time outside kernels "
              "taken from them reads negative. Above idle: the decode's J/token less the card's idle power over its "
              "time, where the record measured idle power. W decode: the decode's mean power, J/token decode x "
-             "tok/s. The "
-             "issues' bars are judged on the " + REFERENCE_GPU + "'s rows; another card's rows compare variants "
-             "within their own record:", "",
+             "tok/s. The issues' bars are judged on the " + REFERENCE_GPU + "'s rows; another card's rows compare "
+             "variants within their own record:", "",
              "| GPU | model | prompt | variant | tok/s | x baseline | J/token | J/token decode | above idle | "
              "W decode | kernels/token | GPU us/token | us outside kernels | share of bound | PDL | record |",
              "|---" * 16 + "|"]

@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,10 +206,16 @@ def record_id(path: Path) -> str:
     return path.name.split("-", 1)[1].split("_", 1)[0]
 
 
+def decode_records(records: Path) -> Iterator[tuple[str, dict]]:
+    """(id, document) of every decode_e2e record under `records`, oldest first."""
+    for path in sorted(records.glob("*_decode_e2e.json")):
+        yield record_id(path), json.loads(path.read_text())
+
+
 def load(records: Path) -> list[Row]:
     rows = []
-    for path in sorted(records.glob("*_decode_e2e.json")):
-        rows += record_rows(json.loads(path.read_text()), record_id(path))
+    for record, doc in decode_records(records):
+        rows += record_rows(doc, record)
     if not rows:
         raise SystemExit(f"no decode_e2e record with decode tok/s and J/token under {records}")
     return rows
@@ -225,16 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-byte", action="store_true", help="each decode's energy above idle a byte it reads")
     a = ap.parse_args(argv)
     if a.per_byte:
-        print("| GPU | model | prompt | variant | GB a token | J above idle a token | nJ a byte | W above idle | "
-              "GB/s reached | record |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for path in sorted(a.records.glob("*_decode_e2e.json")):
-            for r in energy_per_byte(json.loads(path.read_text()), record_id(path)):
-                if a.gpu is None or r["gpu"] == a.gpu:
-                    print(f"| {r['gpu']} | {r['model']} | {r['prompt']} | {r['variant']} | {r['gb']:.2f} | "
-                          f"{r['j']:.3f} | {r['nj_per_byte']:.3f} | {r['watts']:.0f} | {r['gbs']:.0f} | "
-                          f"`{r['record']}` |")
-        return 0
+        return print_per_byte(a.records, a.gpu)
     if a.ceiling is not None:
         return print_ceiling(a.records, a.ceiling, a.variant, a.gpu, a.bar)
     rows = [r for r in load(a.records) if a.gpu is None or r.gpu == a.gpu]
@@ -248,6 +246,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {p['gpu']} | {p['model']} | {p['prompt']} | {s.variant}: {s.tok_s:.1f}, {s.watts:.0f}, "
               f"{s.j_per_token:.3f} | {f.variant}: {f.tok_s:.1f}, {f.watts:.0f}, {f.j_per_token:.3f} | "
               f"{p['elasticity']:+.2f} | {need_s} | `{p['record']}` |")
+    return 0
+
+
+def print_per_byte(records: Path, gpu: str | None) -> int:
+    """The --per-byte table: every decode_e2e variant with its energy above idle (`energy_per_byte`), on `gpu` if
+    named; the records that give none are counted below it."""
+    print("| GPU | model | prompt | variant | GB a token | J above idle a token | nJ a byte | W above idle | "
+          "GB/s reached | record |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    left_out = []
+    for record, doc in decode_records(records):
+        if gpu is not None and doc["environment"]["gpu"]["name"] != gpu:
+            continue
+        rows = energy_per_byte(doc, record)
+        if not rows:
+            left_out.append(record)
+        for r in rows:
+            print(f"| {r['gpu']} | {r['model']} | {r['prompt']} | {r['variant']} | {r['gb']:.2f} | {r['j']:.3f} | "
+                  f"{r['nj_per_byte']:.3f} | {r['watts']:.0f} | {r['gbs']:.0f} | `{r['record']}` |")
+    if left_out:
+        print(f"\nleft out, no idle power or copy rate: {len(left_out)} records ({', '.join(left_out[:3])}"
+              f"{', ...' if len(left_out) > 3 else ''})")
     return 0
 
 
@@ -267,14 +287,12 @@ def print_ceiling(records: Path, kernel_record: str, variant: str, gpu: str | No
           "J/token x bf16 there, the energy above idle a token fixed at the record's idle power | record |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     left_out: dict[str, list[str]] = {}
-    for path in sorted(records.glob("*_decode_e2e.json")):
-        doc = json.loads(path.read_text())
-        record = record_id(path)
+    for record, doc in decode_records(records):
         if doc["environment"]["gpu"]["name"] != kernel_gpu:
             left_out.setdefault(f"records of another GPU than {kernel_gpu}", []).append(record)
             continue
         for key in sorted(doc["metrics"]):
-            got = re.fullmatch(rf"(.+)\.p(\d+)\.{variant}\.decode_tok_s_median", key)
+            got = re.fullmatch(rf"(.+)\.p(\d+)\.{re.escape(variant)}\.decode_tok_s_median", key)
             if got is None:
                 continue
             at = f"{got[1]}.p{got[2]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -118,3 +119,20 @@ def test_energy_a_byte_is_the_energy_above_idle_over_the_bytes_a_token_reads():
     assert math.isclose(r["gb"], 4.0) and math.isclose(r["nj_per_byte"], 0.2)
     assert math.isclose(r["watts"], 400.0) and math.isclose(r["gbs"], 2000.0)
     assert energy_per_byte({**doc, "config": {}}, "r1") == []
+
+
+def test_the_per_byte_table_counts_the_records_it_cannot_price(tmp_path, capsys):
+    """A record with idle power gives its rows; one without is named in the count below the table, not dropped
+    silently; --gpu keeps other cards' records out of both."""
+    from research.energy_per_token import print_per_byte
+
+    m = {"m.p32.int4.j_per_token_decode_above_idle": 0.8, "m.p32.int4.bound_tok_s": 1000.0,
+         "m.p32.int4.decode_tok_s_median": 500.0}
+    for name, metrics, gpu in (("20260101T000000Z-aaaa1111", m, "GPU"), ("20260102T000000Z-bbbb2222", {}, "GPU"),
+                               ("20260103T000000Z-cccc3333", {}, "Other")):
+        doc = {"environment": {"gpu": {"name": gpu}}, "config": {"copy_rate_gbs": 4000.0}, "metrics": metrics}
+        (tmp_path / f"{name}_decode_e2e.json").write_text(json.dumps(doc))
+    assert print_per_byte(tmp_path, "GPU") == 0
+    out = capsys.readouterr().out
+    assert "| GPU | m | 32 | int4 | 4.00 | 0.800 | 0.200 | 400 | 2000 | `aaaa1111` |" in out
+    assert "left out, no idle power or copy rate: 1 records (bbbb2222)" in out and "cccc3333" not in out

@@ -454,6 +454,8 @@ def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyM
     energy (`runs`: the window of `run_count` whole runs). The J/token of the whole runs counts the prefill, which
     for an eager INT4 prefill is a large share. Where the meter has an idle baseline, the same difference of both
     windows' energy less idle power over their time: `j_per_token_decode_above_idle`."""
+    if run_count < 1:
+        raise ValueError(f"decode_energy: the runs' window must hold at least one run, got run_count={run_count}")
     if new_tokens < 2:
         return {}
     timed = [_run_once(v, prompt, 1, graphs) for _ in range(2)]

@@ -432,6 +432,8 @@ def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
     assert out["j_per_token_decode"] == pytest.approx(step_j)
     assert set(counter["calls"]) == {1} and out["prefill_energy_runs"] == len(counter["calls"]) - 2  # 2 timed
     assert decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 1) == {}
+    with pytest.raises(ValueError, match="run_count=0"):
+        decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 0, 128)
     rows = decode_e2e.summarize([
         {"model": "m", "prompt_len": 32, "variant": "bf16_compiled", "j_per_token": 2.0, "j_per_token_decode": 1.6},
         {"model": "m", "prompt_len": 32, "variant": "int4_compiled", "j_per_token": 1.0, "j_per_token_decode": 0.6}])

@@ -341,7 +341,8 @@ def test_the_norm_and_residual_epilogues_leave_the_loop_and_the_cap_keeps_the_re
     """Offline sm_90, M = 1: the norm's pre-pass and the residual, gained-copy and squares epilogue leave the loop's
     HMMA and 16-byte loads as they are; uncapped, the norm over h grows the four-warp two-stage kernel past its 96
     registers (5 programs an SM to 4), and `NORM_REGISTER_CAPS`' cap holds it at 96 without a spill, the loop within
-    2.2 SASS a code; the norm over the producer's partial sums of squares keeps 96 uncapped."""
+    2.2 SASS a code; the norm over the producer's partial sums of squares keeps 96 uncapped, and as each warp sums
+    them itself, the plain launch's barriers (the norm over h adds a cross-warp sum's)."""
     cap = NORM_REGISTER_CAPS[(4, 1, 2, 1, 1)]
     free, normed, capped, residual, squares = compiled_offline(
         "from reproductions.kernels.inspect_ptx import inspect_mma",
@@ -354,6 +355,7 @@ def test_the_norm_and_residual_epilogues_leave_the_loop_and_the_cap_keeps_the_re
     assert capped["registers"] <= cap and capped["spill_instructions"] == 0 and capped["local_mem"] == 0
     assert capped["sass_loop_per_code"] < 2.2 and residual["registers"] == free["registers"]
     assert squares["registers"] == free["registers"] and squares["spill_instructions"] == 0
+    assert squares["barriers"] == free["barriers"] < normed["barriers"]
 
 
 def test_the_residual_and_gain_are_read_before_the_loop_at_m_8_or_less():

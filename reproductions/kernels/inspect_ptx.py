@@ -190,8 +190,8 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     warp; `norm_rows`: the RMS-norm epilogue's rows (a power of 2 <= 8), its pre-pass over rows of `k` values;
     `residual`: the residual epilogue; `out_gain`: the output's gained copy and partial sums of squares;
     `norm_squares`: the norm's pre-pass over its producer's partial sums of squares instead of h), and its spill
-    instructions (STL/LDL) in all. The constexpr arguments are `mma_consts`' for M = 16 with two halves, else
-    M = norm_rows (at least 1)."""
+    instructions (STL/LDL) and barriers (BAR.SYNC) in all. The constexpr arguments are `mma_consts`' for M = 16
+    with two halves, else M = norm_rows (at least 1)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, mma_consts
@@ -215,6 +215,7 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
             "sass_loop_per_code": len(sass) / (64 * stages), "load_order": order,
             "memory_order": global_memory_order(kernel.asm["cubin"]),
             "spill_instructions": sum(op.startswith(("STL", "LDL")) for op in ops),
+            "barriers": sum(op.startswith("BAR.SYNC") for op in ops),
             "local_mem": len(re.findall(r"(?:ld|st)\.local", kernel.asm["ptx"])),
             "registers": registers(kernel.asm["cubin"])}
 

@@ -277,12 +277,11 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 
 
 @gluon.jit
-def _row_sums(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr, NORM_STEPS: gl.constexpr,
-              WARPS: gl.constexpr, SQUARE: gl.constexpr):
-    """Each thread's share of sum(x[r]^2) (SQUARE: x is the norm's stream h) or of sum(x[r]) (x: the partial sums
-    of squares its producer wrote) for rows r < NORM_ROWS (0 past M): [NORM_ROWS, 32 WARPS] fp32, one column a
-    thread (a thread reads NORM_PER contiguous values a step, all its loads issued at once); the epilogue sums the
-    columns."""
+def _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
+                 NORM_STEPS: gl.constexpr, WARPS: gl.constexpr):
+    """Each thread's share of sum(x[r]^2) (x: the norm's stream h) for rows r < NORM_ROWS (0 past M):
+    [NORM_ROWS, 32 WARPS] fp32, one column a thread (a thread reads NORM_PER contiguous values a step, all its loads
+    issued at once); the epilogue sums the columns."""
     LV: gl.constexpr = gl.BlockedLayout([1, NORM_PER], [32, 1], [WARPS, 1], [1, 0])  # [32 W, NORM_PER]
     LP: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])  # [NORM_ROWS, 32 W]
     vk = (gl.expand_dims(gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, LV)), 1) * NORM_PER
@@ -294,12 +293,30 @@ def _row_sums(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.cons
         for step in gl.static_range(NORM_STEPS):
             kk = step * (32 * WARPS * NORM_PER) + vk
             v = gl.load(x_ptr + r * stride_xm + kk, mask=(kk < K) & (r < M), other=0.0).to(gl.float32)
-            if SQUARE:
-                v = v * v
-            part += gl.sum(v, axis=1)
+            part += gl.sum(v * v, axis=1)
         part = gl.convert_layout(part, gl.SliceLayout(0, LP))
         sums = gl.where(pr == r, gl.expand_dims(part, 0), sums)
     return sums
+
+
+@gluon.jit
+def _warp_factor(sq_ptr, M, K, stride_sm, eps, lane, j, NORM_ROWS: gl.constexpr, NORM_STEPS: gl.constexpr):
+    """rsqrt(mean(h^2) + eps) for x's row of each accumulator ([1, 1, 32, 4], as tot's c0..c3 of a lane) from h's
+    partial sums of squares sq [M, 2 K / 16], which every warp reads whole (4 values a lane a step, NORM_STEPS steps)
+    and sums by shuffles: the factor then scales each warp's sums before they meet, and no cross-warp step of its
+    own is needed."""
+    n = 2 * (K // 16)
+    idx = gl.expand_dims(lane * 4, 3) + j  # [1, 1, 32, 4]
+    om4 = gl.expand_dims(2 * (lane % 4), 3) + j % 2  # [1, 1, 32, 4]: x's row of c0..c3
+    f = (idx * 0).to(gl.float32)
+    for r in gl.static_range(NORM_ROWS):
+        part = (idx * 0).to(gl.float32)
+        for step in gl.static_range(NORM_STEPS):
+            kk = step * 128 + idx
+            part += gl.load(sq_ptr + r * stride_sm + kk, mask=(kk < n) & (r < M), other=0.0).to(gl.float32)
+        s = gl.sum(gl.sum(part, axis=3, keep_dims=True), axis=2, keep_dims=True)  # [1, 1, 1, 1]
+        f = gl.where(om4 == r, 1.0 / gl.sqrt(s / K + eps), f)
+    return f
 
 
 @gluon.jit
@@ -378,7 +395,8 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     # rsqrt(mean(h[m]^2) + eps) (before silu * up), h [M, K] the stream whose gained copy x is (x = h * gain). Every
     # program reads h's rows whole for it, from L2, after the weights' first loads are asked for; the threads' shares
     # meet in the epilogue. NORM_SQUARES: instead of h, its producer's partial sums of squares sq [M, K / 8] (one a
-    # 16-value block of h, as two values of x's dtype, `_store_squares`) are read and added up: 4 bytes for 32 of h.
+    # 16-value block of h, as two values of x's dtype, `_store_squares`) are read whole by every warp and added up by
+    # shuffles, and each warp's sums are scaled before they meet (`_warp_factor`): no cross-warp step of its own.
     # RESIDUAL (not with SILU_MUL): y = r + the product rounded to y's dtype, as a linear followed by an add.
     # OUT_GAIN: y [M, 2N + N / 8] holds that sum, N columns on the sum times g [N] (the gained copy a norm reads),
     # then its sums of squares over each row block (`_store_squares`, the next norm's NORM_SQUARES) for x's rows
@@ -454,11 +472,11 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
         c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
     if STAGES == 4:
         d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
-    if NORM_ROWS > 0:
-        if NORM_SQUARES:
-            squares = _row_sums(sq_ptr, M, 2 * (K // 16), stride_sm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS, False)
-        else:
-            squares = _row_sums(h_ptr, M, K, stride_hm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS, True)
+    EPI_ROWS: gl.constexpr = 0 if NORM_SQUARES else NORM_ROWS  # rows the epilogue scales (NORM_SQUARES: tot is)
+    if NORM_SQUARES:
+        fac = _warp_factor(sq_ptr, M, K, stride_sm, eps, lane, j, NORM_ROWS, NORM_STEPS)  # [1, 1, 32, 4]
+    if EPI_ROWS > 0:
+        squares = _row_squares(h_ptr, M, K, stride_hm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS)
     if PDL:
         _release_dependents()
     p = warp
@@ -481,8 +499,10 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     if PER_CHANNEL:
         tot = tot * s_end
         tot_h = tot_h * s_end
-    rs = eps  # unused without NORM_ROWS
-    if NORM_ROWS > 0:
+    if NORM_SQUARES:
+        tot = tot * fac
+    rs = eps  # unused without EPI_ROWS
+    if EPI_ROWS > 0:
         rs = 1.0 / gl.sqrt(gl.sum(squares, axis=1) / K + eps)  # [NORM_ROWS]
     if SILU_MUL:
         # a lane's c0, c1: gate of channel 8 nb + g for x's rows 2t, 2t + 1; c2, c3: up of the same (exact
@@ -493,7 +513,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
             gate = gl.sum(gl.where(oc == e, y4, 0.0), axis=2, keep_dims=True)  # [B, 32, 1]
             up = gl.sum(gl.where(oc == e + 2, y4, 0.0), axis=2, keep_dims=True)
             me = 2 * (ol % 4) + e  # [1, 32, 1]
-            if NORM_ROWS > 0:
+            if EPI_ROWS > 0:
                 f = _row_factor(rs, me, NORM_ROWS)
                 gate = gate * f
                 up = up * f
@@ -502,10 +522,10 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     else:
         yq = y_ptr + 2 * N  # OUT_GAIN: the partial sums of squares after [y, y * g]
         _store_rows(y_ptr, r_ptr, g_ptr, yq, gl.sum(tot, axis=1), om, orow, onb, live, M, N, stride_ym, stride_rm,
-                    stride_ym, rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, HALVES == 1, 0, SQUARE_ROWS)
+                    stride_ym, rs, r, g_out, EPI_ROWS, RESIDUAL, OUT_GAIN, HALVES == 1, 0, SQUARE_ROWS)
         if HALVES == 2:
             _store_rows(y_ptr, r_ptr, g_ptr, yq, gl.sum(tot_h, axis=1), om + 8, orow, onb, live, M, N, stride_ym,
-                        stride_rm, stride_ym, rs, r, g_out, NORM_ROWS, RESIDUAL, OUT_GAIN, False, 8, SQUARE_ROWS)
+                        stride_rm, stride_ym, rs, r, g_out, EPI_ROWS, RESIDUAL, OUT_GAIN, False, 8, SQUARE_ROWS)
 
 
 def norm_layout(k: int, warps: int) -> tuple[int, int]:
@@ -545,8 +565,10 @@ def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: b
     if norm_squares and not norm:
         raise ValueError("the mma kernel reads partial sums of squares only for a norm")
     per_channel = w.group_size >= w.in_features
-    read = 2 * (w.in_features // SQUARE_BLOCK) if norm_squares else w.in_features  # values a row the norm reads
-    per, steps = norm_layout(read, warps) if norm else (1, 1)  # without a norm: one compiled variant
+    if norm_squares:  # every warp reads a row's squares whole, 128 a step (`_warp_factor`)
+        per, steps = 1, -(-2 * (w.in_features // SQUARE_BLOCK) // 128)
+    else:  # without a norm: one compiled variant
+        per, steps = norm_layout(w.in_features, warps) if norm else (1, 1)
     rows = 1 << max(m - 1, 0).bit_length()  # next_pow2(M)
     return dict(GROUP_PAIRS=1 if per_channel else w.group_size // PAIR, PER_CHANNEL=per_channel,
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,

@@ -358,6 +358,33 @@ def test_the_norm_and_residual_epilogues_leave_the_loop_and_the_cap_keeps_the_re
     assert squares["barriers"] == free["barriers"] < normed["barriers"]
 
 
+def test_the_loop_issues_the_next_loads_after_its_last_mma_and_chains_eight():
+    """Offline sm_90, the plain launch with PDL at 2 and 4 pairs in flight and at M = 9-16: ptxas interleaves the
+    pairs' mma chains and issues every 16-byte load of the next iteration after this one's last HMMA, so a warp's
+    iteration is its loads' latency and then its longest chain of dependent mmas, 8 (a pair's two chunks of four
+    k16 blocks into one accumulator): the chain is time a warp has nothing in flight (docs/kernel-log.md)."""
+    two, four, sixteen = compiled_offline(
+        "from reproductions.kernels.inspect_ptx import inspect_mma",
+        "[inspect_mma(pdl=True), inspect_mma(pdl=True, stages=4), inspect_mma(pdl=True, halves=2)]", "the mma GEMV")
+    for r in (two, four, sixteen):
+        assert r["loop_loads_before_last_mma"] == 0 and r["sass_ops"]["LDG.E.128"] > 0, r
+        assert r["hmma_chain"] == 8, r
+
+
+def test_the_chain_counter_follows_accumulators_and_forgets_overwritten_ones():
+    """`hmma_chain` on hand-written SASS: two interleaved chains of 3 and 2, a chain broken by a move into its
+    accumulator, and a zero-started mma (RZ) counting 1."""
+    from reproductions.kernels.inspect_ptx import hmma_chain
+
+    sass = ["HMMA.16816.F32.BF16 R8, R0, R4, RZ", "HMMA.16816.F32.BF16 R12, R0, R4, RZ",
+            "HMMA.16816.F32.BF16 R8, R0, R6, R8", "HMMA.16816.F32.BF16 R12, R0, R6, R12",
+            "HMMA.16816.F32.BF16 R8, R2, R6, R8", "MOV R12, R3", "HMMA.16816.F32.BF16 R12, R2, R6, R12"]
+    assert hmma_chain(sass) == 3
+    assert hmma_chain(sass[:2]) == 1 and hmma_chain([]) == 0
+    assert hmma_chain(sass[1::2] + ["HMMA.16816.F32.BF16 R12, R2, R6, R12"]) == 2  # the move broke R12's chain
+    assert hmma_chain(sass[1:4:2] + ["HMMA.16816.F32.BF16 R12, R2, R6, R12"]) == 3
+
+
 def test_the_residual_and_gain_are_read_before_the_loop_at_m_8_or_less():
     """Offline sm_90 SASS of the residual and gained-copy epilogue, launched as a programmatic dependent: at M <= 8
     the gain's loads come before griddepcontrol.wait (ACQBULK), the residual's after it and before the loop, and no

@@ -86,6 +86,23 @@ def sass_loop(cubin: bytes) -> list[str]:
     return _instructions(longest_loop(_disassembly(cubin), r"^\s*(\.L_x_\d+):", r"\bBRA\b.*?(\.L_x_\d+)"))
 
 
+def hmma_chain(sass: list[str]) -> int:
+    """The longest chain of HMMAs in `sass` each accumulating the one before's result (its C operand is the earlier
+    one's destination, not overwritten in between): the mmas a warp waits through one after another."""
+    depth: dict[str, int] = {}
+    longest = 0
+    for ins in sass:
+        mma = re.match(r"HMMA\S* (R\d+), R\d+, R\d+, (R\w+)", ins)
+        if mma:
+            depth[mma.group(1)] = 1 + depth.get(mma.group(2), 0)
+            longest = max(longest, depth[mma.group(1)])
+            continue
+        written = re.match(r"\S+ (R\d+),", ins)
+        if written:
+            depth.pop(written.group(1), None)
+    return longest
+
+
 def sass_ops(cubin: bytes) -> list[str]:
     """Every SASS instruction's opcode of the kernel, in order."""
     return [ins.split()[0] for ins in _instructions(_disassembly(cubin))]
@@ -190,8 +207,9 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     warp; `norm_rows`: the RMS-norm epilogue's rows (a power of 2 <= 8), its pre-pass over rows of `k` values;
     `residual`: the residual epilogue; `out_gain`: the output's gained copy and partial sums of squares;
     `norm_squares`: the norm's pre-pass over its producer's partial sums of squares instead of h), and its spill
-    instructions (STL/LDL) and barriers (BAR.SYNC) in all. The constexpr arguments are `mma_consts`' for M = 16
-    with two halves, else M = norm_rows (at least 1)."""
+    instructions (STL/LDL) and barriers (BAR.SYNC) in all; in the loop, the longest chain of dependent HMMAs
+    (`hmma_chain`) and the 16-byte loads issued before its last HMMA. The constexpr arguments are `mma_consts`' for
+    M = 16 with two halves, else M = norm_rows (at least 1)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from sdsie.kernels.int4_mma import _int4_mma_gemv_kernel, mma_consts
@@ -211,8 +229,11 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     sass = sass_loop(kernel.asm["cubin"])
     ops = sass_ops(kernel.asm["cubin"])
     order = [op for op in ops if op in ("LDG.E.128", "ACQBULK", "PREEXIT")]
+    last_mma = max(i for i, ins in enumerate(sass) if ins.startswith("HMMA"))
     return {"sass_ops": dict(collections.Counter(op.split()[0] for op in sass)),
             "sass_loop_per_code": len(sass) / (64 * stages), "load_order": order,
+            "hmma_chain": hmma_chain(sass),
+            "loop_loads_before_last_mma": sum(ins.startswith("LDG.E.128") for ins in sass[:last_mma]),
             "memory_order": global_memory_order(kernel.asm["cubin"]),
             "spill_instructions": sum(op.startswith(("STL", "LDL")) for op in ops),
             "barriers": sum(op.startswith("BAR.SYNC") for op in ops),

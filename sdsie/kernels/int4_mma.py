@@ -384,10 +384,10 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
                           NORM_STEPS: gl.constexpr, RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr,
                           NORM_SQUARES: gl.constexpr, SQUARE_ROWS: gl.constexpr):
     # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
-    # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (a pair is reloaded STAGES pairs ahead
-    # right after its mmas), and their sums meet in one cross-warp reduction. A warp's x registers for a pair serve
-    # all BLOCKS blocks: x's bytes read a program fall by BLOCKS against the weights' (at M = 16 one block reads 4
-    # bytes of x a byte of weights). The last program's blocks past N / 16 repeat the last block and store nothing.
+    # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (reloaded STAGES pairs ahead once an
+    # iteration's mmas are issued), and their sums meet in one cross-warp reduction. A warp's x registers for a pair
+    # serve all BLOCKS blocks: x's bytes read a program fall by BLOCKS against the weights' (at M = 16 one block reads
+    # 4 bytes of x a byte of weights). The last program's blocks past N / 16 repeat the last block and store nothing.
     # GROUP_PAIRS: pairs per group (group_size / 128); PER_CHANNEL: one scale a row, applied at the end.
     # HALVES: 1 for M <= 8 (x's rows fill B's 8 columns), 2 for M <= 16 (a second mma on the same A registers).
     # SILU_MUL (HALVES 1): rows in `gate_up_order`; y [M, N/2] = silu(gate) * up, computed in fp32 from the sums.
@@ -425,10 +425,12 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     pw4 = pw_ptr + gl.expand_dims((nb * kcs * 32 + lane) * 4, 3) + j  # [B, 1, 32, 4]
     tot = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)
     tot_h = gl.zeros([BLOCKS, WARPS, 32, 4], gl.float32, L4)
-    # STAGES pairs in flight a warp (buffers a, b, c, d): each is reloaded (pair + STAGES W) right after its mmas,
-    # into the registers they free (ptxas places a load after the mmas whose registers it reuses, so a buffer
-    # rotation would cost moves). More stages keep more bytes in flight a warp where few programs share an SM
-    # (short K a warp, or fewer programs than SM slots), at the cost of registers (docs/kernel-log.md).
+    # STAGES pairs in flight a warp (buffers a, b, c, d): each is reloaded (pair + STAGES W) into the registers its
+    # mmas free. ptxas interleaves the pairs' mma chains and issues all of an iteration's reloads after its last
+    # HMMA (offline sm_90, pinned in tests/test_int4_mma.py), so a warp waits once an iteration for its loads' whole
+    # latency and then for its chain of dependent mmas. More stages keep more bytes in flight a warp where few
+    # programs share an SM (short K a warp, or fewer programs than SM slots), at the cost of registers
+    # (docs/kernel-log.md).
     # PDL (programmatic dependent launch): the weights, scales and zero-points of the first STAGES pairs are asked
     # for before the wait for the kernel that writes x, so their latency overlaps that kernel's end
     a = _wsz_loads(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)

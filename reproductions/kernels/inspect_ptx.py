@@ -229,11 +229,13 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     sass = sass_loop(kernel.asm["cubin"])
     ops = sass_ops(kernel.asm["cubin"])
     order = [op for op in ops if op in ("LDG.E.128", "ACQBULK", "PREEXIT")]
-    last_mma = max(i for i, ins in enumerate(sass) if ins.startswith("HMMA"))
+    mmas = [i for i, ins in enumerate(sass) if ins.startswith("HMMA")]
+    if not mmas:
+        raise RuntimeError(f"the mma GEMV's longest loop holds no HMMA ({len(sass)} instructions): not its K loop")
     return {"sass_ops": dict(collections.Counter(op.split()[0] for op in sass)),
             "sass_loop_per_code": len(sass) / (64 * stages), "load_order": order,
             "hmma_chain": hmma_chain(sass),
-            "loop_loads_before_last_mma": sum(ins.startswith("LDG.E.128") for ins in sass[:last_mma]),
+            "loop_loads_before_last_mma": sum(ins.startswith("LDG.E.128") for ins in sass[:mmas[-1]]),
             "memory_order": global_memory_order(kernel.asm["cubin"]),
             "spill_instructions": sum(op.startswith(("STL", "LDL")) for op in ops),
             "barriers": sum(op.startswith("BAR.SYNC") for op in ops),

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sdsie.clutch import SEED_CLUTCHES
-from sdsie.telemetry.records import RunRecord, load_records, newest_record
+from sdsie.telemetry.records import RunRecord, load_records, newest_record, short_id
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEAD_BEGIN, HEAD_END = "<!-- headline:begin -->", "<!-- headline:end -->"
@@ -716,7 +716,7 @@ def render(records_dir: Path = Path("telemetry")) -> str:
 
 def _rid(rec: RunRecord) -> str:
     """A record's short id (the hex after its timestamp), as the docs cite it."""
-    return rec.source.name.split("-", 1)[1].split("_", 1)[0]
+    return short_id(rec.record_id)
 
 
 def _families(rec: RunRecord, cell: Callable[[str], str | None]) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reproductions.decode_e2e import MODELS
+from sdsie.telemetry.records import short_id
 
 METRIC = re.compile(r"^(?P<model>.+)\.p(?P<prompt>\d+)\.(?P<variant>[a-z0-9_]+)\.(?P<key>decode_tok_s_median|"
                     r"j_per_token_decode)$")
@@ -201,15 +202,11 @@ def idle_powers(records: Path, gpu: str) -> list[float]:
     return out
 
 
-def record_id(path: Path) -> str:
-    """A record's short id, the hex after its timestamp, as the docs cite it."""
-    return path.name.split("-", 1)[1].split("_", 1)[0]
-
-
 def decode_records(records: Path) -> Iterator[tuple[str, dict]]:
-    """(id, document) of every decode_e2e record under `records`, oldest first."""
+    """(short id, document) of every decode_e2e record under `records`, oldest first (the file name is the record's
+    id, then its suite)."""
     for path in sorted(records.glob("*_decode_e2e.json")):
-        yield record_id(path), json.loads(path.read_text())
+        yield short_id(path.name.split("_", 1)[0]), json.loads(path.read_text())
 
 
 def load(records: Path) -> list[Row]:

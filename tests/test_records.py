@@ -21,6 +21,7 @@ from sdsie.telemetry.records import (
     load_records,
     newest_record,
     records_for_claim,
+    short_id,
     write_record,
 )
 
@@ -48,6 +49,16 @@ def test_round_trip_preserves_every_field(tmp_path: Path) -> None:
     assert loaded.metric("bandwidth_reduction_pct") == 72.5
     with pytest.raises(KeyError, match="no metric 'nope'"):
         loaded.metric("nope")
+
+
+def test_a_records_short_id_is_the_hex_its_file_name_carries_after_the_timestamp(tmp_path: Path) -> None:
+    """The id the docs cite: 8 hex digits after the timestamp, the same from the record and from its file's name."""
+    record = make_record()
+    path = write_record(record, tmp_path)
+    short = short_id(record.record_id)
+    assert len(short) == 8 and int(short, 16) >= 0 and record.record_id.endswith("-" + short)
+    assert short_id(path.name.split("_", 1)[0]) == short
+    assert short_id("20261207T082852633850Z-ec14f873") == "ec14f873"
 
 
 def test_writes_are_unique_and_never_overwrite(tmp_path: Path) -> None:

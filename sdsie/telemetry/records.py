@@ -78,6 +78,11 @@ def _new_id() -> str:
     return f"{stamp}-{secrets.token_hex(4)}"
 
 
+def short_id(record_id: str) -> str:
+    """The hex after a record id's timestamp (`_new_id`): how docs and tables cite a record."""
+    return record_id.split("-", 1)[-1]
+
+
 @dataclass
 class RunRecord:
     """One benchmark run. Construct, then `write_record(record)`; validated on construction."""

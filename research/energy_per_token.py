@@ -183,6 +183,9 @@ def energy_per_byte(doc: dict, record: str) -> list[dict]:
         if got is None:
             continue
         at = f"{got[1]}.p{got[2]}.{got[3]}"
+        missing = [k for k in (f"{at}.bound_tok_s", f"{at}.decode_tok_s_median") if k not in metrics]
+        if missing:
+            raise ValueError(f"decode_e2e record {record}: {key} has no {' or '.join(missing)} beside it")
         gb = copy_gbs / metrics[f"{at}.bound_tok_s"]
         j, tok_s = metrics[key], metrics[f"{at}.decode_tok_s_median"]
         out.append(dict(record=record, gpu=doc["environment"]["gpu"]["name"], model=got[1], prompt=int(got[2]),

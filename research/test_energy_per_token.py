@@ -119,6 +119,10 @@ def test_energy_a_byte_is_the_energy_above_idle_over_the_bytes_a_token_reads():
     assert math.isclose(r["gb"], 4.0) and math.isclose(r["nj_per_byte"], 0.2)
     assert math.isclose(r["watts"], 400.0) and math.isclose(r["gbs"], 2000.0)
     assert energy_per_byte({**doc, "config": {}}, "r1") == []
+    broken = {**doc, "metrics": {k: v for k, v in m.items() if k != "m.p32.int4.bound_tok_s"}}
+    with pytest.raises(ValueError, match=r"record r1: m\.p32\.int4\.j_per_token_decode_above_idle has no "
+                                         r"m\.p32\.int4\.bound_tok_s"):
+        energy_per_byte(broken, "r1")
 
 
 def test_the_per_byte_table_counts_the_records_it_cannot_price(tmp_path, capsys):

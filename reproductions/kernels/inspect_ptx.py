@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,7 +43,7 @@ DIV16 = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "ws_ptr", "lock_ptr", "N"
          "magic_hi"}
 
 
-def longest_loop(lines: list[str], label: str, branch: str) -> list[str]:
+def longest_loop(lines: Sequence[str], label: str, branch: str) -> list[str]:
     """The longest span of `lines` between a label and a backward branch to it (the K loop). `label` and `branch`
     are regexes whose group 1 is the label's name, on its defining line and on a branch line."""
     labels: dict[str, int] = {}
@@ -53,7 +55,7 @@ def longest_loop(lines: list[str], label: str, branch: str) -> list[str]:
         m = re.search(branch, line)
         if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
             best = (labels[m.group(1)], i)
-    return lines[best[0]:best[1] + 1]
+    return list(lines[best[0]:best[1] + 1])
 
 
 def loop_body(ptx: str) -> list[str]:
@@ -61,17 +63,19 @@ def loop_body(ptx: str) -> list[str]:
     return longest_loop(ptx.splitlines(), r"^\s*\$(\w+):", r"bra(?:\.uni)?\s+\$(\w+);")
 
 
-def _disassembly(cubin: bytes) -> list[str]:
-    """nvdisasm's lines for the cubin (the nvdisasm Triton ships)."""
+@functools.lru_cache(maxsize=4)
+def _disassembly(cubin: bytes) -> tuple[str, ...]:
+    """nvdisasm's lines for the cubin (the nvdisasm Triton ships); kept for the last few cubins, as one inspection
+    reads the same cubin's loop, opcodes and memory order."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout.splitlines()
+        return tuple(subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                                    check=True).stdout.splitlines())
 
 
-def _instructions(lines: list[str]) -> list[str]:
+def _instructions(lines: Sequence[str]) -> list[str]:
     """The instructions (opcode and operands, predicate dropped) among disassembly lines."""
     body = []
     for line in lines:

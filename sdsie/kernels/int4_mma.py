@@ -45,10 +45,12 @@ __all__ = ["pack_fragments", "emulate_fragments", "gate_up_order", "mma_consts",
            "MMA_MAX_M", "NORM_MAX_M", "NORM_REGISTER_CAPS", "PAIR", "SQUARE_BLOCK"]
 
 SQUARE_BLOCK = 16  # values of h a partial sum of squares covers: one row block of the producer's output
+SQUARES_A_STEP = 128  # partial sums of squares a warp reads a step in `_warp_factor`: 4 a lane
 MMA_MAX_M = 16  # x's rows fill the B operand's 8 columns, twice (two mmas on the same A registers)
 CHUNK = 64  # codes of K per chunk: four k16 blocks, one 16-byte load a thread
 PAIR = 2 * CHUNK  # codes of K a warp takes at a time: the smallest group the kernel scales by
 SYMMETRIC_ZERO_F = gl.constexpr(float(SYMMETRIC_ZERO))
+SQUARES_A_STEP_C = gl.constexpr(SQUARES_A_STEP)
 _SHIFTS = torch.tensor([4 * (r + 2 * h + 4 * e) for r in range(2) for h in range(2) for e in range(2)])
 
 
@@ -312,7 +314,7 @@ def _warp_factor(sq_ptr, M, K, stride_sm, eps, lane, j, NORM_ROWS: gl.constexpr,
     for r in gl.static_range(NORM_ROWS):
         part = (idx * 0).to(gl.float32)
         for step in gl.static_range(NORM_STEPS):
-            kk = step * 128 + idx
+            kk = step * SQUARES_A_STEP_C + idx
             part += gl.load(sq_ptr + r * stride_sm + kk, mask=(kk < n) & (r < M), other=0.0).to(gl.float32)
         s = gl.sum(gl.sum(part, axis=3, keep_dims=True), axis=2, keep_dims=True)  # [1, 1, 1, 1]
         f = gl.where(om4 == r, 1.0 / gl.sqrt(s / K + eps), f)
@@ -567,8 +569,8 @@ def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: b
     if norm_squares and not norm:
         raise ValueError("the mma kernel reads partial sums of squares only for a norm")
     per_channel = w.group_size >= w.in_features
-    if norm_squares:  # every warp reads a row's squares whole, 128 a step (`_warp_factor`)
-        per, steps = 1, -(-2 * (w.in_features // SQUARE_BLOCK) // 128)
+    if norm_squares:  # every warp reads a row's squares whole, SQUARES_A_STEP a step (`_warp_factor`)
+        per, steps = 1, -(-2 * (w.in_features // SQUARE_BLOCK) // SQUARES_A_STEP)
     else:  # without a norm: one compiled variant
         per, steps = norm_layout(w.in_features, warps) if norm else (1, 1)
     rows = 1 << max(m - 1, 0).bit_length()  # next_pow2(M)

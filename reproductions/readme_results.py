@@ -715,8 +715,8 @@ def render(records_dir: Path = Path("telemetry")) -> str:
 
 
 def _rid(rec: RunRecord) -> str:
-    """A record's short id (the hex after its timestamp), as the docs cite it."""
-    return short_id(rec.record_id)
+    """A record's short id (the hex after its timestamp), as the docs cite it, from the file it was read from."""
+    return short_id(rec.source.name.split("_", 1)[0])
 
 
 def _families(rec: RunRecord, cell: Callable[[str], str | None]) -> str:

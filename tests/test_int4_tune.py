@@ -135,7 +135,26 @@ def test_the_summary_counts_the_builtin_choice_within_90pct_of_the_best_and_the_
     assert math.isclose(s["builtin_over_best_geomean"], (1.0 * 1.2 * 1.1) ** (1 / 3))
     assert s["builtin_over_best_max"] == 1.2
     assert s["seconds_total"] == 8.0 and s["seconds_median"] == 1.0
+    assert s["held_out"]["compared"] == 3  # every pick came from the rule
     assert tu.summarize([])["builtin_over_best_geomean"] is None
+
+
+def test_the_summary_keeps_cases_a_table_served_out_of_the_held_out_figures():
+    """A built-in pick read from a tuned table (shipped or local) was measured on that shape: its case tests no
+    prediction, so the held-out figures leave it out while the run's figures keep it."""
+    def result(source: str, builtin_us: float) -> tu.CaseResult:
+        best = int4_config.MMA_CONFIGS[4]
+        return tu.CaseResult(tu.TuneCase(1, 64, 256, 128), "cpu", "int4[a]", source,
+                             {"int4[a]": builtin_us, tu.config_name(best): 10.0}, best=best)
+
+    s = tu.summarize([result("table", 10.0), result("tuned", 10.0), result("mma", 12.0), result("rule", 10.5)])
+    assert (s["compared"], s["builtin_within_90pct_of_best"]) == (4, 3)
+    h = s["held_out"]
+    assert (h["compared"], h["builtin_within_90pct_of_best"], h["builtin_over_best_max"]) == (2, 1, 1.2)
+    assert math.isclose(h["builtin_over_best_geomean"], (1.2 * 1.05) ** 0.5)
+    assert tu.summarize([result("table", 10.0)])["held_out"] == {
+        "compared": 0, "builtin_within_90pct_of_best": 0, "builtin_over_best_geomean": None,
+        "builtin_over_best_max": None}
 
 
 def test_the_cache_merges_by_device_and_key(cache):

@@ -158,6 +158,53 @@ def test_ab_bench_runs_the_baseline_launcher_on_the_baseline_revisions_kernels(t
         load_baseline(launcher, tmp_path / "other.py")
 
 
+def test_ab_bench_runs_the_baseline_launcher_on_the_baseline_revisions_mma_gemv(tmp_path, monkeypatch):
+    """--baseline-mma: the baseline launcher takes the tensor-core GEMV's kernel, constexpr arguments and fragment
+    packing from a copy of another revision's int4_mma.py, so the launch it plans and the words it packs are that
+    copy's; a file without them is refused by name."""
+    from pathlib import Path
+
+    import pytest
+    import torch
+
+    from reproductions.kernels.ab_bench import MMA_NAMES, load_baseline
+    from reproductions.kernels.int4_bench import random_int4
+    from sdsie.kernels import int4_gemm, int4_mma
+
+    launcher, mma = tmp_path / "base_int4_gemm.py", tmp_path / "base_int4_mma.py"
+    launcher.write_text(Path(int4_gemm.__file__).read_text())
+    # a variant whose packing differs: the baseline must pack with it, this tree with its own
+    mma.write_text(Path(int4_mma.__file__).read_text() + "\n_pack = pack_fragments\n"
+                   "def pack_fragments(qweight, k, rows_at_a_time=4096):\n"
+                   "    return _pack(qweight, k, rows_at_a_time) + 1\n")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no CUDA
+    base = load_baseline(launcher, mma=mma)
+    variant = __import__("sys").modules["sdsie_int4_mma_baseline"]
+    for name in MMA_NAMES:
+        assert getattr(base, name) is getattr(variant, name), name
+    assert base._int4_mma_gemv_kernel is not int4_gemm._int4_mma_gemv_kernel
+    w = random_int4(32, 256, 128, "cpu", torch.Generator().manual_seed(0))
+    assert torch.equal(base._fragments(w)[0], int4_gemm._fragments(w)[0] + 1)
+    (tmp_path / "other.py").write_text("x = 1\n")
+    with pytest.raises(ImportError, match="not a version of sdsie/kernels/int4_mma.py"):
+        load_baseline(launcher, mma=tmp_path / "other.py")
+
+
+def test_ab_bench_takes_shapes_by_name_or_as_n_by_k_and_names_a_bad_one(tmp_path, capsys):
+    """--shapes takes the Llama shapes' names or NxK (a Qwen or fused shape); anything else is refused by name before
+    anything is imported or timed."""
+    import pytest
+
+    from reproductions.kernels.ab_bench import ab_shape, main
+
+    assert ab_shape("kv_1024x4096") == "kv_1024x4096" and ab_shape("4608x3584") == "4608x3584"
+    for bad in ("4608", "0x3584", "4608x", "qkv"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--baseline", str(tmp_path / "base.py"), "--out", str(tmp_path / "ab.json"), "--shapes", bad])
+        assert exc.value.code == 2
+        assert f"{bad!r} is neither a shape name" in capsys.readouterr().err
+
+
 def test_ab_bench_refuses_a_row_count_below_one(tmp_path, capsys):
     """--m names the rows to compare at group 128; M < 1 is refused before anything is timed or imported."""
     import pytest

@@ -7,7 +7,14 @@
 
 The baseline is the launcher of REV; where REV keeps its Triton kernels in `int4_triton.py`, --baseline-kernels
 names REV's copy of that file, whose kernels the baseline launcher then runs (without it, the baseline launches this
-tree's kernels, and only the launchers differ).
+tree's kernels, and only the launchers differ). --baseline-mma does the same for the tensor-core GEMV
+(`int4_mma.py`: its kernel, its constexpr arguments and its fragment packing), so a change to that kernel alone is
+timed against REV's interleaved in one process:
+
+    git show main:sdsie/kernels/int4_gemm.py > .ab/base_int4_gemm.py
+    git show main:sdsie/kernels/int4_mma.py > .ab/base_int4_mma.py
+    python -m reproductions.kernels.ab_bench --baseline .ab/base_int4_gemm.py --baseline-mma .ab/base_int4_mma.py \
+        --m 1 4 16 --out OUT.json
 
 Both versions launch the configuration this tree selects for each case (the installed tuned table), on the
 same weights and x. Per case: the time under CUDA graphs (a rotation of L2-cold weight copies, no host time),
@@ -47,6 +54,9 @@ AB_CASES = [(m, g) for m, g in ((1, 128), (1, None), (2, 128))]  # (M, group): b
 # the launcher's names for what it takes from sdsie/kernels/int4_triton.py
 KERNEL_NAMES = ("CODE_MAGIC", "_int4_dequant_kernel", "_int4_gemm_kernel", "_int4_gemm_planes_kernel",
                 "_int4_gemv_kernel")
+# ... and from sdsie/kernels/int4_mma.py
+MMA_NAMES = ("NORM_MAX_M", "NORM_REGISTER_CAPS", "SQUARE_BLOCK", "_int4_mma_gemv_kernel", "gate_up_order",
+             "mma_consts", "mma_supported", "pack_fragments")
 
 
 def _import_copy(path: Path, name: str, what: str) -> ModuleType:
@@ -61,20 +71,33 @@ def _import_copy(path: Path, name: str, what: str) -> ModuleType:
     return mod
 
 
-def load_baseline(path: Path, kernels: Path | None = None) -> ModuleType:
+def load_baseline(path: Path, kernels: Path | None = None, mma: Path | None = None) -> ModuleType:
     """Import a copy of sdsie/kernels/int4_gemm.py from another revision under its own module name; with `kernels`,
-    a copy of that revision's sdsie/kernels/int4_triton.py, whose kernels the copy then launches."""
+    a copy of that revision's sdsie/kernels/int4_triton.py, and with `mma`, of its sdsie/kernels/int4_mma.py, whose
+    kernels (and, for the mma GEMV, constexpr arguments and fragment packing) the copy then launches."""
     mod = _import_copy(path, "sdsie_int4_gemm_baseline", "launcher")
     if not hasattr(mod, "int4_matmul"):
         raise ImportError(f"{path} has no int4_matmul: not a version of sdsie/kernels/int4_gemm.py")
-    if kernels is not None:
-        dev = _import_copy(kernels, "sdsie_int4_triton_baseline", "kernels")
-        missing = [n for n in KERNEL_NAMES if not hasattr(dev, n)]
+    for copy, name, names in ((kernels, "int4_triton", KERNEL_NAMES), (mma, "int4_mma", MMA_NAMES)):
+        if copy is None:
+            continue
+        dev = _import_copy(copy, f"sdsie_{name}_baseline", f"{name} kernels")
+        missing = [n for n in names if not hasattr(dev, n)]
         if missing:
-            raise ImportError(f"{kernels} lacks {missing}: not a version of sdsie/kernels/int4_triton.py")
-        for n in KERNEL_NAMES:  # the launcher looks them up as its globals at each launch
+            raise ImportError(f"{copy} lacks {missing}: not a version of sdsie/kernels/{name}.py")
+        for n in names:  # the launcher looks them up as its globals at each launch
             setattr(mod, n, getattr(dev, n))
     return mod
+
+
+def ab_shape(text: str) -> str:
+    """--shapes' argument: a name of LLAMA_SHAPES, or NxK with N and K positive integers."""
+    if text in LLAMA_SHAPES:
+        return text
+    n, sep, k = text.partition("x")
+    if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a shape name ({', '.join(LLAMA_SHAPES)}) nor NxK")
+    return text
 
 
 def ab_case(case: Case, base: ModuleType, gen: torch.Generator, device: str) -> dict:
@@ -115,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, required=True, help="a copy of sdsie/kernels/int4_gemm.py to compare")
     p.add_argument("--baseline-kernels", type=Path, default=None,
                    help="that revision's copy of sdsie/kernels/int4_triton.py, whose kernels the baseline launches")
+    p.add_argument("--baseline-mma", type=Path, default=None,
+                   help="that revision's copy of sdsie/kernels/int4_mma.py, whose tensor-core GEMV the baseline runs")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--shapes", nargs="*", default=list(LLAMA_SHAPES), choices=list(LLAMA_SHAPES))
+    p.add_argument("--shapes", nargs="*", type=ab_shape, default=list(LLAMA_SHAPES), metavar="NAME|NxK",
+                   help=f"shapes by name ({', '.join(LLAMA_SHAPES)}) or as NxK (out x in features)")
     p.add_argument("--m", type=int, nargs="+", metavar="M",
                    help="time these M at group 128 instead of AB_CASES (M = 1 both layouts, and M = 2)")
     a = p.parse_args(argv)
@@ -125,11 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = AB_CASES if a.m is None else [(m, 128) for m in a.m]
     if cuda_missing("ab_bench"):
         return 2
-    base = load_baseline(a.baseline, a.baseline_kernels)
+    base = load_baseline(a.baseline, a.baseline_kernels, a.baseline_mma)
     gen = torch.Generator().manual_seed(0)
     results = []
     for shape in a.shapes:
-        n, k = LLAMA_SHAPES[shape]
+        n, k = LLAMA_SHAPES.get(shape) or tuple(int(v) for v in shape.split("x"))
         for m, g in cases:
             r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda")
             results.append(r)
@@ -138,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"x{r['graph_new_over_base']:.3f} | eager x{r['eager_new_over_base']:.3f} | err new "
                   f"{r['errors']['new']:.2e} base {r['errors']['base']:.2e}", flush=True)
     write_raw(a.out, {"baseline": str(a.baseline), "baseline_kernels": a.baseline_kernels and str(a.baseline_kernels),
-                      "device": torch.cuda.get_device_name(),
+                      "baseline_mma": a.baseline_mma and str(a.baseline_mma), "device": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "results": results})
     return 0
 

@@ -173,25 +173,22 @@ class CaseResult:
 TABLE_SOURCES = ("table", "tuned")  # built-in picks a tuned table served: measured on the shape, not predicted
 
 
-def _builtin_over_best(results: Iterable[CaseResult]) -> list[float]:
-    return [r.builtin_us / r.best_us for r in results if r.best_us is not None and r.builtin_us is not None]
+def _builtin_over_best(results: Iterable[CaseResult]) -> dict:
+    """How many of the cases with both times the built-in choice was within 90% of the best's speed (its time at
+    most 1 / 0.9 of the best's: the kernel issue's held-out bar), and the geomean and worst of built-in over best."""
+    ratios = [r.builtin_us / r.best_us for r in results if r.best_us is not None and r.builtin_us is not None]
+    return {"compared": len(ratios), "builtin_within_90pct_of_best": sum(x <= 1 / 0.9 for x in ratios),
+            "builtin_over_best_geomean": geomean(ratios) if ratios else None,
+            "builtin_over_best_max": max(ratios, default=None)}
 
 
 def summarize(results: Sequence[CaseResult]) -> dict:
-    """A run's figures: how many cases the built-in choice was within 90% of the best candidate's speed (its time at
-    most 1 / 0.9 of the best's: the kernel issue's held-out bar), the geometric mean and worst of built-in over best
-    time, and the seconds the cases took (the first-use cost of tuning them). `held_out` gives the same over the
-    cases no tuned table served (`TABLE_SOURCES`): only those test the choice on a shape it has not measured."""
-    ratios = _builtin_over_best(results)
-    held = _builtin_over_best(r for r in results if r.builtin_source not in TABLE_SOURCES)
+    """A run's figures: `_builtin_over_best` over its cases, the same over the cases no tuned table served
+    (`held_out`, `TABLE_SOURCES`: only those test the choice on a shape it has not measured), and the seconds the
+    cases took (the first-use cost of tuning them)."""
     secs = sorted(r.seconds for r in results)
-    return {"cases": len(results), "compared": len(ratios),
-            "builtin_within_90pct_of_best": sum(x <= 1 / 0.9 for x in ratios),
-            "builtin_over_best_geomean": geomean(ratios) if ratios else None,
-            "builtin_over_best_max": max(ratios, default=None),
-            "held_out": {"compared": len(held), "builtin_within_90pct_of_best": sum(x <= 1 / 0.9 for x in held),
-                         "builtin_over_best_geomean": geomean(held) if held else None,
-                         "builtin_over_best_max": max(held, default=None)},
+    return {"cases": len(results), **_builtin_over_best(results),
+            "held_out": _builtin_over_best(r for r in results if r.builtin_source not in TABLE_SOURCES),
             "seconds_total": round(sum(secs), 1), "seconds_median": secs[len(secs) // 2] if secs else None}
 
 

@@ -133,6 +133,10 @@ def test_mma_config_follows_its_rule_on_programs_warps_and_lm_heads():
     assert mma_config(1, 1024, 4096, 128) is None  # 64 programs < 66
     assert mma_config(1, 1056, 4096, 128) == MMA_CONFIGS[8]
     assert mma_config(1, 1056, 4096, 128, sms=144) is None  # the threshold scales with the GPU's SMs
+    # an H100's threshold at M = 1: 1.5 programs an SM (198 on 132 SMs); M = 2 keeps a quarter
+    assert mma_config(1, 3152, 8192, 128, m1_programs_an_sm=1.5) is None  # 197 programs
+    assert mma_config(1, 3168, 8192, 128, m1_programs_an_sm=1.5) == MMA_CONFIGS[8]  # 198
+    assert mma_config(2, 2560, 2048, 128, m1_programs_an_sm=1.5) == MMA_CONFIGS[4]
     assert mma_config(2, 1024, 4096, 128) == MMA_CONFIGS[8]
     assert mma_config(2, 512, 3584, 128) is None  # 32 programs < 33
     assert mma_config(4, 256, 1536, 128) == MMA_CONFIGS[4]  # every N from three rows
@@ -189,6 +193,32 @@ def test_on_sm90_the_table_comes_first_then_mma_config_then_the_rule(monkeypatch
         ig._select_config.cache_clear()
         assert ig._select_config(1, 4096, 14336, "cuda", 0, 128)[1] == "rule"
         assert ig._select_config(1, 3584, 14336, "cuda", 0, 128)[1] == "rule"
+    finally:
+        ig._select_config.cache_clear()
+
+
+def test_an_h100_leaves_m1_shapes_of_fewer_than_1_5_programs_an_sm_to_the_cuda_core_gemv(monkeypatch):
+    """`MMA_M1_PROGRAMS_AN_SM` by the GPU's name: on an H100 the CUDA-core GEMV is faster at M = 1 below 1.5 programs
+    an SM (N / 16 = 96-192), so the choice takes the rule there; any other sm_90 GPU keeps half the SMs (the H200's
+    threshold). M = 2 and larger grids are unchanged."""
+    import sdsie.kernels.int4_config as ig
+
+    name = {"gpu": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name["gpu"])
+    monkeypatch.setattr(ig, "_tuned_table", lambda: {})
+    monkeypatch.setattr(ig, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ig, "_local_table", lambda: {})
+    ig._select_config.cache_clear()
+    try:
+        assert ig.MMA_M1_PROGRAMS_AN_SM[name["gpu"]] == 1.5
+        assert ig._select_config(1, 2560, 2048, "cuda", 0, 128) == (ig.rule_config(1, 2560, 2048, 128, 132), "rule")
+        assert ig._select_config(1, 3072, 8192, "cuda", 0, 8192)[1] == "rule"  # 192 programs, per channel
+        assert ig._select_config(1, 3584, 4096, "cuda", 0, 128) == (MMA_CONFIGS[4], "mma")  # 224 programs
+        assert ig._select_config(2, 2560, 2048, "cuda", 0, 128) == (MMA_CONFIGS[4], "mma")
+        name["gpu"] = "NVIDIA H200"
+        ig._select_config.cache_clear()
+        assert ig._select_config(1, 2560, 2048, "cuda", 0, 128) == (MMA_CONFIGS[4], "mma")
     finally:
         ig._select_config.cache_clear()
 

@@ -420,16 +420,28 @@ def mma_stages(m: int, n: int, warps: int, sms: int = DEFAULT_SMS) -> int:
     return MMA_SPREAD_STAGES if m <= 8 and warps == 4 and 2 * sms < n // 16 <= 3 * sms else 2
 
 
-def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS) -> Int4KernelConfig | None:
+# At M = 1 the mma GEMV where its N / 16 programs number at least this many an SM, by GPU name; below, the CUDA-core
+# GEMV's rule pick is faster. H200 (the default): the mma GEMV is faster from N / 16 = 96 up (0.76-0.96 of the
+# CUDA-core GEMV's best time, telemetry/raw/shape_*_choice_sweep_*_h200.json), so half the SMs. H100: the rule's
+# CUDA-core pick is faster at N / 16 = 96-192 in 9 of 10 cases, by 1.05-1.18x (the tenth 1.4% slower), and the mma
+# GEMV from 224 (shape_fit_choice_sweep_m1_to_m16_h100.json, int4_tune_heldout_h100.json; docs/kernel-log.md
+# 2026-12-07 11:40).
+MMA_M1_PROGRAMS_AN_SM = {"NVIDIA H100 80GB HBM3": 1.5}
+MMA_M1_PROGRAMS_AN_SM_DEFAULT = 0.5
+
+
+def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS,
+               m1_programs_an_sm: float = MMA_M1_PROGRAMS_AN_SM_DEFAULT) -> Int4KernelConfig | None:
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU of `sms` SMs, or None where the kernel
-    does not apply (shape or group) or its rule says the CUDA-core kernels are faster."""
+    does not apply (shape or group) or its rule says the CUDA-core kernels are faster (at M = 1: fewer than
+    `m1_programs_an_sm` programs an SM, the GPU's `MMA_M1_PROGRAMS_AN_SM`)."""
     shape_ok = n % 16 == 0 and k % 128 == 0 and (group_size >= k or group_size % 128 == 0)
     if not (1 <= m <= 16 and shape_ok) or (n >= MMA_MAX_N and k < MMA_LM_HEAD_MIN_K):
         return None
     programs = n // 16
     if m > 8:
         return MMA_CONFIGS[4] if programs <= MMA_ONE_WAVE * sms else None
-    if (m == 1 and 2 * programs < sms) or (m == 2 and 4 * programs < sms):
+    if (m == 1 and programs < m1_programs_an_sm * sms) or (m == 2 and 4 * programs < sms):
         return None
     warps = 8 if k >= 2 * n and k >= 4096 and programs <= 2 * sms else 4
     return mma_blocks(warps, 1, mma_stages(m, n, warps, sms))
@@ -445,7 +457,10 @@ def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_s
             return cfg, "tuned"
     mma_ok = allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9
     sms = sm_count(torch.device(device_type, index))
-    mma = mma_config(m, n, k, group_size, sms) if mma_ok else None
+    mma = None
+    if mma_ok:
+        m1_programs = MMA_M1_PROGRAMS_AN_SM.get(torch.cuda.get_device_name(index), MMA_M1_PROGRAMS_AN_SM_DEFAULT)
+        mma = mma_config(m, n, k, group_size, sms, m1_programs)
     if device_type == "cuda" and m <= TUNED_M[-1]:
         cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size,
                            lend=mma is None)

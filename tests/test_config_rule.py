@@ -141,19 +141,20 @@ def test_the_shipped_table_holds_each_measured_case_s_pick_and_only_tested_confi
     Where the sweep did not time the mma GEMV's pick (the H200's at M = 16; 4 pairs in flight on either GPU), the
     table holds no entry and the mma rule decides."""
     from reproductions.kernels.int4_bench import config_name
-    from sdsie.kernels.int4_config import _tuned_table, mma_config
+    from sdsie.kernels.int4_config import _tuned_table, mma_config, mma_m1_programs_an_sm
 
     cases, configs, meta = load(data)
     assert len(cases) == 300
     shipped = json.loads(SHIPPED_TUNED_PATH.read_text())[meta["device"]]
     choice = choice_only(configs)
-    expected = best_table(cases, choice, KEEP_WITHIN, meta["sms"])
+    threshold = mma_m1_programs_an_sm(meta["device"])
+    expected = best_table(cases, choice, KEEP_WITHIN, meta["sms"], threshold)
     assert {Int4KernelConfig(**v) for v in shipped.values()} <= set(choice.values())
     table = _tuned_table()[meta["device"]]
     for c in cases:
         key = tuned_key(c.m, c.n, c.k, c.group_size)
         if key not in expected:
-            rule = mma_config(c.m, c.n, c.k, c.group_size, meta["sms"])
+            rule = mma_config(c.m, c.n, c.k, c.group_size, meta["sms"], threshold)
             assert key not in shipped and rule is not None and config_name(rule) not in c.times, key
             continue
         assert Int4KernelConfig(**shipped[key]) == expected[key], key

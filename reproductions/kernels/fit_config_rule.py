@@ -36,9 +36,11 @@ from sdsie.kernels import Int4KernelConfig
 from sdsie.kernels.device import DEFAULT_SMS
 from sdsie.kernels.int4_config import (
     GEMV_MAX_M,
+    MMA_M1_PROGRAMS_AN_SM_DEFAULT,
     RuleFamily,
     RuleTerm,
     mma_config,
+    mma_m1_programs_an_sm,
     rule_choice,
     rule_features,
     tuned_key,
@@ -231,17 +233,18 @@ def choice_only(configs: dict[str, Int4KernelConfig]) -> dict[str, Int4KernelCon
 
 
 def best_table(cases: list[Case], configs: dict[str, Int4KernelConfig], keep_within: float = 0.0,
-               sms: int = DEFAULT_SMS) -> dict[str, Int4KernelConfig]:
+               sms: int = DEFAULT_SMS, m1_programs_an_sm: float = MMA_M1_PROGRAMS_AN_SM_DEFAULT
+               ) -> dict[str, Int4KernelConfig]:
     """{tuned_key: the sweep's fastest correct configuration among `configs`} for each case; with `keep_within` > 0,
     the configuration the choice ran instead where its sweep time is within that fraction of the fastest.
 
-    No entry where the mma GEMV's rule (`mma_config`, on a GPU of `sms` SMs) takes the case and the sweep did not
-    time its pick: the entry would stand, measured, against a candidate it was never measured beside (the H200's
-    sweep times the mma GEMV at M <= 8 only)."""
+    No entry where the mma GEMV's rule (`mma_config`, on a GPU of `sms` SMs and its M = 1 threshold) takes the case
+    and the sweep did not time its pick: the entry would stand, measured, against a candidate it was never measured
+    beside (the H200's sweep times the mma GEMV at M <= 8 only)."""
     out = {}
     for c in cases:
         times = {n: t for n, t in c.times.items() if n in configs}
-        rule = mma_config(c.m, c.n, c.k, c.group_size, sms)
+        rule = mma_config(c.m, c.n, c.k, c.group_size, sms, m1_programs_an_sm)
         if not times or (rule is not None and config_name(rule) not in times):
             continue
         pick = min(times, key=times.get)
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print(emit(fit_rule(cases, configs, sms)))
         return 0
     if a.write_table is not None:
-        table = best_table(cases, choice_only(configs), a.keep_within, sms)
+        table = best_table(cases, choice_only(configs), a.keep_within, sms, mma_m1_programs_an_sm(meta["device"]))
         write_table(a.write_table, meta["device"], table, {tuned_key(c.m, c.n, c.k, c.group_size) for c in cases})
         print(f"wrote {len(table)} entries of {len(cases)} cases into {a.write_table} under {meta['device']!r}")
         return 0

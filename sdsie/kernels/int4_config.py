@@ -430,6 +430,11 @@ MMA_M1_PROGRAMS_AN_SM = {"NVIDIA H100 80GB HBM3": 1.5}
 MMA_M1_PROGRAMS_AN_SM_DEFAULT = 0.5
 
 
+def mma_m1_programs_an_sm(device: str) -> float:
+    """`mma_config`'s M = 1 threshold for the GPU of this name (`MMA_M1_PROGRAMS_AN_SM`, else the default)."""
+    return MMA_M1_PROGRAMS_AN_SM.get(device, MMA_M1_PROGRAMS_AN_SM_DEFAULT)
+
+
 def mma_config(m: int, n: int, k: int, group_size: int, sms: int = DEFAULT_SMS,
                m1_programs_an_sm: float = MMA_M1_PROGRAMS_AN_SM_DEFAULT) -> Int4KernelConfig | None:
     """The mma configuration for a bf16 call of this shape on an sm_90+ GPU of `sms` SMs, or None where the kernel
@@ -457,13 +462,10 @@ def _select_config(m: int, n: int, k: int, device_type: str, index: int, group_s
             return cfg, "tuned"
     mma_ok = allow_mma and device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 9
     sms = sm_count(torch.device(device_type, index))
-    mma = None
-    if mma_ok:
-        m1_programs = MMA_M1_PROGRAMS_AN_SM.get(torch.cuda.get_device_name(index), MMA_M1_PROGRAMS_AN_SM_DEFAULT)
-        mma = mma_config(m, n, k, group_size, sms, m1_programs)
+    name = torch.cuda.get_device_name(index) if device_type == "cuda" else ""
+    mma = mma_config(m, n, k, group_size, sms, mma_m1_programs_an_sm(name)) if mma_ok else None
     if device_type == "cuda" and m <= TUNED_M[-1]:
-        cfg = tuned_lookup(_tuned_table().get(torch.cuda.get_device_name(index), {}), m, n, k, group_size,
-                           lend=mma is None)
+        cfg = tuned_lookup(_tuned_table().get(name, {}), m, n, k, group_size, lend=mma is None)
         if cfg is not None and (mma_ok or not cfg.mma):
             return cfg, "table"
     if mma is not None:

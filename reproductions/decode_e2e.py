@@ -30,9 +30,11 @@ decode time (medians over trials), end-to-end tok/s beside it. HF's generate() h
 row's tok/s (and share of the bound) counts the prefill in; its profile is a full run less a one-token run, as the
 engine's. Energy: one NVML window per variant of back-to-back runs filling --energy-window-s, J per generated token
 (prefill included), and a second window of prefill-only runs that prices the prefill, for J per decoded token
-without it (`j_per_token_decode`, decode_energy). The card's idle power, measured before the first row, is recorded
-(`idle_power_w`), and each decoded token's energy above it (`j_per_token_decode_above_idle`, both windows less idle
-power times their length): the share of the energy that the decode's work, not its time, costs. Kernels:
+without it (`j_per_token_decode`, decode_energy); a third window of runs a quarter as long, differenced with the
+whole runs, gives the same without pricing the prefill apart (`j_per_token_decode_diff`). The card's idle power,
+measured before the first row, is recorded (`idle_power_w`), and each decoded token's energy above it
+(`j_per_token_decode_above_idle`, the first two windows less idle power times their length): the share of the
+energy that the decode's work, not its time, costs. Kernels:
 torch.profiler over a full run minus a prefill-only run, per decode token, by category (GEMV/GEMM, attention,
 other): launches, summed kernel durations (`us`) and busy time (`busy_us`: each kernel's time not covered by a
 kernel that started before it, `busy_times`); and the wall time a token spends outside kernels
@@ -447,29 +449,50 @@ def outside_kernels_us(decode_tok_s: float | None, busy_us: float) -> float | No
     return 1e6 / decode_tok_s - busy_us if decode_tok_s else None
 
 
+DIFF_MIN_TOKENS = 8  # runs this long or longer also get the differenced decode energy (`decode_energy`)
+
+
+def _energy_of_runs(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyMeter, window_s: float,
+                    new_tokens: int) -> tuple[EnergyWindow, int]:
+    """One window of back-to-back runs of `new_tokens` tokens filling `window_s` (timed twice first to size it):
+    the window and its run count."""
+    timed = [_run_once(v, prompt, new_tokens, graphs) for _ in range(2)]
+    n_runs = calls_to_fill(min(r.prefill_s + r.decode_s for r in timed), window_s)
+    window = meter.start()
+    for _ in range(n_runs):
+        _run_once(v, prompt, new_tokens, graphs)
+    return meter.stop(window, tokens=n_runs * new_tokens), n_runs
+
+
 def decode_energy(v: Variant, prompt: torch.Tensor, graphs: bool, meter: EnergyMeter, window_s: float,
                   runs: EnergyWindow, run_count: int, new_tokens: int) -> dict[str, Any]:
-    """J a decoded token without the prefill's share: a second window of runs that stop at the first token (the
-    prefill and its one token) prices the prefill, and (J a run - J a prefill) / (new tokens - 1) is a decode step's
-    energy (`runs`: the window of `run_count` whole runs). The J/token of the whole runs counts the prefill, which
-    for an eager INT4 prefill is a large share. Where the meter has an idle baseline, the same difference of both
-    windows' energy less idle power over their time: `j_per_token_decode_above_idle`."""
+    """J a decoded token without the prefill's share (`runs`: the window of `run_count` whole runs). The J/token of
+    the whole runs counts the prefill, which for an eager INT4 prefill is a large share. Two estimates:
+
+    - `j_per_token_decode`: a window of runs that stop at the first token (the prefill and its one token) prices the
+      prefill, and (J a run - J a prefill) / (new tokens - 1) is a decode step's energy. It assumes a prefill draws
+      the same power back to back as inside a run, after a decode. Where the meter has an idle baseline, the same
+      difference of both windows' energy less idle power over their time: `j_per_token_decode_above_idle`.
+    - `j_per_token_decode_diff` (new tokens >= 8): a window of runs of a quarter as many tokens, differenced with the
+      whole runs, (J a run - J a short run) / (new tokens - short tokens). Every prefill then follows a decode in
+      both windows, so the assumption above is not needed; where the two estimates differ, it did not hold."""
     if run_count < 1:
         raise ValueError(f"decode_energy: the runs' window must hold at least one run, got run_count={run_count}")
     if new_tokens < 2:
         return {}
-    timed = [_run_once(v, prompt, 1, graphs) for _ in range(2)]
-    n_runs = calls_to_fill(min(r.prefill_s + r.decode_s for r in timed), window_s)
-    window = meter.start()
-    for _ in range(n_runs):
-        _run_once(v, prompt, 1, graphs)
-    w = meter.stop(window, tokens=n_runs)
+    w, n_runs = _energy_of_runs(v, prompt, graphs, meter, window_s, 1)
     prefill_j = w.energy_j / n_runs
     out = {"prefill_j": prefill_j, "prefill_energy_window_s": w.duration_s, "prefill_energy_runs": n_runs,
            "j_per_token_decode": (runs.energy_j / run_count - prefill_j) / (new_tokens - 1)}
     if runs.net_energy_j is not None and w.net_energy_j is not None:
         out["j_per_token_decode_above_idle"] = (runs.net_energy_j / run_count - w.net_energy_j / n_runs) / (
             new_tokens - 1)
+    if new_tokens >= DIFF_MIN_TOKENS:
+        short = new_tokens // 4
+        ws, n_short = _energy_of_runs(v, prompt, graphs, meter, window_s, short)
+        out.update(decode_diff_short_tokens=short, decode_diff_energy_window_s=ws.duration_s,
+                   decode_diff_energy_runs=n_short,
+                   j_per_token_decode_diff=(runs.energy_j / run_count - ws.energy_j / n_short) / (new_tokens - short))
     return out
 
 
@@ -724,7 +747,8 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_key = {(r["model"], r["prompt_len"], r["variant"]): r for r in results if "error" not in r}
     for r in results:
         row = {k: r.get(k) for k in ("model", "prompt_len", "variant", "decode_tok_s_median", "e2e_tok_s_median",
-                                     "j_per_token", "j_per_token_decode", "share_of_bound", "error")}
+                                     "j_per_token", "j_per_token_decode", "j_per_token_decode_diff",
+                                     "share_of_bound", "error")}
         per_token = r.get("per_token") or {}
         row["kernels_per_token"] = per_token.get("kernels")
         row["gpu_us_per_token"] = per_token.get("gpu_us")
@@ -732,7 +756,8 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["outside_us_per_token"] = per_token.get("outside_us")
         base = by_key.get((r["model"], r["prompt_len"], BASELINE.get(r["variant"], "bf16")))
         for key, out in (("decode_tok_s_median", "speedup_vs_baseline"), ("j_per_token", "energy_vs_baseline"),
-                         ("j_per_token_decode", "decode_energy_vs_baseline")):
+                         ("j_per_token_decode", "decode_energy_vs_baseline"),
+                         ("j_per_token_decode_diff", "decode_energy_diff_vs_baseline")):
             if base and r.get(key) and base.get(key):
                 row[out] = r[key] / base[key]
         rows.append(row)
@@ -884,7 +909,8 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
         samples[f"{key}.decode_tok_s"] = [float(x) for x in r["decode_tok_s"]]
         samples[f"{key}.e2e_tok_s"] = [float(x) for x in r["e2e_tok_s"]]
         for k in ("decode_tok_s_median", "e2e_tok_s_median", "prefill_s_median", "j_per_token",
-                  "j_per_token_decode", "j_per_token_decode_above_idle", "idle_power_w", "prefill_j",
+                  "j_per_token_decode", "j_per_token_decode_above_idle", "j_per_token_decode_diff", "idle_power_w",
+                  "prefill_j",
                   "share_of_bound", "bound_tok_s"):
             if r.get(k) is not None:
                 metrics[f"{key}.{k}"] = float(r[k])
@@ -896,7 +922,8 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
                 metrics[f"{key}.prefill.{k}"] = float(v)
     for row in doc["summary"]:
         key = f"{row['model']}.p{row['prompt_len']}.{row['variant']}"
-        for k in ("speedup_vs_baseline", "energy_vs_baseline", "decode_energy_vs_baseline"):
+        for k in ("speedup_vs_baseline", "energy_vs_baseline", "decode_energy_vs_baseline",
+                  "decode_energy_diff_vs_baseline"):
             if row.get(k) is not None:
                 metrics[f"{key}.{k}"] = float(row[k])
     model = ",".join(f"{m}-config-random-weights" for m in doc["config"]["models"])

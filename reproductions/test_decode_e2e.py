@@ -430,7 +430,10 @@ def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
     out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 128)
     assert out["prefill_j"] == pytest.approx(prefill_j)
     assert out["j_per_token_decode"] == pytest.approx(step_j)
-    assert set(counter["calls"]) == {1} and out["prefill_energy_runs"] == len(counter["calls"]) - 2  # 2 timed
+    assert out["j_per_token_decode_diff"] == pytest.approx(step_j) and out["decode_diff_short_tokens"] == 32
+    # two timed runs before each window: prefill-only runs, then runs of a quarter of the tokens
+    assert set(counter["calls"]) == {1, 32} and out["prefill_energy_runs"] == counter["calls"].count(1) - 2
+    assert out["decode_diff_energy_runs"] == counter["calls"].count(32) - 2
     assert decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 1) == {}
     with pytest.raises(ValueError, match="run_count=0"):
         decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 0, 128)
@@ -439,6 +442,43 @@ def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
         {"model": "m", "prompt_len": 32, "variant": "int4_compiled", "j_per_token": 1.0, "j_per_token_decode": 0.6}])
     assert rows[1]["energy_vs_baseline"] == pytest.approx(0.5)
     assert rows[1]["decode_energy_vs_baseline"] == pytest.approx(0.375)
+
+
+def test_the_differenced_decode_energy_holds_where_a_prefill_draws_more_after_a_decode(monkeypatch):
+    """A prefill that follows a decode costs X joules more than one that follows a prefill (the card is still at its
+    decode power): pricing it in a window of prefills alone under-counts it, so `j_per_token_decode` is off by
+    X / 127; differencing whole runs with runs of 32 tokens, where every prefill follows a decode, gives D exactly.
+    Runs shorter than DIFF_MIN_TOKENS get no differenced figure."""
+    from reproductions import decode_e2e
+    from sdsie.telemetry.energy import EnergyWindow
+
+    prefill_j, extra_j, step_j = 40.0, 12.7, 0.5
+    state = {"j": 0.0, "last": 128}
+
+    def run_once(v, prompt, new_tokens, graphs):
+        state["j"] += prefill_j + (extra_j if state["last"] > 1 else 0.0) + (new_tokens - 1) * step_j
+        state["last"] = new_tokens
+        return decode_e2e.Run(new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens)
+
+    class Meter:
+        def start(self):
+            return state["j"]
+
+        def stop(self, start, tokens=None):
+            return EnergyWindow("fake", 1.0, state["j"] - start, tokens, None, {}, {})
+
+    monkeypatch.setattr(decode_e2e, "_run_once", run_once)
+    whole = EnergyWindow("fake", 1.0, prefill_j + extra_j + 127 * step_j, 128, None, {}, {})  # one whole run
+    out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 128)
+    assert out["j_per_token_decode"] == pytest.approx(step_j + extra_j / 127, rel=1e-3)
+    assert out["j_per_token_decode_diff"] == pytest.approx(step_j)
+    short = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1,
+                                     decode_e2e.DIFF_MIN_TOKENS - 1)
+    assert "j_per_token_decode" in short and "j_per_token_decode_diff" not in short
+    rows = decode_e2e.summarize([
+        {"model": "m", "prompt_len": 32, "variant": "bf16_compiled", "j_per_token_decode_diff": 2.0},
+        {"model": "m", "prompt_len": 32, "variant": "int4_compiled", "j_per_token_decode_diff": 0.8}])
+    assert rows[1]["decode_energy_diff_vs_baseline"] == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize(("graphs", "asked", "expected"), [(True, True, True), (True, False, False),

@@ -405,38 +405,49 @@ def test_inductor_options_reach_every_compiled_variant_and_the_record(tmp_path: 
         main(_argv(tmp_path, "--inductor-option", "combo_kernels"))
 
 
+def _joule_meter(monkeypatch, joules_of_run):
+    """A meter that counts joules only, and `_run_once` patched to add joules_of_run(tokens, the last run's tokens)
+    to it a run: (the meter, the runs' token counts in order). Each window lasts 1 s."""
+    from reproductions import decode_e2e
+    from sdsie.telemetry.energy import EnergyWindow
+
+    state = {"j": 0.0, "calls": [128]}  # as if a whole run came just before
+
+    def run_once(v, prompt, new_tokens, graphs):
+        state["j"] += joules_of_run(new_tokens, state["calls"][-1])
+        state["calls"].append(new_tokens)
+        return decode_e2e.Run(new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens)
+
+    class Meter:
+        def start(self):
+            return state["j"]
+
+        def stop(self, start, tokens=None):
+            return EnergyWindow("fake", 1.0, state["j"] - start, tokens, None, {}, {})
+
+    monkeypatch.setattr(decode_e2e, "_run_once", run_once)
+    return Meter(), state["calls"]
+
+
 def test_decode_energy_takes_the_prefills_energy_out_of_a_tokens(monkeypatch):
     """A prefill-only window prices the prefill: with a prefill (and its token) of P joules and D joules for every
     later token, J a decoded token is D, where the whole run's J/token is (P + 127 D) / 128."""
     from reproductions import decode_e2e
     from sdsie.telemetry.energy import EnergyWindow
 
-    prefill_j, step_j, counter = 40.0, 0.5, {"j": 0.0, "calls": []}
-
-    def run_once(v, prompt, new_tokens, graphs):
-        counter["j"] += prefill_j + (new_tokens - 1) * step_j
-        counter["calls"].append(new_tokens)
-        return decode_e2e.Run(new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens)
-
-    class Meter:
-        def start(self):
-            return counter["j"]
-
-        def stop(self, start, tokens=None):
-            return EnergyWindow("fake", 1.0, counter["j"] - start, tokens, None, {}, {})
-
-    monkeypatch.setattr(decode_e2e, "_run_once", run_once)
+    prefill_j, step_j = 40.0, 0.5
+    meter, calls = _joule_meter(monkeypatch, lambda tokens, last: prefill_j + (tokens - 1) * step_j)
     whole = EnergyWindow("fake", 1.0, prefill_j + 127 * step_j, 128, None, {}, {})  # one whole run
-    out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 128)
+    out = decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, whole, 1, 128)
     assert out["prefill_j"] == pytest.approx(prefill_j)
     assert out["j_per_token_decode"] == pytest.approx(step_j)
     assert out["j_per_token_decode_diff"] == pytest.approx(step_j) and out["decode_diff_short_tokens"] == 32
     # two timed runs before each window: prefill-only runs, then runs of a quarter of the tokens
-    assert set(counter["calls"]) == {1, 32} and out["prefill_energy_runs"] == counter["calls"].count(1) - 2
-    assert out["decode_diff_energy_runs"] == counter["calls"].count(32) - 2
-    assert decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 1) == {}
+    assert set(calls[1:]) == {1, 32} and out["prefill_energy_runs"] == calls.count(1) - 2
+    assert out["decode_diff_energy_runs"] == calls.count(32) - 2
+    assert decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, whole, 1, 1) == {}
     with pytest.raises(ValueError, match="run_count=0"):
-        decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 0, 128)
+        decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, whole, 0, 128)
     rows = decode_e2e.summarize([
         {"model": "m", "prompt_len": 32, "variant": "bf16_compiled", "j_per_token": 2.0, "j_per_token_decode": 1.6},
         {"model": "m", "prompt_len": 32, "variant": "int4_compiled", "j_per_token": 1.0, "j_per_token_decode": 0.6}])
@@ -453,26 +464,13 @@ def test_the_differenced_decode_energy_holds_where_a_prefill_draws_more_after_a_
     from sdsie.telemetry.energy import EnergyWindow
 
     prefill_j, extra_j, step_j = 40.0, 12.7, 0.5
-    state = {"j": 0.0, "last": 128}
-
-    def run_once(v, prompt, new_tokens, graphs):
-        state["j"] += prefill_j + (extra_j if state["last"] > 1 else 0.0) + (new_tokens - 1) * step_j
-        state["last"] = new_tokens
-        return decode_e2e.Run(new_tokens, 0.01, 0.002 * (new_tokens - 1), [0] * new_tokens)
-
-    class Meter:
-        def start(self):
-            return state["j"]
-
-        def stop(self, start, tokens=None):
-            return EnergyWindow("fake", 1.0, state["j"] - start, tokens, None, {}, {})
-
-    monkeypatch.setattr(decode_e2e, "_run_once", run_once)
+    meter, _ = _joule_meter(monkeypatch, lambda tokens, last: prefill_j + (extra_j if last > 1 else 0.0)
+                            + (tokens - 1) * step_j)
     whole = EnergyWindow("fake", 1.0, prefill_j + extra_j + 127 * step_j, 128, None, {}, {})  # one whole run
-    out = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1, 128)
+    out = decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, whole, 1, 128)
     assert out["j_per_token_decode"] == pytest.approx(step_j + extra_j / 127, rel=1e-3)
     assert out["j_per_token_decode_diff"] == pytest.approx(step_j)
-    short = decode_e2e.decode_energy(None, torch.zeros(3), False, Meter(), 0.5, whole, 1,
+    short = decode_e2e.decode_energy(None, torch.zeros(3), False, meter, 0.5, whole, 1,
                                      decode_e2e.DIFF_MIN_TOKENS - 1)
     assert "j_per_token_decode" in short and "j_per_token_decode_diff" not in short
     rows = decode_e2e.summarize([

@@ -765,7 +765,8 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | prompt | variant | tok/s | x baseline | J/token | J/token decode | kernels/token | "
+    lines = ["| model | prompt | variant | tok/s | x baseline | J/token | J/token decode: prefill priced apart / "
+             "differenced | kernels/token | "
              "busy GPU us/token: GEMV / attention / other | summed kernel us/token | us outside kernels | "
              "share of bound |", "|---" * 12 + "|"]
 
@@ -780,7 +781,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         split = " / ".join(f"{busy[c]:.0f}" for c in CATEGORIES) if len(busy) == len(CATEGORIES) else "-"
         lines.append(f"| {r['model']} | {r['prompt_len']} | {r['variant']} | {f(r['decode_tok_s_median'], '.1f')} | "
                      f"{f(r.get('speedup_vs_baseline'), '.2f')} | {f(r['j_per_token'], '.3f')} | "
-                     f"{f(r.get('j_per_token_decode'), '.3f')} | {f(r['kernels_per_token'], '.0f')} | {split} | "
+                     f"{f(r.get('j_per_token_decode'), '.3f')} / {f(r.get('j_per_token_decode_diff'), '.3f')} | "
+                     f"{f(r['kernels_per_token'], '.0f')} | {split} | "
                      f"{f(r['gpu_us_per_token'], '.0f')} | "
                      f"{f(r['outside_us_per_token'], '.0f')} | {f(r['share_of_bound'], '.0%')} |")
     return "\n".join(lines)

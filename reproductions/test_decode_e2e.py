@@ -205,12 +205,12 @@ def test_time_outside_kernels_is_wall_time_per_token_less_busy_gpu_time():
     assert outside_kernels_us(None, 2300.0) is None
     busy = {"gemv_gemm.busy_us": 1800.0, "attention.busy_us": 200.0, "other.busy_us": 300.0}
     row = {"model": "m", "prompt_len": 32, "variant": "int4", "decode_tok_s_median": 400.0, "e2e_tok_s_median": 390.0,
-           "j_per_token": 1.0, "share_of_bound": 0.4,
+           "j_per_token": 1.0, "j_per_token_decode": 0.9, "j_per_token_decode_diff": 0.85, "share_of_bound": 0.4,
            "per_token": {"kernels": 400.0, "gpu_us": 3100.0, "busy_us": 2300.0, "outside_us": 200.0, **busy}}
     (summary,) = summarize([row])
     assert summary["outside_us_per_token"] == 200.0
     cells = table([summary]).splitlines()[-1].split(" | ")
-    assert cells[8:11] == ["1800 / 200 / 300", "3100", "200"]  # after J/token, J/token decode and kernels/token
+    assert cells[6:11] == ["0.900 / 0.850", "400", "1800 / 200 / 300", "3100", "200"]  # both decode J/token figures
 
 
 def test_the_prefill_profile_sums_a_one_token_runs_categories_and_prices_the_host_time():

@@ -195,9 +195,10 @@ def test_ab_bench_takes_shapes_by_name_or_as_n_by_k_and_names_a_bad_one(tmp_path
     anything is imported or timed."""
     import pytest
 
-    from reproductions.kernels.ab_bench import ab_shape, main
+    from reproductions.kernels.ab_bench import LLAMA_SHAPES, ab_shape, main, shape_dims
 
     assert ab_shape("kv_1024x4096") == "kv_1024x4096" and ab_shape("4608x3584") == "4608x3584"
+    assert shape_dims("kv_1024x4096") == LLAMA_SHAPES["kv_1024x4096"] and shape_dims("4608x3584") == (4608, 3584)
     for bad in ("4608", "0x3584", "4608x", "qkv"):
         with pytest.raises(SystemExit) as exc:
             main(["--baseline", str(tmp_path / "base.py"), "--out", str(tmp_path / "ab.json"), "--shapes", bad])

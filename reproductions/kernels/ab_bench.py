@@ -90,12 +90,17 @@ def load_baseline(path: Path, kernels: Path | None = None, mma: Path | None = No
     return mod
 
 
-def ab_shape(text: str) -> str:
-    """--shapes' argument: a name of LLAMA_SHAPES, or NxK with N and K positive integers."""
+def shape_dims(text: str) -> tuple[int, int] | None:
+    """(N, K) of a name of LLAMA_SHAPES or of NxK with N and K positive integers; None for anything else."""
     if text in LLAMA_SHAPES:
-        return text
+        return LLAMA_SHAPES[text]
     n, sep, k = text.partition("x")
-    if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+    return (int(n), int(k)) if sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0 else None
+
+
+def ab_shape(text: str) -> str:
+    """--shapes' argument: a name of LLAMA_SHAPES, or NxK (`shape_dims`); anything else is refused by name."""
+    if shape_dims(text) is None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a shape name ({', '.join(LLAMA_SHAPES)}) nor NxK")
     return text
 
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     results = []
     for shape in a.shapes:
-        n, k = LLAMA_SHAPES.get(shape) or tuple(int(v) for v in shape.split("x"))
+        n, k = shape_dims(shape)
         for m, g in cases:
             r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda")
             results.append(r)

@@ -281,25 +281,6 @@ def test_a_plan_of_several_row_blocks_launches_one_program_per_blocks(monkeypatc
     for blocks, programs in ((1, 5), (2, 3), (4, 2)):
         plan = int4_gemm._plan(x, w, mma_blocks(4, blocks))
         assert plan.grid[0] == programs and plan.consts["BLOCKS"] == blocks and plan.consts["HALVES"] == 2
-        assert plan.options["num_warps"] == 4 and plan.consts["BLOCK_WARPS"] is False
-        spread = int4_gemm._plan(x, w, mma_blocks(4, blocks, block_warps=True))  # blocks on warps: 4 each
-        assert spread.grid == plan.grid and spread.consts == {**plan.consts, "BLOCK_WARPS": True}
-        assert spread.options["num_warps"] == 4 * blocks
-
-
-def test_block_warps_is_an_mma_configuration_of_at_most_16_warps_a_program():
-    """Row blocks on warps of their own: mma only, at most 16 warps a program (4 warps along K x 4 blocks, or 8 x
-    2), and its sweep name reads back."""
-    from sdsie.kernels.int4_tune import config_from_name, config_name
-
-    assert mma_blocks(4, 4, block_warps=True).warps_a_program == 16
-    assert mma_blocks(8, 2, block_warps=True).warps_a_program == 16 and mma_blocks(8, 4).warps_a_program == 8
-    with pytest.raises(ValueError, match="at most 16 warps a program"):
-        mma_blocks(8, 4, block_warps=True)
-    with pytest.raises(ValueError, match="block_warps is an mma configuration's"):
-        Int4KernelConfig(16, 64, 128, block_warps=True)
-    cfg = mma_blocks(4, 2, 3, block_warps=True)
-    assert config_name(cfg) == "int4[8,32,128,s1,w4,p3,mma,bw]" and config_from_name(config_name(cfg)) == cfg
 
 
 VARIANTS = [(pc, hz, 1, False) for pc, hz in itertools.product([False, True], [False, True])] + [
@@ -336,18 +317,6 @@ def test_row_blocks_share_x_loads_and_multiply_the_mmas(halves, blocks):
     assert r["sass_ops"].get("LDG.E.128") == 4 * blocks + 8 * halves, r
     assert r["spill_instructions"] == 0 and r["local_mem"] == 0, r
     assert r["sass_loop_per_code"] / blocks < 2.6, r
-
-
-@pytest.mark.parametrize("halves, blocks", [(1, 4), (2, 2), (2, 4)])
-def test_row_blocks_on_warps_keep_one_blocks_loop_and_registers(halves, blocks):
-    """Offline sm_90: with the row blocks on warps of their own each thread runs one block's loop (its HMMAs and
-    16-byte loads, x's included), spills nothing and holds at most one block's registers and a few (128 at M = 9-16:
-    4 warps x 4 blocks fill an SM's 64K registers in one program)."""
-    r = inspect_offline(f"halves={halves}, blocks={blocks}, block_warps=True")
-    assert r["sass_ops"].get("HMMA.16816.F32.BF16") == 16 * halves, r
-    assert r["sass_ops"].get("LDG.E.128") == 4 + 8 * halves, r
-    assert r["spill_instructions"] == 0 and r["local_mem"] == 0, r
-    assert r["registers"] <= (128 if halves == 2 else 104), r
 
 
 @pytest.mark.parametrize("halves, stages, most_registers", [(1, 3, 128), (1, 4, 168), (2, 3, 184)])
@@ -605,20 +574,6 @@ def test_several_row_blocks_a_program_give_the_bits_of_one(warps, blocks, group,
              (13, 4096, 1024), (16, 14336, 4096), (16, 80, 3584))
     assert_same_bits(mma_blocks(warps, blocks), MMA_CONFIGS[warps], [c for c in cases if blocks < 4 or c[0] <= 8],
                      group, symmetric, gen)
-
-
-@pytest.mark.gpu
-@gpu90
-@pytest.mark.parametrize("warps, blocks", [(4, 2), (4, 4), (8, 2)])
-@pytest.mark.parametrize("group, symmetric", [(128, False), (256, True), (None, False)])
-def test_row_blocks_on_warps_of_their_own_give_the_bits_of_one(warps, blocks, group, symmetric):
-    """Row blocks each on warps of their own (`block_warps`, their x loaded by each block's warps alike) compute each
-    block as a program of one does: the same bits at M = 1-16, N a multiple of the blocks and not, and through the
-    silu * up epilogue; within the kernel's tolerance of the float64 reference."""
-    gen = torch.Generator().manual_seed(hash((warps, blocks, group, symmetric, "bw")) % 2**31)
-    cases = ((1, 16, 128), (3, 80, 640), (5, 4096, 3584), (8, 208, 1536), (2, 28672, 512), (9, 48, 256),
-             (13, 4096, 1024), (16, 14336, 4096), (16, 80, 3584))
-    assert_same_bits(mma_blocks(warps, blocks, block_warps=True), MMA_CONFIGS[warps], cases, group, symmetric, gen)
 
 
 @pytest.mark.gpu

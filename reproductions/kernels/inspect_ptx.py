@@ -202,7 +202,7 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
                 halves: int = 1, silu_mul: bool = False, pdl: bool = False,
                 max_registers: int | None = None, blocks: int = 1, stages: int = 2, norm_rows: int = 0,
                 residual: bool = False, k: int = 4096, out_gain: bool = False,
-                norm_squares: bool = False, block_warps: bool = False) -> dict[str, object]:
+                norm_squares: bool = False) -> dict[str, object]:
     """The fragment-order tensor-core GEMV (`sdsie.kernels.int4_mma`) compiled for sm_90: its loop's SASS opcode
     counts (the loop covers `stages` pairs of chunks, 64 codes a thread each), registers and local-memory accesses,
     and the order of its 16-byte loads and grid-dependency instructions (ACQBULK: griddepcontrol.wait; PREEXIT:
@@ -210,8 +210,7 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     ptxas's cap, `Int4KernelConfig.max_registers`; `blocks`: 16-row blocks a program; `stages`: pairs in flight a
     warp; `norm_rows`: the RMS-norm epilogue's rows (a power of 2 <= 8), its pre-pass over rows of `k` values;
     `residual`: the residual epilogue; `out_gain`: the output's gained copy and partial sums of squares;
-    `norm_squares`: the norm's pre-pass over its producer's partial sums of squares instead of h; `block_warps`:
-    the row blocks on warps of their own, `warps` each), and its spill
+    `norm_squares`: the norm's pre-pass over its producer's partial sums of squares instead of h), and its spill
     instructions (STL/LDL) and barriers (BAR.SYNC) in all; in the loop, the longest chain of dependent HMMAs
     (`hmma_chain`) and the 16-byte loads issued before its last HMMA. The constexpr arguments are `mma_consts`' for
     M = 16 with two halves, else M = norm_rows (at least 1)."""
@@ -225,11 +224,10 @@ def inspect_mma(per_channel: bool = False, has_zeros: bool = True, warps: int = 
     weight = SimpleNamespace(in_features=k, group_size=k if per_channel else 128,  # the Int4Weight fields read
                              zeros=object() if has_zeros else None)
     consts = mma_consts(weight, warps, 16 if halves == 2 else max(norm_rows, 1), silu_mul, pdl, blocks, stages,
-                        norm_rows > 0, residual, out_gain, norm_squares, block_warps)
+                        norm_rows > 0, residual, out_gain, norm_squares)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in ("M", "eps")}
     sig = {**dict(zip(names, types, strict=True)), **{k: "constexpr" for k in consts}}
-    options = {"num_warps": warps * (blocks if block_warps else 1), "launch_pdl": pdl,
-               **({} if max_registers is None else {"maxnreg": max_registers})}
+    options = {"num_warps": warps, "launch_pdl": pdl, **({} if max_registers is None else {"maxnreg": max_registers})}
     kernel = compile(GluonASTSource(_int4_mma_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                      options=options)
     sass = sass_loop(kernel.asm["cubin"])

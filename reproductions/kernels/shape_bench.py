@@ -294,9 +294,8 @@ def specialization(m: int, n: int, k: int, group_size: int, cfg: Int4KernelConfi
     """What Triton compiles one binary per, for a call on bf16 x of these sizes: the kernel, its constexprs and
     options, and which integer arguments are 1 or multiples of 16 (its default specialization)."""
     if cfg.mma:  # the Gluon kernel: its plan needs the GPU (it repacks the weight), its arguments are these
-        consts = mma_consts(meta_int4(n, k, group_size), cfg.num_warps, m, blocks=cfg.block_n // 16,
-                            block_warps=cfg.block_warps)
-        return ("_int4_mma_gemv_kernel", tuple(consts.items()), (("num_warps", cfg.warps_a_program),),
+        consts = mma_consts(meta_int4(n, k, group_size), cfg.num_warps, m, blocks=cfg.block_n // 16)
+        return ("_int4_mma_gemv_kernel", tuple(consts.items()), (("num_warps", cfg.num_warps),),
                 tuple((v == 1, v % 16 == 0) for v in (m, n, k, k, n)))
     x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
     p = _plan(x, meta_int4(n, k, group_size), cfg)

@@ -67,11 +67,6 @@ class Int4KernelConfig:
     # rows a program (sharing x's registers), num_warps warps along K, each with num_stages pairs of 128 codes in
     # flight; block_m 8 and block_k 128 name that tile
     mma: bool = False
-    # mma only: the program's block_n / 16 row blocks each on warps of their own (num_warps along K for each, so
-    # block_n / 16 x num_warps warps a program) instead of in each thread's registers. The blocks' warps load the
-    # same x words at about the same time, so x crosses from L2 about once a program, as with register blocks,
-    # while each thread keeps one block's registers (docs/kernel-log.md)
-    block_warps: bool = False
 
     def __post_init__(self) -> None:
         if self.max_registers is not None and (not isinstance(self.max_registers, int)
@@ -84,16 +79,11 @@ class Int4KernelConfig:
                 raise ValueError(f"an mma configuration is block_m 8, block_n one of {MMA_BLOCK_N}, block_k 128, no "
                                  f"split, no swap_ab, got {self}")
             if self.num_warps not in (4, 8):
-                raise ValueError(f"an mma configuration takes 4 or 8 warps along K, got {self.num_warps}")
-            if not isinstance(self.block_warps, bool) or (self.block_warps and self.warps_a_program > 16):
-                raise ValueError(f"an mma configuration's block_warps is a bool, and with it block_n / 16 x num_warps "
-                                 f"is at most 16 warps a program, got {self}")
+                raise ValueError(f"an mma configuration takes 4 or 8 warps, got {self.num_warps}")
             if self.num_stages not in MMA_STAGES:
                 raise ValueError(f"an mma configuration keeps {MMA_STAGES} pairs in flight a warp (num_stages), got "
                                  f"{self.num_stages}")
             return
-        if self.block_warps:
-            raise ValueError(f"block_warps is an mma configuration's (its row blocks on warps), got {self}")
         for flag in ("x_tile", "swap_ab"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4KernelConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -112,12 +102,6 @@ class Int4KernelConfig:
     @property
     def gemv(self) -> bool:
         return self.block_m in GEMV_ROWS
-
-    @property
-    def warps_a_program(self) -> int:
-        """Warps a launch of this configuration runs a program: num_warps, times the row blocks where they are
-        on warps of their own (`block_warps`)."""
-        return self.num_warps * (self.block_n // 16 if self.block_warps else 1)
 
 
 # M up to this runs GEMV programs (tables; the rule at M = 1, and at M = 2 where they cost less), M in 3..16 the
@@ -410,16 +394,14 @@ MMA_BLOCK_CONFIGS = {(w, bn // 16): Int4KernelConfig(8, bn, 128, num_warps=w, mm
                      for w in (4, 8) for bn in MMA_BLOCK_N[1:]}
 
 
-def mma_blocks(warps: int, blocks: int = 1, stages: int = 2, block_warps: bool = False) -> Int4KernelConfig:
-    """The mma configuration of `warps` warps along K, `blocks` row blocks (of 16 rows) a program, `stages` pairs of
-    chunks in flight a warp, and the blocks on warps of their own where `block_warps` (else in registers)."""
+def mma_blocks(warps: int, blocks: int = 1, stages: int = 2) -> Int4KernelConfig:
+    """The mma configuration of `warps` warps, `blocks` row blocks (of 16 rows) a program and `stages` pairs of
+    chunks in flight a warp."""
     if warps not in MMA_CONFIGS or (blocks != 1 and (warps, blocks) not in MMA_BLOCK_CONFIGS):
         raise ValueError(f"no mma configuration of {warps} warps and {blocks} row blocks a program; there are "
                          f"{sorted(MMA_CONFIGS)} warps and {[bn // 16 for bn in MMA_BLOCK_N]} blocks")
     cfg = MMA_CONFIGS[warps] if blocks == 1 else MMA_BLOCK_CONFIGS[warps, blocks]
-    if (stages, block_warps) == (cfg.num_stages, cfg.block_warps):
-        return cfg
-    return dataclasses.replace(cfg, num_stages=stages, block_warps=block_warps)
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
 # 4 pairs in flight a warp (166 registers a thread at M <= 8: 3 programs of 4 warps an SM, against 5 at 2 pairs) where

@@ -222,13 +222,13 @@ def _plan(x2: torch.Tensor, w: Int4Weight, cfg: Int4KernelConfig, gate_up: bool 
                              f"128 codes or per channel; got x {x2.dtype} {tuple(x2.shape)} strides {x2.stride()} on "
                              f"{x2.device}, N={n}, group {w.group_size}")
         words, scales, zeros = _fragments(w, gate_up)
-        options = {"num_warps": cfg.warps_a_program, "launch_pdl": pdl}
+        options = {"num_warps": cfg.num_warps, "launch_pdl": pdl}
         if cfg.max_registers is not None:
             options["maxnreg"] = cfg.max_registers
         blocks = cfg.block_n // 16
         norm = ep.norm_eps is not None
         consts = mma_consts(w, cfg.num_warps, m, gate_up, pdl, blocks, cfg.num_stages, norm, ep.r2 is not None,
-                            ep.gain is not None, ep.sq2 is not None, cfg.block_warps)
+                            ep.gain is not None, ep.sq2 is not None)
         cap = NORM_REGISTER_CAPS.get((cfg.num_warps, consts["HALVES"], consts["STAGES"], blocks, consts["NORM_ROWS"]))
         if norm and cfg.max_registers is None and cap is not None:
             options["maxnreg"] = cap

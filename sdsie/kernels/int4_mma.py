@@ -280,12 +280,12 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 
 @gluon.jit
 def _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
-                 NORM_STEPS: gl.constexpr, WARPS: gl.constexpr, TW: gl.constexpr):
+                 NORM_STEPS: gl.constexpr, WARPS: gl.constexpr):
     """Each thread's share of sum(x[r]^2) (x: the norm's stream h) for rows r < NORM_ROWS (0 past M):
     [NORM_ROWS, 32 WARPS] fp32, one column a thread (a thread reads NORM_PER contiguous values a step, all its loads
-    issued at once); the epilogue sums the columns. TW: the program's warps (more than WARPS hold copies)."""
-    LV: gl.constexpr = gl.BlockedLayout([1, NORM_PER], [32, 1], [TW, 1], [1, 0])  # [32 W, NORM_PER]
-    LP: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, TW], [1, 0])  # [NORM_ROWS, 32 W]
+    issued at once); the epilogue sums the columns."""
+    LV: gl.constexpr = gl.BlockedLayout([1, NORM_PER], [32, 1], [WARPS, 1], [1, 0])  # [32 W, NORM_PER]
+    LP: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])  # [NORM_ROWS, 32 W]
     vk = (gl.expand_dims(gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, LV)), 1) * NORM_PER
           + gl.expand_dims(gl.arange(0, NORM_PER, layout=gl.SliceLayout(0, LV)), 0))  # [32 W, NORM_PER]
     pr = gl.expand_dims(gl.arange(0, NORM_ROWS, layout=gl.SliceLayout(1, LP)), 1)  # [NORM_ROWS, 1]
@@ -384,7 +384,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
                           WARPS: gl.constexpr, HALVES: gl.constexpr, BLOCKS: gl.constexpr, SILU_MUL: gl.constexpr,
                           PDL: gl.constexpr, STAGES: gl.constexpr, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
                           NORM_STEPS: gl.constexpr, RESIDUAL: gl.constexpr, OUT_GAIN: gl.constexpr,
-                          NORM_SQUARES: gl.constexpr, SQUARE_ROWS: gl.constexpr, BLOCK_WARPS: gl.constexpr):
+                          NORM_SQUARES: gl.constexpr, SQUARE_ROWS: gl.constexpr):
     # grid: (cdiv(N / 16, BLOCKS),): BLOCKS row blocks (16 rows each) a program; its WARPS warps take every WARPS-th
     # pair of chunks (128 codes) of K, each keeping STAGES pairs in flight (reloaded STAGES pairs ahead once an
     # iteration's mmas are issued), and their sums meet in one cross-warp reduction. A warp's x registers for a pair
@@ -403,12 +403,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     # OUT_GAIN: y [M, 2N + N / 8] holds that sum, N columns on the sum times g [N] (the gained copy a norm reads),
     # then its sums of squares over each row block (`_store_squares`, the next norm's NORM_SQUARES) for x's rows
     # r < SQUARE_ROWS.
-    # BLOCK_WARPS: each row block on WARPS warps of its own (BLOCKS x WARPS warps a program), not in every thread's
-    # registers; x's tensors [1, W, 32, 4] are then held by each block's warps alike, loaded from the same addresses
-    # at about the same time (one crossing from L2, the rest from L1 or merged with it)
-    TW: gl.constexpr = BLOCKS * WARPS if BLOCK_WARPS else WARPS  # warps a program
-    L4: gl.constexpr = gl.BlockedLayout([1 if BLOCK_WARPS else BLOCKS, 1, 1, 4], [1, 1, 32, 1],
-                                        [BLOCKS if BLOCK_WARPS else 1, WARPS, 1, 1], [3, 2, 1, 0])
+    L4: gl.constexpr = gl.BlockedLayout([BLOCKS, 1, 1, 4], [1, 1, 32, 1], [1, WARPS, 1, 1], [3, 2, 1, 0])
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [B, W, 32]
     LJ: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4)))  # [4] along j
     nb0 = gl.program_id(0) * BLOCKS
@@ -485,7 +480,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     if NORM_SQUARES:
         fac = _warp_factor(sq_ptr, M, K, stride_sm, eps, lane, j, NORM_ROWS, NORM_STEPS)  # [1, 1, 32, 4]
     if EPI_ROWS > 0:
-        squares = _row_squares(h_ptr, M, K, stride_hm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS, TW)
+        squares = _row_squares(h_ptr, M, K, stride_hm, NORM_ROWS, NORM_PER, NORM_STEPS, WARPS)
     if PDL:
         _release_dependents()
     p = warp
@@ -556,13 +551,13 @@ NORM_MAX_M = 8  # above, a program's pre-pass would read as many bytes of x as o
 
 def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: bool = False, blocks: int = 1,
                stages: int = 2, norm: bool = False, residual: bool = False, out_gain: bool = False,
-               norm_squares: bool = False, block_warps: bool = False) -> dict:
+               norm_squares: bool = False) -> dict:
     """The kernel's constexpr arguments for weight `w` and M rows of x, in its parameter order (`silu_mul`: the
     fused [gate; up] epilogue, M <= 8; `pdl`: launched as a programmatic dependent, see `_wait_for_producer`;
     `blocks`: 16-row blocks a program; `stages`: pairs of chunks in flight a warp, 2-4; `norm`: an RMS norm after
     the product, from h's partial sums of squares where `norm_squares`, else from h; `residual`: a residual added
     to the output; `out_gain`: the output's gained copy and its partial sums of squares beside it; neither with
-    `silu_mul`; `block_warps`: the row blocks on warps of their own, `warps` each)."""
+    `silu_mul`)."""
     if stages not in MMA_STAGES:
         raise ValueError(f"the mma kernel keeps {MMA_STAGES} pairs in flight a warp, got {stages}")
     if silu_mul and m > 8:
@@ -583,4 +578,4 @@ def mma_consts(w: Int4Weight, warps: int, m: int, silu_mul: bool = False, pdl: b
                 HAS_ZEROS=w.zeros is not None, WARPS=warps, HALVES=1 if m <= 8 else 2, BLOCKS=blocks,
                 SILU_MUL=silu_mul, PDL=pdl, STAGES=stages, NORM_ROWS=rows if norm else 0,
                 NORM_PER=per, NORM_STEPS=steps, RESIDUAL=residual, OUT_GAIN=out_gain, NORM_SQUARES=norm_squares,
-                SQUARE_ROWS=rows if out_gain else 0, BLOCK_WARPS=block_warps)
+                SQUARE_ROWS=rows if out_gain else 0)

@@ -63,13 +63,12 @@ Timer = Callable[[Callable[[int], Callable[[], object]], int], float]
 
 
 def config_name(cfg: Int4KernelConfig) -> str:
-    """A sweep's key for one configuration:
-    int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,rREGS)(,mma)(,bw)].
+    """A sweep's key for one configuration: int4[rows,BN,BK,sSPLIT,wWARPS(,pSTAGES)(,gather)(,swap)(,rREGS)(,mma)].
     (Older raw sweeps also name ',planes', a flag that swap_ab replaced: docs/kernel-log.md.)"""
     return (f"int4[{cfg.block_m},{cfg.block_n},{cfg.block_k},s{cfg.split_k},w{cfg.num_warps}"
             f"{'' if cfg.num_stages == 2 else f',p{cfg.num_stages}'}{'' if cfg.x_tile else ',gather'}"
             f"{',swap' if cfg.swap_ab else ''}{'' if cfg.max_registers is None else f',r{cfg.max_registers}'}"
-            f"{',mma' if cfg.mma else ''}{',bw' if cfg.block_warps else ''}]")
+            f"{',mma' if cfg.mma else ''}]")
 
 
 def config_from_name(name: str) -> Int4KernelConfig:
@@ -78,12 +77,11 @@ def config_from_name(name: str) -> Int4KernelConfig:
     text = name[5:-1] if name.startswith("int4[") and name.endswith("]") else name
     parts = text.split(",")
     if len(parts) < 5 or not parts[3].startswith("s") or not parts[4].startswith("w"):
-        raise ValueError(f"config {name!r}: expected "
-                         "ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap][,rREGS][,mma][,bw]")
+        raise ValueError(f"config {name!r}: expected ROWS,BN,BK,sSPLIT,wWARPS[,pSTAGES][,gather][,swap][,rREGS][,mma]")
     kw: dict = {}
     for part in parts[5:]:
-        if part in ("gather", "swap", "mma", "bw"):
-            kw[{"gather": "x_tile", "swap": "swap_ab", "mma": "mma", "bw": "block_warps"}[part]] = part != "gather"
+        if part in ("gather", "swap", "mma"):
+            kw[{"gather": "x_tile", "swap": "swap_ab", "mma": "mma"}[part]] = part != "gather"
         elif part[:1] in ("p", "r") and part[1:].isdigit():
             kw["num_stages" if part[0] == "p" else "max_registers"] = int(part[1:])
         else:

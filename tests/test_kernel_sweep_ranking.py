@@ -373,3 +373,43 @@ def test_the_gpu_tools_say_when_there_is_no_cuda_device(monkeypatch, capsys):
     assert "ab_bench needs a CUDA GPU" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cuda_missing("ab_bench") is False and capsys.readouterr().err == ""
+
+
+def test_ab_bench_times_a_configuration_change_on_this_tree(capsys):
+    """--config fixes both arms' configuration and --new-config FIELD=VALUE changes the new arm's only; a field
+    that does not exist, a value that is not true/false/none/an integer, a change that makes no configuration, and
+    a run with neither a baseline nor a change are refused by name."""
+    import argparse
+
+    import pytest
+
+    from reproductions.kernels.ab_bench import arm_configs, config_override, main
+    from reproductions.kernels.int4_bench import Case
+    from sdsie.kernels.int4_config import Int4KernelConfig, mma_blocks
+    from sdsie.kernels.int4_tune import config_from_name
+
+    assert config_override("num_stages=4") == ("num_stages", 4)
+    assert config_override("mma=True") == ("mma", True) and config_override("max_registers=none") == (
+        "max_registers", None)
+    with pytest.raises(argparse.ArgumentTypeError, match="not FIELD=VALUE"):
+        config_override("stages=4")
+    with pytest.raises(argparse.ArgumentTypeError, match="not FIELD=VALUE"):
+        config_override("num_stages")
+    with pytest.raises(argparse.ArgumentTypeError, match="must be true, false, none or an integer"):
+        config_override("num_stages=four")
+
+    case = Case("4608x3584", 4608, 3584, 16, 128)
+    base = config_from_name("int4[8,16,128,s1,w4,mma]")
+    new, old = arm_configs(case, "cpu", 128, base, {"num_stages": 4})
+    assert old == base == mma_blocks(4) and new == mma_blocks(4, 1, 4)
+    chosen = arm_configs(case, "cpu", 128, None, {})  # no --config: the case's own choice, unchanged
+    assert chosen[0] == chosen[1] and isinstance(chosen[0], Int4KernelConfig) and not chosen[0].mma
+    with pytest.raises(ValueError, match=r"--new-config \{'num_stages': 5\} on int4\[8,16,128,s1,w4,mma\] "
+                                         r"\(4608x3584, M = 16\)"):
+        arm_configs(case, "cpu", 128, base, {"num_stages": 5})
+    with pytest.raises(SystemExit):  # neither --baseline nor --new-config: nothing to compare
+        main(["--out", "x.json"])
+    assert "name a change with --new-config" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--baseline-mma", "m.py", "--new-config", "num_stages=4", "--out", "x.json"])
+    assert "go with --baseline" in capsys.readouterr().err

@@ -21,11 +21,18 @@ same weights and x. Per case: the time under CUDA graphs (a rotation of L2-cold 
 the eager do_bench median (L2 flushed), and each version's relative error against the float64 reference, with
 bf16 F.linear beside them for scale. The versions alternate in every measurement, so drift hits both.
 A kernel change is kept on this evidence only; the claims' numbers come from the suite (int4_bench.py).
+
+A configuration change is timed the same way without a baseline file: --config names the configuration both arms
+run (else each case's own choice), and --new-config FIELD=VALUE changes it for the new arm only:
+
+    python -m reproductions.kernels.ab_bench --config "int4[8,16,128,s1,w4,mma]" --new-config num_stages=4 \
+        --shapes 4608x3584 --m 1 16 --out OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -44,8 +51,9 @@ from reproductions.kernels.int4_bench import (
     graph_us,
     weight_rotation,
 )
-from sdsie.kernels import int4_matmul, int4_matmul_reference, select_config
-from sdsie.kernels.int4_tune import rel_error
+from sdsie.kernels import int4_gemm, int4_matmul, int4_matmul_reference, select_config
+from sdsie.kernels.int4_config import Int4KernelConfig
+from sdsie.kernels.int4_tune import config_from_name, config_name, rel_error
 from sdsie.telemetry.records import write_raw
 
 AB_CASES = [(m, g) for m, g in ((1, 128), (1, None), (2, 128))]  # (M, group): batch 1 both layouts, and M = 2
@@ -105,17 +113,47 @@ def ab_shape(text: str) -> str:
     return text
 
 
-def ab_case(case: Case, base: ModuleType, gen: torch.Generator, device: str) -> dict:
+def config_override(text: str) -> tuple[str, bool | int | None]:
+    """--new-config's argument: FIELD=VALUE for a field of Int4KernelConfig, VALUE true/false, an integer or none;
+    anything else is refused by name."""
+    field, sep, value = text.partition("=")
+    fields = {f.name for f in dataclasses.fields(Int4KernelConfig)}
+    if not sep or field not in fields:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
+    v = value.strip().lower()
+    if v in ("true", "false"):
+        return field, v == "true"
+    if v == "none":
+        return field, None
+    if v.lstrip("-").isdigit():
+        return field, int(v)
+    raise argparse.ArgumentTypeError(f"{text!r}: VALUE must be true, false, none or an integer")
+
+
+def arm_configs(case: Case, device: str, group_size: int, config: Int4KernelConfig | None,
+                overrides: dict) -> tuple[Int4KernelConfig, Int4KernelConfig]:
+    """(new arm's, base arm's) configuration: `config`, else the case's own choice, with `overrides` applied to the
+    new arm's (ValueError naming the case where the result is not a configuration)."""
+    cfg = config if config is not None else select_config(case.m, case.n, case.k, torch.device(device), group_size)
+    try:
+        return dataclasses.replace(cfg, **overrides), cfg
+    except ValueError as err:
+        raise ValueError(f"--new-config {overrides} on {config_name(cfg)} ({case.shape}, M = {case.m}): "
+                         f"{err}") from None
+
+
+def ab_case(case: Case, base: ModuleType, gen: torch.Generator, device: str, config: Int4KernelConfig | None = None,
+            overrides: dict | None = None) -> dict:
     # the suite's rotation (int4_bench.weight_rotation): with fewer copies, 4 bf16 copies of the small
     # shapes fit in L2 and make bf16 look fast there (kv_1024x4096: 5.9 against the suite's 7.0 us)
     ws, wb = weight_rotation(case, gen, device)
     w = ws[0]
     x = torch.randn(case.m, case.k, generator=gen).to(torch.bfloat16).to(device)
-    cfg = select_config(case.m, case.n, case.k, torch.device(device), w.group_size)
+    cfg, base_cfg = arm_configs(case, device, w.group_size, config, overrides or {})
     new = lambda w_: int4_matmul(x, w_, config=cfg)  # noqa: E731
-    old = lambda w_: base.int4_matmul(x, w_, config=base.Int4KernelConfig(**asdict(cfg)))  # noqa: E731
+    old = lambda w_: base.int4_matmul(x, w_, config=base.Int4KernelConfig(**asdict(base_cfg)))  # noqa: E731
     ref = int4_matmul_reference(x, w)
-    out: dict = {"case": asdict(case), "config": asdict(cfg),
+    out: dict = {"case": asdict(case), "config": asdict(cfg), "base_config": asdict(base_cfg),
                  "errors": {"new": rel_error(new(w), ref), "base": rel_error(old(w), ref)}}
     graph: dict[str, list[float]] = {"new": [], "base": [], "bf16": []}
     eager: dict[str, list[float]] = {"new": [], "base": [], "bf16": []}
@@ -140,7 +178,8 @@ def ab_case(case: Case, base: ModuleType, gen: torch.Generator, device: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", type=Path, required=True, help="a copy of sdsie/kernels/int4_gemm.py to compare")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="a copy of sdsie/kernels/int4_gemm.py to compare (without it: this tree's, for --new-config)")
     p.add_argument("--baseline-kernels", type=Path, default=None,
                    help="that revision's copy of sdsie/kernels/int4_triton.py, whose kernels the baseline launches")
     p.add_argument("--baseline-mma", type=Path, default=None,
@@ -150,25 +189,36 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"shapes by name ({', '.join(LLAMA_SHAPES)}) or as NxK (out x in features)")
     p.add_argument("--m", type=int, nargs="+", metavar="M",
                    help="time these M at group 128 instead of AB_CASES (M = 1 both layouts, and M = 2)")
+    p.add_argument("--config", type=config_from_name, default=None, metavar="NAME",
+                   help="the configuration both arms run, as a sweep names it (else each case's own choice)")
+    p.add_argument("--new-config", type=config_override, action="append", default=[], metavar="FIELD=VALUE",
+                   help="a change to the new arm's configuration (repeatable)")
     a = p.parse_args(argv)
+    if a.baseline is None and not a.new_config:
+        p.error("without --baseline the two arms are this tree's: name a change with --new-config")
+    if (a.baseline_kernels or a.baseline_mma) and a.baseline is None:
+        p.error("--baseline-kernels and --baseline-mma go with --baseline")
     if a.m is not None and any(m < 1 for m in a.m):
         p.error(f"--m {a.m}: every M must be >= 1")
     cases = AB_CASES if a.m is None else [(m, 128) for m in a.m]
     if cuda_missing("ab_bench"):
         return 2
-    base = load_baseline(a.baseline, a.baseline_kernels, a.baseline_mma)
+    base = int4_gemm if a.baseline is None else load_baseline(a.baseline, a.baseline_kernels, a.baseline_mma)
+    overrides = dict(a.new_config)
     gen = torch.Generator().manual_seed(0)
     results = []
     for shape in a.shapes:
         n, k = shape_dims(shape)
         for m, g in cases:
-            r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda")
+            r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda", a.config, overrides)
             results.append(r)
             gm = {v: statistics.median(t) for v, t in r["graph_us"].items()}
             print(f"{shape:22s} m={m} g={g} graph new={gm['new']:.1f} base={gm['base']:.1f} bf16={gm['bf16']:.1f}us "
                   f"x{r['graph_new_over_base']:.3f} | eager x{r['eager_new_over_base']:.3f} | err new "
                   f"{r['errors']['new']:.2e} base {r['errors']['base']:.2e}", flush=True)
-    write_raw(a.out, {"baseline": str(a.baseline), "baseline_kernels": a.baseline_kernels and str(a.baseline_kernels),
+    write_raw(a.out, {"baseline": a.baseline and str(a.baseline), "config": a.config and config_name(a.config),
+                      "new_config": overrides,
+                      "baseline_kernels": a.baseline_kernels and str(a.baseline_kernels),
                       "baseline_mma": a.baseline_mma and str(a.baseline_mma), "device": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "results": results})
     return 0

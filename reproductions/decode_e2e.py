@@ -108,6 +108,7 @@ from torch import nn
 
 import sdsie.kernels
 import sdsie.kernels.ops
+from reproductions.args import key_value
 from reproductions.kernels.int4_bench import tuned_table_provenance
 from sdsie.clutch import ClutchConfig, EntropyClutch
 from sdsie.decoding import DecodeCompiled, DecodeConfig, DecodeStats, generate, prompt_compile_kwargs, run_attention
@@ -935,17 +936,8 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
 
 
 def inductor_option(text: str) -> tuple[str, Any]:
-    """KEY=VALUE -> (key, value) for torch.compile's `options`: true/false as bools, integers as ints."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--inductor-option takes KEY=VALUE, got {text!r}")
-    low = value.lower()
-    if low in ("true", "false"):
-        return key, low == "true"
-    try:
-        return key, int(value)
-    except ValueError:
-        return key, value
+    """KEY=VALUE -> (key, value) for torch.compile's `options` (`key_value`: true/false as bools, integers as ints)."""
+    return key_value(text, "--inductor-option")
 
 
 def main(argv: list[str] | None = None) -> int:

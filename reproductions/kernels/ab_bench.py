@@ -43,6 +43,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from reproductions.args import key_value
 from reproductions.kernels.int4_bench import (
     LLAMA_SHAPES,
     Case,
@@ -114,20 +115,18 @@ def ab_shape(text: str) -> str:
 
 
 def config_override(text: str) -> tuple[str, bool | int | None]:
-    """--new-config's argument: FIELD=VALUE for a field of Int4KernelConfig, VALUE true/false, an integer or none;
-    anything else is refused by name."""
-    field, sep, value = text.partition("=")
-    fields = {f.name for f in dataclasses.fields(Int4KernelConfig)}
-    if not sep or field not in fields:
-        raise argparse.ArgumentTypeError(f"{text!r} is not FIELD=VALUE with FIELD one of {sorted(fields)}")
-    v = value.strip().lower()
-    if v in ("true", "false"):
-        return field, v == "true"
-    if v == "none":
+    """--new-config's argument: FIELD=VALUE for a field of Int4KernelConfig, VALUE true/false, an integer or none
+    (`key_value`); anything else is refused by name."""
+    field, value = key_value(text, "--new-config")
+    fields = sorted(f.name for f in dataclasses.fields(Int4KernelConfig))
+    if field not in fields:
+        raise argparse.ArgumentTypeError(f"--new-config {text!r}: {field!r} is not a field of Int4KernelConfig "
+                                         f"({', '.join(fields)})")
+    if isinstance(value, str):
+        if value.lower() != "none":
+            raise argparse.ArgumentTypeError(f"--new-config {text!r}: VALUE must be true, false, none or an integer")
         return field, None
-    if v.lstrip("-").isdigit():
-        return field, int(v)
-    raise argparse.ArgumentTypeError(f"{text!r}: VALUE must be true, false, none or an integer")
+    return field, value
 
 
 def arm_configs(case: Case, device: str, group_size: int, config: Int4KernelConfig | None,

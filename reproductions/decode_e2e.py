@@ -767,9 +767,8 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | prompt | variant | tok/s | x baseline | J/token | J/token decode: prefill priced apart / "
-             "differenced | kernels/token | "
-             "busy GPU us/token: GEMV / attention / other | summed kernel us/token | us outside kernels | "
-             "share of bound |", "|---" * 12 + "|"]
+             "differenced | kernels/token | busy GPU us/token: GEMV / attention / other | summed kernel us/token | "
+             "us outside kernels | share of bound |", "|---" * 12 + "|"]
 
     def f(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
@@ -913,8 +912,7 @@ def record_of(doc: dict[str, Any], hardware: str) -> RunRecord:
         samples[f"{key}.e2e_tok_s"] = [float(x) for x in r["e2e_tok_s"]]
         for k in ("decode_tok_s_median", "e2e_tok_s_median", "prefill_s_median", "j_per_token",
                   "j_per_token_decode", "j_per_token_decode_above_idle", "j_per_token_decode_diff", "idle_power_w",
-                  "prefill_j",
-                  "share_of_bound", "bound_tok_s"):
+                  "prefill_j", "share_of_bound", "bound_tok_s"):
             if r.get(k) is not None:
                 metrics[f"{key}.{k}"] = float(r[k])
         for k, v in (r.get("per_token") or {}).items():

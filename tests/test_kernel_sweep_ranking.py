@@ -413,3 +413,6 @@ def test_ab_bench_times_a_configuration_change_on_this_tree(capsys):
     with pytest.raises(SystemExit):
         main(["--baseline-mma", "m.py", "--new-config", "num_stages=4", "--out", "x.json"])
     assert "go with --baseline" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a configuration name it cannot read: its own message, not argparse's
+        main(["--config", "int4[8,16,128,s1,w4,mma,fast]", "--new-config", "num_stages=4", "--out", "x.json"])
+    assert "unknown part 'fast'" in capsys.readouterr().err

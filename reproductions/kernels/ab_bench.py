@@ -129,6 +129,15 @@ def config_override(text: str) -> tuple[str, bool | int | None]:
     return field, value
 
 
+def ab_config(text: str) -> Int4KernelConfig:
+    """--config's argument: a configuration as a sweep names it (`config_from_name`); its error names the part it
+    cannot read."""
+    try:
+        return config_from_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def arm_configs(case: Case, device: str, group_size: int, config: Int4KernelConfig | None,
                 overrides: dict) -> tuple[Int4KernelConfig, Int4KernelConfig]:
     """(new arm's, base arm's) configuration: `config`, else the case's own choice, with `overrides` applied to the
@@ -188,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"shapes by name ({', '.join(LLAMA_SHAPES)}) or as NxK (out x in features)")
     p.add_argument("--m", type=int, nargs="+", metavar="M",
                    help="time these M at group 128 instead of AB_CASES (M = 1 both layouts, and M = 2)")
-    p.add_argument("--config", type=config_from_name, default=None, metavar="NAME",
+    p.add_argument("--config", type=ab_config, default=None, metavar="NAME",
                    help="the configuration both arms run, as a sweep names it (else each case's own choice)")
     p.add_argument("--new-config", type=config_override, action="append", default=[], metavar="FIELD=VALUE",
                    help="a change to the new arm's configuration (repeatable)")

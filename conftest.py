@@ -7,6 +7,7 @@
 - Tests that take the `kernel_device` fixture run on the GPU when one is present and are then
   marked `gpu` (so `pytest -m gpu` selects them): the same test functions, not a copied suite.
 - The local INT4 tuned cache is off (SDSIE_INT4_CACHE=off) unless the environment names one.
+- The run header names the CPU (`cpu_state`): fp32 results differ between CPUs in their low bits.
 - Tests marked `cpu_kernels` run a CPU model through Triton kernels, which a CPU runs only under the
   interpreter: on a GPU host (no interpreter) they are skipped with that reason; the GPU suite runs the kernels.
 """
@@ -62,3 +63,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def kernel_device() -> torch.device:
     """Where Triton kernels run: the GPU if present, else the CPU under TRITON_INTERPRET=1."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The CPU at the head of every run: fp32 results of the CPU suites differ between CPUs in their low bits."""
+    from sdsie.telemetry.env import cpu_state
+
+    return "cpu: " + ", ".join(f"{k}={v}" for k, v in cpu_state().items())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -232,6 +233,10 @@ def test_environment_without_gpu_says_what_is_missing(tmp_path: Path) -> None:
     assert env["seeds"] == {"0": 1, "1": 2}
     assert env["packages"]["torch"] == torch.__version__
     assert env["python"].count(".") == 2
+    cpu = env["cpu"]  # CPU numerics depend on the CPU: the record names it
+    assert cpu["model"] and cpu["machine"] == platform.machine() and cpu["logical_cpus"] == os.cpu_count()
+    assert cpu["torch_isa"] == torch.backends.cpu.get_cpu_capability()
+    assert cpu["torch_threads"] == torch.get_num_threads()
 
 
 def test_environment_hashes_models_three_ways(tmp_path: Path) -> None:

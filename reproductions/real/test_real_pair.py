@@ -18,6 +18,7 @@ from reproductions.real.suite import (
     prompts_hash,
     speculation_runs,
 )
+from sdsie.telemetry.env import cpu_state
 from sdsie.telemetry.records import RunRecord, load_records
 
 SHORT = 24  # tokens per run here: the committed records hold the full runs
@@ -65,7 +66,10 @@ def test_a_fresh_short_run_reproduces_the_committed_record(code_runs) -> None:
     record = latest(DECODE_SUITE)
     fresh = entropy_trace(code_runs["plain"])
     committed = record.samples["entropy.code"][: len(fresh)]
-    assert committed == pytest.approx(fresh, abs=1e-4)
+    # fp32 forwards on another CPU move these entropies in their low bits: up to 2.5e-4 bits (2e-4 relative) between
+    # two CPUs on this trace, against 7e-6 between fp32 and fp64 on one (docs/log.md, 2026-12-07). 1e-3 relative
+    # (1e-4 absolute for the near-zero ones) allows that; the acceptance counts below are held exactly.
+    assert committed == pytest.approx(fresh, rel=1e-3, abs=1e-4), f"fresh run on {cpu_state()}"
     metrics = decode_metrics("code", code_runs)
     kept = [c.accepted for c in code_runs["fixed_k5"].cycles[:-1]]  # the last cycle is capped by the short budget
     assert record.samples["fixed_k5.code.accepted"][: len(kept)] == [float(a) for a in kept]

@@ -217,6 +217,26 @@ def _torch_state() -> dict[str, Any]:
     return state
 
 
+def cpu_state() -> dict[str, Any]:
+    """The host CPU as it bears on CPU numerics: model name, torch's kernel ISA and thread count. fp32 results of
+    the CPU suites differ between CPUs in their low bits (docs/log.md, 2026-12-07), so a record says which one."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass  # not Linux: platform's name stands
+    state: dict[str, Any] = {"model": model, "machine": platform.machine(), "logical_cpus": os.cpu_count()}
+    try:
+        import torch
+    except ImportError:
+        return state
+    state["torch_isa"] = torch.backends.cpu.get_cpu_capability()
+    state["torch_threads"] = torch.get_num_threads()
+    return state
+
+
 def per_op_us(loop: Callable[[], None], ops: int, trials: int) -> dict[str, float]:
     """Host microseconds per operation: `loop` performs `ops` operations (and whatever sync it needs); it is timed
     `trials` times -> median, min and max per operation, and the trial count."""
@@ -305,6 +325,7 @@ def capture_environment(
         "git": git_state(repo),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "cpu": cpu_state(),
         "packages": _package_versions(),
         "torch": _torch_state(),
         "gpu": nvml_device_state(device_index, nvml),

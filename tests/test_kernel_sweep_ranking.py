@@ -416,3 +416,35 @@ def test_ab_bench_times_a_configuration_change_on_this_tree(capsys):
     with pytest.raises(SystemExit):  # a configuration name it cannot read: its own message, not argparse's
         main(["--config", "int4[8,16,128,s1,w4,mma,fast]", "--new-config", "num_stages=4", "--out", "x.json"])
     assert "unknown part 'fast'" in capsys.readouterr().err
+
+
+def test_ab_bench_keeps_every_finished_case_when_a_later_one_is_stopped(tmp_path, monkeypatch):
+    """The A/B file is rewritten after every case, so a run stopped by its time limit (a device call's timeout)
+    keeps the cases it finished, and says it is incomplete."""
+    import json
+
+    import pytest
+
+    from reproductions.kernels import ab_bench
+
+    done = []
+
+    def fake_case(case, base, gen, device, config=None, overrides=None):
+        if done:
+            raise KeyboardInterrupt  # stands for the timeout's signal during the second case
+        done.append(case)
+        t = {"new": [1.0], "base": [2.0], "bf16": [4.0]}
+        return {"case": {"shape": case.shape, "m": case.m}, "graph_us": t, "graph_new_over_base": 2.0,
+                "eager_new_over_base": 2.0, "errors": {"new": 1e-3, "base": 1e-3}}
+
+    monkeypatch.setattr(ab_bench, "cuda_missing", lambda name: False)
+    monkeypatch.setattr(ab_bench, "ab_case", fake_case)
+    monkeypatch.setattr(ab_bench.torch.cuda, "get_device_name", lambda *a: "test GPU")
+    out = tmp_path / "ab.json"
+    with pytest.raises(KeyboardInterrupt):
+        ab_bench.main(["--out", str(out), "--shapes", "4608x3584", "1024x4096", "--m", "1",
+                       "--new-config", "num_stages=4"])
+    saved = json.loads(out.read_text())
+    assert saved["planned_cases"] == 2 and saved["complete"] is False
+    assert [r["case"]["shape"] for r in saved["results"]] == ["4608x3584"]
+    assert saved["new_config"] == {"num_stages": 4} and saved["device"] == "test GPU"

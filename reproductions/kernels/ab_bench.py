@@ -214,21 +214,22 @@ def main(argv: list[str] | None = None) -> int:
     base = int4_gemm if a.baseline is None else load_baseline(a.baseline, a.baseline_kernels, a.baseline_mma)
     overrides = dict(a.new_config)
     gen = torch.Generator().manual_seed(0)
+    todo = [(shape, m, g) for shape in a.shapes for m, g in cases]
+    head = {"baseline": a.baseline and str(a.baseline), "config": a.config and config_name(a.config),
+            "new_config": overrides, "baseline_kernels": a.baseline_kernels and str(a.baseline_kernels),
+            "baseline_mma": a.baseline_mma and str(a.baseline_mma), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "planned_cases": len(todo)}
     results = []
-    for shape in a.shapes:
+    for shape, m, g in todo:
         n, k = shape_dims(shape)
-        for m, g in cases:
-            r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda", a.config, overrides)
-            results.append(r)
-            gm = {v: statistics.median(t) for v, t in r["graph_us"].items()}
-            print(f"{shape:22s} m={m} g={g} graph new={gm['new']:.1f} base={gm['base']:.1f} bf16={gm['bf16']:.1f}us "
-                  f"x{r['graph_new_over_base']:.3f} | eager x{r['eager_new_over_base']:.3f} | err new "
-                  f"{r['errors']['new']:.2e} base {r['errors']['base']:.2e}", flush=True)
-    write_raw(a.out, {"baseline": a.baseline and str(a.baseline), "config": a.config and config_name(a.config),
-                      "new_config": overrides,
-                      "baseline_kernels": a.baseline_kernels and str(a.baseline_kernels),
-                      "baseline_mma": a.baseline_mma and str(a.baseline_mma), "device": torch.cuda.get_device_name(),
-                      "torch": torch.__version__, "results": results})
+        r = ab_case(Case(shape, n, k, m, g), base, gen, "cuda", a.config, overrides)
+        results.append(r)
+        # rewritten after every case: a run stopped by its time limit keeps the cases it finished
+        write_raw(a.out, {**head, "complete": len(results) == len(todo), "results": results})
+        gm = {v: statistics.median(t) for v, t in r["graph_us"].items()}
+        print(f"{shape:22s} m={m} g={g} graph new={gm['new']:.2f} base={gm['base']:.2f} bf16={gm['bf16']:.2f}us "
+              f"x{r['graph_new_over_base']:.3f} | eager x{r['eager_new_over_base']:.3f} | err new "
+              f"{r['errors']['new']:.2e} base {r['errors']['base']:.2e}", flush=True)
     return 0
 
 

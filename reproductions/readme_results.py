@@ -719,6 +719,12 @@ def _rid(rec: RunRecord) -> str:
     return short_id(rec.source.name.split("_", 1)[0])
 
 
+def _where_when(rec: RunRecord) -> str:
+    """"<GPU>, <UTC date>" of a record: the kernel rows of one table come from runs days apart, on kernels that
+    differ, and say so."""
+    return f"{rec.conditions.get('hardware', 'unknown GPU')}, {rec.created[:10]}"
+
+
 def _families(rec: RunRecord, cell: Callable[[str], str | None]) -> str:
     parts = [f"{f} {c}" for f in FAMILIES if f"plain_graphs.{f}.tokens_per_s" in rec.metrics
              for c in [cell(f)] if c is not None]
@@ -1089,7 +1095,7 @@ def shapes_headline_rows(records: list[RunRecord]) -> list[str]:
         bar = SHAPE_TARGETS["m1_geomean"]
         rows.append(f"| INT4 GEMV over cuBLAS bf16 under CUDA graphs, M = 1, group 128, "
                     f"{mt['m1.g128.shapes']:.0f} decoder shapes of {len(_shape_models(rec))} models (fused q/k/v "
-                    f"and gate/up included), L2-cold | geometric mean {_down(v)} (worst "
+                    f"and gate/up included), L2-cold ({_where_when(rec)}) | geometric mean {_down(v)} (worst "
                     f"{_down(mt['m1.g128.sdsie_min_speedup'])}){beats}; target {bar}x "
                     f"{'met' if v >= bar else 'not met'} | `{_rid(rec)}` |")
     swept = swept_shapes(records)
@@ -1163,8 +1169,8 @@ def headline(records: list[RunRecord]) -> str:
         mt = kernel.metrics
         graphed = mt.get("m1_g128_geomean_speedup_graph")
         met = "met" if mt["m1_g128_geomean_speedup"] >= KERNEL_TARGET else "not met"
-        rows.append(f"| INT4 GEMV over cuBLAS bf16, M = 1, geometric mean of the five Llama-3.1-8B shapes (group 128) "
-                    f"| {mt['m1_g128_geomean_speedup']:.2f}x eager"
+        rows.append(f"| INT4 GEMV over cuBLAS bf16, M = 1, geometric mean of the five Llama-3.1-8B shapes (group 128; "
+                    f"{_where_when(kernel)}) | {mt['m1_g128_geomean_speedup']:.2f}x eager"
                     + (f", {graphed:.2f}x under CUDA graphs" if graphed is not None else "")
                     + f"; target {KERNEL_TARGET:.1f}x {met} | `{_rid(kernel)}` |")
     rows += shapes_headline_rows(records)

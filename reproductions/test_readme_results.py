@@ -362,9 +362,10 @@ def test_the_shapes_section_judges_the_kernel_issues_bars_and_lists_each_m1_shap
     assert "| B.down | 4096x4096 | 29.0 | 10.0 (`int4[8,16,128,s1,w4,mma]`, mma) | 9.0 | 7.2 | 2.90x | 0.90x |" in page
     assert "held-out" not in page
     head = headline(load_records(tmp_path))
+    day = next(r.created[:10] for r in load_records(tmp_path) if rid in r.source.name)
     assert (f"| INT4 GEMV over cuBLAS bf16 under CUDA graphs, M = 1, group 128, 2 decoder shapes of 2 models (fused "
-            f"q/k/v and gate/up included), L2-cold | geometric mean 2.94x (worst 2.90x), faster than torch's tinygemm "
-            f"INT4 on 1 of 2; target 2.8x met | `{rid}` |") in head
+            f"q/k/v and gate/up included), L2-cold (NVIDIA H200, {day}) | geometric mean 2.94x (worst 2.90x), faster "
+            f"than torch's tinygemm INT4 on 1 of 2; target 2.8x met | `{rid}` |") in head
     held = [_shape_case("C.o", 4096, 1, "128", 30.0, 10.0, 12.0, best=9.5),
             _shape_case("C.o", 4096, 2, "128", 30.0, 12.0, 14.0, best=10.0)]
     old = _write_shapes(tmp_path, {**_shape_meta("heldout", ["D.o"]), "sweep": True},

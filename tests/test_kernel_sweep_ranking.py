@@ -448,3 +448,25 @@ def test_ab_bench_keeps_every_finished_case_when_a_later_one_is_stopped(tmp_path
     assert saved["planned_cases"] == 2 and saved["complete"] is False
     assert [r["case"]["shape"] for r in saved["results"]] == ["4608x3584"]
     assert saved["new_config"] == {"num_stages": 4} and saved["device"] == "test GPU"
+
+
+def test_host_overhead_names_the_cpu_it_timed(tmp_path, monkeypatch):
+    """A host-time figure depends on the CPU: the tool's file names it as every record does (`cpu_state`: model
+    from /proc/cpuinfo, torch's ISA and threads), not by platform.processor(), which is empty or a bare
+    architecture on Linux."""
+    import json
+    import types
+
+    import triton
+
+    from reproductions.kernels import host_overhead
+    from sdsie.kernels import int4_gemm
+    from sdsie.telemetry.env import cpu_state
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(get_current_stream=lambda i: 0))
+    for name in ("_int4_gemv_kernel", "_int4_gemm_kernel"):  # main stubs the module's kernels: restore them after
+        monkeypatch.setattr(int4_gemm, name, getattr(int4_gemm, name))
+    monkeypatch.setattr(host_overhead, "per_call_us", lambda fn: (fn(), [1.0])[1])  # one call, not 140,000
+    assert host_overhead.main(["--out", str(tmp_path / "host.json")]) == 0
+    host = json.loads((tmp_path / "host.json").read_text())["host"]
+    assert host == cpu_state() and host["model"]

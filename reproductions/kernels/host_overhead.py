@@ -25,6 +25,7 @@ import triton
 
 from sdsie.kernels import Int4KernelConfig
 from sdsie.kernels import int4_gemm as this_version
+from sdsie.telemetry.env import cpu_state
 from sdsie.telemetry.records import write_raw
 
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):  # alternate the versions
         for name, fn in calls.items():
             samples[name] += per_call_us(fn)
-    result = {"host": platform.processor() or platform.machine(), "python": platform.python_version(),
+    result = {"host": cpu_state(), "python": platform.python_version(),
               "torch": torch.__version__, "config": vars(cfg), "samples_us": samples,
               "median_us": {k: statistics.median(v) for k, v in samples.items()}}
     if "base" in samples:

@@ -470,3 +470,19 @@ def test_host_overhead_names_the_cpu_it_timed(tmp_path, monkeypatch):
     assert host_overhead.main(["--out", str(tmp_path / "host.json")]) == 0
     host = json.loads((tmp_path / "host.json").read_text())["host"]
     assert host == cpu_state() and host["model"]
+
+
+def test_the_ncu_probe_takes_any_decoder_shape_and_names_a_bad_one():
+    """The hardware-counter probe profiles shapes no name table holds (1536 x 8960, the Qwen2.5-1.5B down that the
+    mma GEMV serves furthest from its copy), as the A/B bench does; a shape that is neither a name nor NxK is refused
+    by name."""
+    import pytest
+
+    from research.kernels.ncu_probe import parse_target
+
+    assert parse_target("int4:1536x8960:128:m16:8,16,128,s1,w8,mma") == ("int4", "1536x8960", "128", 16,
+                                                                         "8,16,128,s1,w8,mma")
+    assert parse_target("bf16:down_4096x14336:pc") == ("bf16", "down_4096x14336", "pc", 1, None)
+    for bad in ("int4:1536by8960:128", "int4:0x4096:128"):
+        with pytest.raises(ValueError, match="NxK"):
+            parse_target(bad)

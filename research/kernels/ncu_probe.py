@@ -14,8 +14,9 @@ max).
     run      one process per target, under ncu: builds the weights, warms the call up (compilation, workspaces),
              then profiles exactly one call between cudaProfilerStart and cudaProfilerStop
              (ncu --profile-from-start off). TARGET is KIND:SHAPE:GROUP[:mM][:CONFIG], KIND one of int4, bf16,
-             tinygemm; GROUP 128 or pc; M the rows of x (1 to 16, default 1); CONFIG an int4 config_name without
-             brackets (1,128,256,s2,w4,p4; 16,256,128,s4,w4,p3,swap for the planes kernel). Or
+             tinygemm; SHAPE a name of LLAMA_SHAPES or NxK; GROUP 128 or pc; M the rows of x (1 to 16, default 1);
+             CONFIG an int4 config_name without brackets (1,128,256,s2,w4,p4; 16,256,128,s4,w4,p3,swap for the
+             planes kernel; 8,16,128,s1,w8,mma for the mma GEMV). Or
              attention:MODEL:S[:nN]: one split-KV decode attention call (`decode_attention_bench`'s case: MODEL
              llama-3.1-8b or qwen2.5-7b, S cache positions, the last 100 masked; N forced splits, else the rule's).
     summarize  ncu's raw CSV pages (--csv --page raw), one per target, into one JSON of the metrics read here.
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from reproductions.kernels.ab_bench import shape_dims
 from reproductions.kernels.int4_bench import LLAMA_SHAPES, cuda_missing, random_int4, tinygemm_pack
 from sdsie.kernels import int4_matmul
 from sdsie.kernels.int4_tune import config_from_name
@@ -92,11 +94,12 @@ def parse_attention_target(target: str) -> tuple[str, int, int | None]:
 
 
 def parse_target(target: str) -> tuple[str, str, str, int, str | None]:
-    """KIND:SHAPE:GROUP[:mM][:CONFIG] -> (kind, shape, group, M, config text or None); M is 1 unless given."""
+    """KIND:SHAPE:GROUP[:mM][:CONFIG] -> (kind, shape, group, M, config text or None); M is 1 unless given, SHAPE a
+    name of LLAMA_SHAPES or NxK (any decoder shape: 1536x8960)."""
     fields = target.split(":")
-    if not 3 <= len(fields) <= 5 or fields[0] not in KINDS or fields[1] not in LLAMA_SHAPES:
+    if not 3 <= len(fields) <= 5 or fields[0] not in KINDS or shape_dims(fields[1]) is None:
         raise ValueError(f"target {target!r}: expected KIND:SHAPE:GROUP[:mM][:CONFIG] with KIND in {KINDS} and SHAPE "
-                         f"in {sorted(LLAMA_SHAPES)}")
+                         f"one of {sorted(LLAMA_SHAPES)} or NxK")
     kind, shape, group_text, rest = fields[0], fields[1], fields[2], fields[3:]
     if group_text not in ("128", "pc"):
         raise ValueError(f"target {target!r}: GROUP must be 128 or pc, got {group_text!r}")
@@ -127,7 +130,7 @@ def make_call(target: str, device: str) -> Callable[[], object]:
                                   torch.Generator().manual_seed(0))
         return lambda: decode_attention(q, k, v, mask, dim**-0.5, num_splits=splits)
     kind, shape, group_text, m, config_text = parse_target(target)
-    n, k = LLAMA_SHAPES[shape]
+    n, k = shape_dims(shape)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
     if kind == "bf16":

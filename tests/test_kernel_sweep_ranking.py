@@ -423,8 +423,6 @@ def test_ab_bench_keeps_every_finished_case_when_a_later_one_is_stopped(tmp_path
     keeps the cases it finished, and says it is incomplete."""
     import json
 
-    import pytest
-
     from reproductions.kernels import ab_bench
 
     done = []
@@ -476,8 +474,6 @@ def test_the_ncu_probe_takes_any_decoder_shape_and_names_a_bad_one():
     """The hardware-counter probe profiles shapes no name table holds (1536 x 8960, the Qwen2.5-1.5B down that the
     mma GEMV serves furthest from its copy), as the A/B bench does; a shape that is neither a name nor NxK is refused
     by name."""
-    import pytest
-
     from research.kernels.ncu_probe import parse_target
 
     assert parse_target("int4:1536x8960:128:m16:8,16,128,s1,w8,mma") == ("int4", "1536x8960", "128", 16,

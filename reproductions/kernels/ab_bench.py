@@ -50,6 +50,7 @@ from reproductions.kernels.int4_bench import (
     bench,
     cuda_missing,
     graph_us,
+    shape_dims,
     weight_rotation,
 )
 from sdsie.kernels import int4_gemm, int4_matmul, int4_matmul_reference, select_config
@@ -97,14 +98,6 @@ def load_baseline(path: Path, kernels: Path | None = None, mma: Path | None = No
         for n in names:  # the launcher looks them up as its globals at each launch
             setattr(mod, n, getattr(dev, n))
     return mod
-
-
-def shape_dims(text: str) -> tuple[int, int] | None:
-    """(N, K) of a name of LLAMA_SHAPES or of NxK with N and K positive integers; None for anything else."""
-    if text in LLAMA_SHAPES:
-        return LLAMA_SHAPES[text]
-    n, sep, k = text.partition("x")
-    return (int(n), int(k)) if sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0 else None
 
 
 def ab_shape(text: str) -> str:

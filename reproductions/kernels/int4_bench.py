@@ -46,6 +46,14 @@ GROUPS = (128, None)  # None = per output channel
 CLAIM_IDS = ["kernel-bandwidth-reduction", "kernel-latency", "kernel-latency-us", "kernel-power"]
 
 
+def shape_dims(text: str) -> tuple[int, int] | None:
+    """(N, K) of a name of LLAMA_SHAPES or of NxK with N and K positive integers; None for anything else."""
+    if text in LLAMA_SHAPES:
+        return LLAMA_SHAPES[text]
+    n, sep, k = text.partition("x")
+    return (int(n), int(k)) if sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0 else None
+
+
 @dataclass(frozen=True)
 class Case:
     shape: str

@@ -39,8 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from reproductions.kernels.ab_bench import shape_dims
-from reproductions.kernels.int4_bench import LLAMA_SHAPES, cuda_missing, random_int4, tinygemm_pack
+from reproductions.kernels.int4_bench import LLAMA_SHAPES, cuda_missing, random_int4, shape_dims, tinygemm_pack
 from sdsie.kernels import int4_matmul
 from sdsie.kernels.int4_tune import config_from_name
 from sdsie.telemetry.records import write_raw

@@ -286,14 +286,12 @@ TUNED_M = (1, 2, 4, 8, 16)  # sdsie.kernels.int4_config.TUNED_M, the M buckets a
 
 
 def _shape(text: str) -> tuple[int, int]:
+    from sdsie.kernels.int4_config import parse_shape
+
     try:
-        n, k = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is NxK (out x in features), e.g. 4096x4096; got {text!r}") \
-            from None
-    if n < 1 or k < 1:
-        raise argparse.ArgumentTypeError(f"a shape's N and K are >= 1, got {text!r}")
-    return n, k
+        return parse_shape(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _group(text: str) -> int | None:

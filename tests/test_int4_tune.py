@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -311,3 +312,15 @@ def test_config_names_read_back_to_the_configurations_they_name():
                          ("int4[8,16,128,s1,w4,rx,mma]", "unknown part 'rx'")]:
         with pytest.raises(ValueError, match=message):
             tu.config_from_name(bad)
+
+
+def test_one_parser_reads_shapes_for_the_command_and_the_benches():
+    from reproductions.kernels.int4_bench import LLAMA_SHAPES, shape_dims
+    from sdsie.kernels.int4_config import parse_shape
+
+    assert parse_shape("4096x14336") == (4096, 14336) and parse_shape(" 64X256 ") == (64, 256)
+    for bad in ("4096", "4096x", "x4096", "0x64", "64x-1", "4096by4096", "4.5x2", "2x3x4"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            parse_shape(bad)
+        assert shape_dims(bad) is None
+    assert shape_dims("kv_1024x4096") == LLAMA_SHAPES["kv_1024x4096"] == (1024, 4096)

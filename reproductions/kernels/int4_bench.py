@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from sdsie.int4_format import Int4Weight, pack_int4
 from sdsie.kernels import Int4KernelConfig, candidate_configs, int4_matmul, int4_matmul_reference, select_config
+from sdsie.kernels.int4_config import parse_shape
 from sdsie.kernels.int4_tune import CORRECT_REL_ERROR, choice_configs, config_name, fits, rel_error
 from sdsie.stats import geomean
 from sdsie.telemetry.energy import calls_to_fill
@@ -47,11 +48,13 @@ CLAIM_IDS = ["kernel-bandwidth-reduction", "kernel-latency", "kernel-latency-us"
 
 
 def shape_dims(text: str) -> tuple[int, int] | None:
-    """(N, K) of a name of LLAMA_SHAPES or of NxK with N and K positive integers; None for anything else."""
+    """(N, K) of a name of LLAMA_SHAPES or of NxK (`parse_shape`); None for anything else."""
     if text in LLAMA_SHAPES:
         return LLAMA_SHAPES[text]
-    n, sep, k = text.partition("x")
-    return (int(n), int(k)) if sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0 else None
+    try:
+        return parse_shape(text)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

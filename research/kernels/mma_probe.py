@@ -48,7 +48,7 @@ from reproductions.kernels.int4_bench import (
     weight_rotation,
 )
 from sdsie.kernels import compose_epilogue, int4_matmul, int4_matmul_reference, int4_silu_mul, silu_mul_halves
-from sdsie.kernels.int4_config import MMA_CONFIGS, mma_blocks
+from sdsie.kernels.int4_config import MMA_CONFIGS, mma_blocks, parse_shape
 
 SHAPES = ("6144x4096", "4096x4096", "1024x4096", "28672x4096", "14336x4096", "4096x14336", "128256x4096",
           "3584x3584", "4608x3584", "18944x3584", "3584x18944", "512x3584", "8960x1536", "2048x3584")
@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             dataclasses.replace(MMA_CONFIGS[4], max_registers=cap)
         except ValueError as err:
             ap.error(f"--max-registers {cap}: {err}")
+    try:  # refused before anything runs
+        shapes = [parse_shape(spec) for spec in args.shapes]
+    except ValueError as err:
+        ap.error(f"--shapes: {err}")
     if cuda_missing("mma_probe"):
         return 2
     gen = torch.Generator().manual_seed(0)
@@ -191,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(c), flush=True)
     rows = []
     for m in args.m:
-        for spec in args.shapes:
-            n, k = (int(v) for v in spec.split("x"))
+        for n, k in shapes:
             r = time_case(n, k, m, args.warps, gen, args.silu, tuple(args.max_registers), tuple(args.blocks),
                           tuple(args.stages), args.x_broadcast, args.epilogues)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in r.items()}), flush=True)

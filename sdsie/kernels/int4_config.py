@@ -30,7 +30,7 @@ import triton
 from sdsie.kernels.device import DEFAULT_SMS, sm_count
 
 __all__ = ["Int4KernelConfig", "MMA_BLOCK_CONFIGS", "MMA_CONFIGS", "TUNED_M", "candidate_configs", "device_name",
-           "mma_blocks", "mma_config", "mma_stages", "read_tuned_cache", "rule_config", "select_config",
+           "mma_blocks", "mma_config", "mma_stages", "parse_shape", "read_tuned_cache", "rule_config", "select_config",
            "select_config_with_source", "tuned_cache_path", "tuned_key", "tuned_lookup", "tuned_path"]
 
 
@@ -300,6 +300,17 @@ def device_name(device: torch.device) -> str:
 
 
 TUNED_M = (1, 2, 4, 8, 16)  # M buckets the sweep tunes; M in (2, 4] uses the m4 entry, and so on
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """(N, K) of a linear's shape written NxK (out x in features, e.g. 4096x14336): the one parser of shapes that
+    the CLI and the benches share. ValueError naming the text for anything else."""
+    n, sep, k = text.strip().lower().partition("x")
+    if not (sep and n.isdigit() and k.isdigit()):
+        raise ValueError(f"a shape is NxK (out x in features), e.g. 4096x4096; got {text!r}")
+    if int(n) < 1 or int(k) < 1:
+        raise ValueError(f"a shape's N and K are >= 1, got {text!r}")
+    return int(n), int(k)
 
 
 def tuned_key(m: int, n: int, k: int, group_size: int) -> str:

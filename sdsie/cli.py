@@ -285,7 +285,8 @@ register(Subcommand("serve", "OpenAI-compatible server (batch 1) where the clutc
 TUNED_M = (1, 2, 4, 8, 16)  # sdsie.kernels.int4_config.TUNED_M, the M buckets a tuned entry serves
 
 
-def _shape(text: str) -> tuple[int, int]:
+def shape_arg(text: str) -> tuple[int, int]:
+    """argparse type of an NxK shape (`parse_shape`), its error naming the text: `tune-int4` and the probes."""
     from sdsie.kernels.int4_config import parse_shape
 
     try:
@@ -311,9 +312,9 @@ def _configure_tune(p: argparse.ArgumentParser) -> None:
     p.description = ("Time every configuration the INT4 kernel's choice can return for each shape, on this GPU, and "
                      "keep the fastest in the local tuned cache that select_config reads first "
                      "(sdsie.kernels.int4_tune).")
-    p.add_argument("--shape", type=_shape, action="append", default=[], metavar="NxK",
+    p.add_argument("--shape", type=shape_arg, action="append", default=[], metavar="NxK",
                    help="a weight of N out and K in features (repeat for more)")
-    p.add_argument("--gate-up", type=_shape, action="append", default=[], metavar="NxK",
+    p.add_argument("--gate-up", type=shape_arg, action="append", default=[], metavar="NxK",
                    help="a fused [gate; up] weight whose layer asks for silu(gate) * up (repeat for more)")
     p.add_argument("--m", type=int, nargs="+", choices=TUNED_M, default=list(TUNED_M),
                    help="rows of x: the buckets to tune (default all)")

@@ -47,6 +47,7 @@ from reproductions.kernels.int4_bench import (
     tinygemm_pack,
     weight_rotation,
 )
+from sdsie.cli import shape_arg
 from sdsie.kernels import compose_epilogue, int4_matmul, int4_matmul_reference, int4_silu_mul, silu_mul_halves
 from sdsie.kernels.int4_config import MMA_CONFIGS, mma_blocks, parse_shape
 
@@ -155,7 +156,7 @@ def time_epilogues(n: int, k: int, m: int, ws: list, gen: torch.Generator, silu:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="*", type=shape_arg, default=[parse_shape(s) for s in SHAPES])
     ap.add_argument("--m", nargs="*", type=int, default=[1])
     ap.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--silu", action="store_true", help="also time int4_silu_mul (the silu * up epilogue)")
@@ -178,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             dataclasses.replace(MMA_CONFIGS[4], max_registers=cap)
         except ValueError as err:
             ap.error(f"--max-registers {cap}: {err}")
-    try:  # refused before anything runs
-        shapes = [parse_shape(spec) for spec in args.shapes]
-    except ValueError as err:
-        ap.error(f"--shapes: {err}")
+    shapes = args.shapes
     if cuda_missing("mma_probe"):
         return 2
     gen = torch.Generator().manual_seed(0)

@@ -37,19 +37,19 @@ from reproductions.kernels.int4_bench import (
     random_int4,
     weight_rotation,
 )
+from sdsie.cli import shape_arg
 from sdsie.int4_format import Int4Weight
 from sdsie.kernels import int4_matmul, int4_matmul_reference
 from sdsie.kernels.device import pdl_on
 from sdsie.kernels.int4_config import mma_blocks, parse_shape
 from sdsie.kernels.int4_mma import (
     PAIR,
-    _pair_loads,
-    _pair_mma,
+    _first_pairs,
+    _first_x,
+    _iteration,
     _release_dependents,
     _store_rows,
     _wait_for_producer,
-    _wsz_loads,
-    _x_loads,
     pack_fragments,
 )
 from sdsie.telemetry.timing import graph_us
@@ -107,26 +107,15 @@ def _persistent_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, str
     om = 2 * (ol % 4) + oc % 2  # [1, 32, 4] x's row (B's column) of each accumulator
     rows = pid * 16 + g  # [1, 1, 32] this program's first row block (the grid is at most N / 16 programs)
     pw4 = pw_ptr + gl.expand_dims((pid * kcs * 32 + lane) * 4, 3) + j  # [1, 1, 32, 4]
-    a = _wsz_loads(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    b = _wsz_loads(pw4, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    c = a  # STAGES 2: c and d unused
-    d = b
-    if STAGES >= 3:
-        c = _wsz_loads(pw4, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    if STAGES == 4:
-        d = _wsz_loads(pw4, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    a, b, c, d = _first_pairs(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, WARPS,
+                              STAGES)
     s_end = (gl.expand_dims(rows, 3) * 0 + j).to(gl.float32)  # [1, 1, 32, 4]; per channel: the block's scales
     if PER_CHANNEL:
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 3),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 3))
     if PDL:
         _wait_for_producer()
-    a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
-    b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
-    if STAGES >= 3:
-        c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
-    if STAGES == 4:
-        d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
+    a, b, c, d = _first_x(a, b, c, d, xw4, xw4_h, warp, pairs, HALVES, WARPS, STAGES)
     if PDL:
         _release_dependents()
     for tile in range(pid, row_blocks, nprog):
@@ -134,40 +123,18 @@ def _persistent_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, M, N, K, str
         tot_h = gl.zeros([1, WARPS, 32, 4], gl.float32, L4)
         p = warp
         for _ in range(0, iters - 1):  # every K iteration but the last: reloads within this block
-            tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
-            a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS,
-                            PER_CHANNEL, HAS_ZEROS, HALVES)
-            tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
-            b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 1) * WARPS, pairs, rows, N, GROUP_PAIRS,
-                            PER_CHANNEL, HAS_ZEROS, HALVES)
-            if STAGES >= 3:
-                tot, tot_h = _pair_mma(tot, tot_h, c, j, HAS_ZEROS, HALVES)
-                c = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 2) * WARPS, pairs, rows, N,
-                                GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, HALVES)
-            if STAGES == 4:
-                tot, tot_h = _pair_mma(tot, tot_h, d, j, HAS_ZEROS, HALVES)
-                d = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 3) * WARPS, pairs, rows, N,
-                                GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, HALVES)
+            tot, tot_h, a, b, c, d = _iteration(tot, tot_h, a, b, c, d, j, pw4, xw4, xw4_h, s_ptr, z_ptr,
+                                                p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+                                                HAS_ZEROS, HALVES, WARPS, STAGES)
             p += STAGES * WARPS
         # the last K iteration: its reloads are the next row block's first pairs (past the last block, the last
         # block again: read, never used)
         nb_next = gl.minimum(tile + nprog, row_blocks - 1)
         rows_next = nb_next * 16 + g
         pw4_next = pw_ptr + gl.expand_dims((nb_next * kcs * 32 + lane) * 4, 3) + j
-        tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
-        a = _pair_loads(pw4_next, xw4, xw4_h, s_ptr, z_ptr, warp, pairs, rows_next, N, GROUP_PAIRS, PER_CHANNEL,
-                        HAS_ZEROS, HALVES)
-        tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
-        b = _pair_loads(pw4_next, xw4, xw4_h, s_ptr, z_ptr, warp + WARPS, pairs, rows_next, N, GROUP_PAIRS,
-                        PER_CHANNEL, HAS_ZEROS, HALVES)
-        if STAGES >= 3:
-            tot, tot_h = _pair_mma(tot, tot_h, c, j, HAS_ZEROS, HALVES)
-            c = _pair_loads(pw4_next, xw4, xw4_h, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows_next, N, GROUP_PAIRS,
-                            PER_CHANNEL, HAS_ZEROS, HALVES)
-        if STAGES == 4:
-            tot, tot_h = _pair_mma(tot, tot_h, d, j, HAS_ZEROS, HALVES)
-            d = _pair_loads(pw4_next, xw4, xw4_h, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows_next, N, GROUP_PAIRS,
-                            PER_CHANNEL, HAS_ZEROS, HALVES)
+        tot, tot_h, a, b, c, d = _iteration(tot, tot_h, a, b, c, d, j, pw4_next, xw4, xw4_h, s_ptr, z_ptr, warp,
+                                            pairs, rows_next, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, HALVES, WARPS,
+                                            STAGES)
         if PER_CHANNEL:
             tot = tot * s_end
             tot_h = tot_h * s_end
@@ -268,16 +235,13 @@ def time_case(n: int, k: int, m: int, arms: list[tuple[int, int, int]], sms: int
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="*", type=shape_arg, default=[parse_shape(s) for s in SHAPES])
     ap.add_argument("--m", nargs="*", type=int, default=[1, 16])
     ap.add_argument("--arms", nargs="*", type=arm, default=[arm(a) for a in ARMS],
                     help="WARPSxSTAGESxPROGRAMS: warps, pairs in flight a warp, persistent programs an SM")
     ap.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new shapes after this long")
     args = ap.parse_args(argv)
-    try:  # refused before anything runs
-        shapes = [parse_shape(spec) for spec in args.shapes]
-    except ValueError as err:
-        ap.error(f"--shapes: {err}")
+    shapes = args.shapes
     if cuda_missing("persist_probe"):
         return 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count

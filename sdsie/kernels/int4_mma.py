@@ -279,6 +279,57 @@ def _pair_mma(tot, tot_h, buf, j, HAS_ZEROS: gl.constexpr, HALVES: gl.constexpr)
 
 
 @gluon.jit
+def _first_pairs(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                 HAS_ZEROS: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr):
+    """`_wsz_loads` of a warp's first STAGES pairs of a row block (buffers a, b, c, d; c and d repeat a and b below
+    3 and 4 stages, unused)."""
+    a = _wsz_loads(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    b = _wsz_loads(pw4, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    c = a
+    d = b
+    if STAGES >= 3:
+        c = _wsz_loads(pw4, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    if STAGES == 4:
+        d = _wsz_loads(pw4, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    return a, b, c, d
+
+
+@gluon.jit
+def _first_x(a, b, c, d, xw4, xw4_h, warp, pairs, HALVES: gl.constexpr, WARPS: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The buffers of `_first_pairs` with x's words of the same pairs added (after a programmatic launch's wait)."""
+    a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
+    b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
+    if STAGES >= 3:
+        c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
+    if STAGES == 4:
+        d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
+    return a, b, c, d
+
+
+@gluon.jit
+def _iteration(tot, tot_h, a, b, c, d, j, pw4, xw4, xw4_h, s_ptr, z_ptr, q, pairs, rows, N,
+               GROUP_PAIRS: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZEROS: gl.constexpr,
+               HALVES: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr):
+    """One K iteration of a warp: each buffer's mmas, then its reload, pairs q, q + WARPS, ... of the row block at
+    pw4 and rows (the next iteration's, or another block's first)."""
+    tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
+    a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, q, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, HALVES)
+    tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
+    b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, q + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS,
+                    HALVES)
+    if STAGES >= 3:
+        tot, tot_h = _pair_mma(tot, tot_h, c, j, HAS_ZEROS, HALVES)
+        c = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, q + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+                        HAS_ZEROS, HALVES)
+    if STAGES == 4:
+        tot, tot_h = _pair_mma(tot, tot_h, d, j, HAS_ZEROS, HALVES)
+        d = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, q + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL,
+                        HAS_ZEROS, HALVES)
+    return tot, tot_h, a, b, c, d
+
+
+@gluon.jit
 def _row_squares(x_ptr, M, K, stride_xm, NORM_ROWS: gl.constexpr, NORM_PER: gl.constexpr,
                  NORM_STEPS: gl.constexpr, WARPS: gl.constexpr):
     """Each thread's share of sum(x[r]^2) (x: the norm's stream h) for rows r < NORM_ROWS (0 past M):
@@ -435,14 +486,8 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     # (docs/kernel-log.md).
     # PDL (programmatic dependent launch): the weights, scales and zero-points of the first STAGES pairs are asked
     # for before the wait for the kernel that writes x, so their latency overlaps that kernel's end
-    a = _wsz_loads(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    b = _wsz_loads(pw4, s_ptr, z_ptr, warp + WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    c = a  # STAGES 2: c and d unused
-    d = b
-    if STAGES >= 3:
-        c = _wsz_loads(pw4, s_ptr, z_ptr, warp + 2 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
-    if STAGES == 4:
-        d = _wsz_loads(pw4, s_ptr, z_ptr, warp + 3 * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS)
+    a, b, c, d = _first_pairs(pw4, s_ptr, z_ptr, warp, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS, WARPS,
+                              STAGES)
     if PER_CHANNEL:  # one scale a row, applied once at the end
         s_end = gl.where(j < 2, gl.expand_dims(gl.load(s_ptr + rows).to(gl.float32), 3),
                          gl.expand_dims(gl.load(s_ptr + rows + 8).to(gl.float32), 3))
@@ -470,12 +515,7 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
     r = 0.0
     if RESIDUAL and HALVES == 1:  # the residual, the producer's output: after the wait
         r = gl.load(r_ptr + om * stride_rm + orow, mask=(om < M) & live, other=0.0)
-    a = a + _x_loads(xw4, xw4_h, warp, pairs, HALVES)
-    b = b + _x_loads(xw4, xw4_h, warp + WARPS, pairs, HALVES)
-    if STAGES >= 3:
-        c = c + _x_loads(xw4, xw4_h, warp + 2 * WARPS, pairs, HALVES)
-    if STAGES == 4:
-        d = d + _x_loads(xw4, xw4_h, warp + 3 * WARPS, pairs, HALVES)
+    a, b, c, d = _first_x(a, b, c, d, xw4, xw4_h, warp, pairs, HALVES, WARPS, STAGES)
     EPI_ROWS: gl.constexpr = 0 if NORM_SQUARES else NORM_ROWS  # rows the epilogue scales (NORM_SQUARES: tot is)
     if NORM_SQUARES:
         fac = _warp_factor(sq_ptr, M, K, stride_sm, eps, lane, j, NORM_ROWS, NORM_STEPS)  # [1, 1, 32, 4]
@@ -485,20 +525,9 @@ def _int4_mma_gemv_kernel(x_ptr, pw_ptr, s_ptr, z_ptr, y_ptr, r_ptr, h_ptr, g_pt
         _release_dependents()
     p = warp
     for _ in range(0, gl.cdiv(pairs, STAGES * WARPS)):
-        tot, tot_h = _pair_mma(tot, tot_h, a, j, HAS_ZEROS, HALVES)
-        a = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS,
-                        PER_CHANNEL, HAS_ZEROS, HALVES)
-        tot, tot_h = _pair_mma(tot, tot_h, b, j, HAS_ZEROS, HALVES)
-        b = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 1) * WARPS, pairs, rows, N, GROUP_PAIRS,
-                        PER_CHANNEL, HAS_ZEROS, HALVES)
-        if STAGES >= 3:
-            tot, tot_h = _pair_mma(tot, tot_h, c, j, HAS_ZEROS, HALVES)
-            c = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 2) * WARPS, pairs, rows, N, GROUP_PAIRS,
-                            PER_CHANNEL, HAS_ZEROS, HALVES)
-        if STAGES == 4:
-            tot, tot_h = _pair_mma(tot, tot_h, d, j, HAS_ZEROS, HALVES)
-            d = _pair_loads(pw4, xw4, xw4_h, s_ptr, z_ptr, p + (STAGES + 3) * WARPS, pairs, rows, N, GROUP_PAIRS,
-                            PER_CHANNEL, HAS_ZEROS, HALVES)
+        tot, tot_h, a, b, c, d = _iteration(tot, tot_h, a, b, c, d, j, pw4, xw4, xw4_h, s_ptr, z_ptr,
+                                            p + STAGES * WARPS, pairs, rows, N, GROUP_PAIRS, PER_CHANNEL, HAS_ZEROS,
+                                            HALVES, WARPS, STAGES)
         p += STAGES * WARPS
     if PER_CHANNEL:
         tot = tot * s_end

@@ -22,9 +22,10 @@ def _install(session: nox.Session, extras: str = "test") -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The CPU suite: unit and property tests (Triton kernels under TRITON_INTERPRET=1)."""
+    """The CPU suite: unit and property tests (Triton kernels under TRITON_INTERPRET=1), and the research probes'
+    tests, which import the package's kernels and would break unseen when those change."""
     _install(session, "test,report,serve")
-    session.run("pytest", "tests", "-m", "not gpu", *session.posargs)
+    session.run("pytest", "tests", "research", "-m", "not gpu", *session.posargs)
 
 
 @nox.session
